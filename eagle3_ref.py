@@ -663,6 +663,19 @@ def new_draft(cfg, target, own_embedding=False, dtype=None):
     return draft
 
 
+def init_draft(draft, seed, std=0.02):
+    """Fresh weights from a seeded CPU generator (then copied to the device): norms 1,
+    matrices N(0, std). The shared embedding is left alone."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.startswith("embed_tokens") and not draft.own_embedding:
+                continue
+            w = torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.ones(p.shape)
+            p.copy_(w)
+    return draft
+
+
 def load_draft(path, target, dtype=None):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
     Strict: every key present, nothing extra, right shapes, a valid d2t/t2d."""
