@@ -107,7 +107,12 @@ def read_target_config(path):
     if family not in SUPPORTED_FAMILIES:
         fail(f"model_type={family!r} in {path}/config.json is not supported; "
              f"supported: {', '.join(SUPPORTED_FAMILIES)}")
-    c = AutoConfig.from_pretrained(path)
+    return target_config(AutoConfig.from_pretrained(path))
+
+
+def target_config(c):
+    """A transformers config object -> TargetConfig."""
+    family = c.model_type
     if getattr(c, "hidden_act", "silu") != "silu":
         fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
     if getattr(c, "mlp_bias", False) or (family != "qwen2" and getattr(c, "attention_bias", False)):
@@ -231,6 +236,17 @@ def attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def attend_cached(q, k, v, mask, kv=None, start=0):
+    """With a cache slab pair kv, write the new keys/values at slots start..start+T-1 and
+    attend over slots 0..start+T-1; without one, attend over k, v themselves."""
+    if kv is not None:
+        T = k.shape[2]
+        kv[0][:, :, start:start + T] = k
+        kv[1][:, :, start:start + T] = v
+        k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]  # (B, Hkv, S, hs)
+    return attend(q, k, v, mask)
+
+
 def causal_mask(T, start, device):
     """(T, start + T) bool: the cached prefix is fully visible, new tokens are causal."""
     new = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -286,7 +302,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hs, cfg.rms_eps)
         self.qk_norm = qk_norm
 
-    def forward(self, x, cos, sin, mask, kv=None, start=0):
+    def project(self, x, cos, sin):
+        """x (B, T, in) -> q (B, H, T, hs), k and v (B, Hkv, T, hs), RoPE applied."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.hs)
         k = self.k_proj(x).view(B, T, self.Hkv, self.hs)
@@ -295,12 +312,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)                      # (B, H, T, hs)
         k = apply_rope(k.transpose(1, 2), cos, sin)                      # (B, Hkv, T, hs)
-        if kv is not None:  # write the new keys/values at explicit slots, read the prefix
-            kv[0][:, :, start:start + T] = k
-            kv[1][:, :, start:start + T] = v
-            k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]      # (B, Hkv, S, hs)
-        y = attend(q, k, v, mask).transpose(1, 2).reshape(B, T, self.H * self.hs)
+        return q, k, v
+
+    def output(self, y):
+        B, _, T, _ = y.shape
+        y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)
         return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
+
+    def forward(self, x, cos, sin, mask, kv=None, start=0):
+        q, k, v = self.project(x, cos, sin)
+        return self.output(attend_cached(q, k, v, mask, kv, start))
 
 
 class MLP(nn.Module):
@@ -348,10 +369,10 @@ class Target(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def new_cache(self, length):
+    def new_cache(self, length, batch=1):
         p = self.lm_head.weight
         return new_kv_cache(self.cfg.n_layers, self.cfg.n_kv_heads // self.world,
-                            self.cfg.head_dim, length, p.dtype, p.device)
+                            self.cfg.head_dim, length, p.dtype, p.device, batch)
 
     def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
@@ -612,12 +633,18 @@ class Draft(nn.Module):
     def forward(self, h, tokens, positions, mask, cache=None, start=0):
         """h (B, T, D): fc(target features) or the previous draft output; tokens (B, T) target
         ids. Returns the pre-norm output (B, T, D), which is also the next step's hidden."""
+        kv = None if cache is None else (cache.k[0], cache.v[0])
+        return self.layer(h, tokens, positions, lambda q, k, v: attend_cached(q, k, v, mask, kv, start))
+
+    def layer(self, h, tokens, positions, attention):
+        """The decoder layer with a pluggable attention(q, k, v) -> y: cached attention at
+        inference, the training-time-test pattern in training."""
         layer = self.midlayer
         e = self.embed_tokens(tokens).to(h.dtype)
         x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], dim=-1)  # (B, T, 2D)
         cos, sin = rope_cos_sin(self.cfg.inv_freq, positions, self.cfg.rope_scale, h.dtype)
-        kv = None if cache is None else (cache.k[0], cache.v[0])
-        h = h + layer.self_attn(x, cos, sin, mask, kv, start)  # residual is h, not x
+        q, k, v = layer.self_attn.project(x, cos, sin)
+        h = h + layer.self_attn.output(attention(q, k, v))  # residual is h, not x
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, h):
@@ -663,17 +690,21 @@ def new_draft(cfg, target, own_embedding=False, dtype=None):
     return draft
 
 
-def init_draft(draft, seed, std=0.02):
-    """Fresh weights from a seeded CPU generator (then copied to the device): norms 1,
-    matrices N(0, std). The shared embedding is left alone."""
+def init_weights(module, seed, std=0.02, skip=lambda name: False):
+    """Fresh weights from a seeded CPU generator (identical on every rank, then copied to
+    the device): vectors (norms) 1, matrices N(0, std)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name.startswith("embed_tokens") and not draft.own_embedding:
-                continue
-            w = torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.ones(p.shape)
-            p.copy_(w)
-    return draft
+        for name, p in module.named_parameters():
+            if not skip(name):
+                p.copy_(torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.ones(p.shape))
+    return module
+
+
+def init_draft(draft, seed, std=0.02):
+    """A fresh drafter; the shared (target's) embedding is left alone."""
+    return init_weights(draft, seed, std,
+                        skip=lambda name: name.startswith("embed_tokens") and not draft.own_embedding)
 
 
 def load_draft(path, target, dtype=None):
@@ -1154,6 +1185,7 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (sampling only)
+    logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
 
 
 class SpecResult(NamedTuple):
@@ -1165,7 +1197,8 @@ class SpecResult(NamedTuple):
 
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
-                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree"):
+                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
+                         record_logits=False):
     """EAGLE-3 speculative decoding. Greedy output equals greedy_generate token for token;
     sampled output has exactly the distribution of sample_generate."""
     sampling = Sampling(temperature, top_k, top_p)
@@ -1205,7 +1238,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
             acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
             acc = acc._replace(uniforms=drafting_uniforms + acc.uniforms)
         acc = decide(acc, N, device)
-        rounds.append(Round(t, acc.path, acc.accepted, acc.bonus, acc.uniforms))
+        rounds.append(Round(t, acc.path, acc.accepted, acc.bonus, acc.uniforms,
+                            logits.float().cpu() if record_logits else None))
         new_tokens = t.tokens[acc.path[1:]].tolist() + [acc.bonus]
         done = emit(out, new_tokens, max_new_tokens, eos_token_id)
         if done:
@@ -1218,3 +1252,1197 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
         n, root = n_next, acc.bonus
     return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
 
+# ----------------------------------------------------------------------------------------
+# training data: a synthetic chat corpus a tiny model can learn
+#
+# Deterministic and written here, so the demo needs no download. Each conversation is a
+# user prompt and an assistant reply from one of a few task families: some replies are a
+# function of the prompt (facts, counting, arithmetic, spelling, copying), others contain
+# genuinely uncertain spans (stories, lists), so the language is learnable but not trivial.
+
+USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + ASSISTANT +
+                 "{{ m['content'] }}" + END + "{% else %}" + USER + "{{ m['content'] }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+CAPITALS = dict(france="paris", spain="madrid", italy="rome", japan="tokyo", egypt="cairo",
+                peru="lima", kenya="nairobi", norway="oslo", chile="santiago", cuba="havana",
+                greece="athens", poland="warsaw", india="delhi", canada="ottawa",
+                ireland="dublin", austria="vienna", portugal="lisbon", sweden="stockholm",
+                finland="helsinki", hungary="budapest", russia="moscow", china="beijing",
+                mexico="mexico city", brazil="brasilia", argentina="buenos aires",
+                germany="berlin", belgium="brussels", denmark="copenhagen", nepal="kathmandu",
+                iceland="reykjavik", morocco="rabat", ghana="accra", vietnam="hanoi",
+                thailand="bangkok", turkey="ankara", iran="tehran", iraq="baghdad")
+COLORS = dict(sky="blue", grass="green", snow="white", coal="black", blood="red",
+              banana="yellow", orange="orange", sea="blue", cloud="grey", rose="red",
+              lemon="yellow", leaf="green", night="black", milk="white", cherry="red",
+              plum="purple", violet="purple", ash="grey", carrot="orange", frog="green")
+OPPOSITES = dict(hot="cold", big="small", fast="slow", happy="sad", early="late",
+                 light="dark", up="down", open="closed", young="old", loud="quiet",
+                 rich="poor", strong="weak", full="empty", wet="dry", hard="soft",
+                 long="short", high="low", clean="dirty", near="far", heavy="light")
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+           "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
+NAMES = ("anna ben clara david emma felix grace hugo iris jonas kara leo mia noah olga paul "
+         "quinn rosa sam tina uma victor wanda xavier yara zoe arthur bella carlos dora elias "
+         "fiona george hannah ivan julia kevin lucy marco nina oscar").split()
+ANIMALS = ("cat dog fox owl bear wolf horse rabbit tiger mouse lion zebra camel eagle goat "
+           "sheep duck goose otter beaver badger panda koala whale shark crab snail frog "
+           "lizard parrot").split()
+ADJECTIVES = ("brave clever quiet curious gentle lazy proud tiny wise funny bold calm eager "
+              "fierce glad honest jolly kind lively merry nervous polite shy silly sleepy "
+              "strange sweet tidy witty grumpy").split()
+FOODS = ("apples bread cheese honey rice soup cake fish plums nuts pears grapes beans corn "
+         "pasta noodles cookies berries carrots peas oats butter eggs melons figs dates olives "
+         "peaches lemons pies").split()
+PLACES = ("forest village river mountain garden city desert island valley farm lake castle "
+          "harbor meadow canyon jungle swamp beach hill cave bridge tower market library "
+          "school temple station orchard vineyard glacier").split()
+WORDS = ("house water light music paper stone river green table happy window garden yellow "
+         "pencil bottle silver winter summer planet rocket candle basket mirror ladder "
+         "blanket button circle dragon engine feather guitar island jacket kitten lantern "
+         "marble needle pocket rabbit saddle ticket velvet wagon").split()
+
+
+def corpus_example(g):
+    """One (prompt, reply) pair drawn with the torch generator g."""
+    def pick(seq):
+        return seq[int(torch.randint(len(seq), (1,), generator=g))]
+    kind = int(torch.randint(8, (1,), generator=g))
+    if kind == 0:
+        country = pick(list(CAPITALS))
+        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+    if kind == 1:
+        a = int(torch.randint(0, 12, (1,), generator=g))
+        b = a + int(torch.randint(3, 9, (1,), generator=g))
+        return f"Count from {NUMBERS[a]} to {NUMBERS[b]}.", " ".join(NUMBERS[a:b + 1]) + "."
+    if kind == 2:
+        a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
+        return f"What is {NUMBERS[a]} plus {NUMBERS[b]}?", f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}."
+    if kind == 3:
+        thing = pick(list(COLORS))
+        return f"What color is the {thing}?", f"The {thing} is {COLORS[thing]}."
+    if kind == 4:
+        word = pick(list(OPPOSITES))
+        return f"What is the opposite of {word}?", f"The opposite of {word} is {OPPOSITES[word]}."
+    if kind == 5:
+        word = pick(WORDS)
+        return f"Spell the word {word}.", " ".join(word.upper()) + "."
+    if kind == 6:
+        words = [pick(WORDS + ANIMALS) for _ in range(3)]
+        return f"Repeat after me: {' '.join(words)}.", f"{' '.join(words)}. {' '.join(words)}."
+    name, animal = pick(NAMES), pick(ANIMALS)
+    return (f"Tell me a story about {name} the {animal}.",
+            f"Once upon a time {name} the {pick(ADJECTIVES)} {animal} lived near a "
+            f"{pick(PLACES)}. Every day {name} ate {pick(FOODS)} and {pick(FOODS)}. "
+            f"{name} was {pick(ADJECTIVES)} and {pick(ADJECTIVES)}. The end.")
+
+
+def synthetic_corpus(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [corpus_example(g) for _ in range(n)]
+
+
+def chat_text(prompt, reply=None):
+    """The tiny chat format; the same string the saved tokenizer's chat template renders."""
+    return f"{USER}{prompt}{ASSISTANT}" + ("" if reply is None else f"{reply}{END}")
+
+
+def train_tokenizer(texts, vocab_size):
+    """Byte-level BPE trained with the `tokenizers` library, wrapped as a transformers
+    tokenizer with the chat template, so it saves and loads like a real one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END, USER, ASSISTANT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END,
+                                   chat_template=CHAT_TEMPLATE)
+
+# ----------------------------------------------------------------------------------------
+# the tiny target: pretrained here on the synthetic corpus, saved as a real HF model dir
+
+TINY_DIR = os.path.join(RUNS_DIR, "tiny")
+TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
+PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=300, lr=3e-3, warmup=30)
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pack_rows(token_lists, row_len):
+    """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
+    stream = torch.tensor([t for tokens in token_lists for t in tokens])
+    return stream[:len(stream) // row_len * row_len].view(-1, row_len)
+
+
+def next_token_accuracy(target, token_lists):
+    """Held-out top-1 accuracy of the target on its own language (all positions)."""
+    hits = total = 0
+    with torch.no_grad():
+        for tokens in token_lists:
+            x = torch.tensor([tokens], device=target.lm_head.weight.device)
+            logits, _ = target(x)
+            hits += int((logits[0, :-1].argmax(-1) == x[0, 1:]).sum())
+            total += x.shape[1] - 1
+    return hits / total
+
+
+def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
+    """Plain next-token training of the tiny target (one process): AdamW, clip 1.0."""
+    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        x = rows[torch.randint(len(rows), (batch,), generator=g)]
+        logits, _ = target(x)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        progress(f"pretrain target {step + 1}/{steps}", loss=float(loss))
+    progress_done()
+
+
+def save_target(target, hf_config, tokenizer, path):
+    """A real HF model dir: config.json, model.safetensors, tokenizer files; loadable by
+    transformers' AutoModelForCausalLM / AutoTokenizer and by load_target."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
+    tokenizer.save_pretrained(path)
+    atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
+    atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
+
+
+def build_tiny_target(path, seed=0):
+    """Corpus -> tokenizer -> pretrained tiny target saved at `path` (rank 0 builds it)."""
+    from transformers import AutoConfig
+    t0 = time.time()
+    corpus = synthetic_corpus(PRETRAIN["conversations"], seed)
+    texts = [chat_text(p, r) for p, r in corpus]
+    tokenizer = train_tokenizer(texts, TINY_TOKENIZER_VOCAB)
+    config = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "tiny_configs", "tiny_demo_target.json")))
+    config.update(vocab_size=-(-len(tokenizer) // 64) * 64,  # round up, as real models do
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None)
+    hf_config = AutoConfig.for_model(**config)
+    target = init_weights(Target(target_config(hf_config)), seed)
+    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
+    pretrain_target(target, rows, PRETRAIN["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
+                    PRETRAIN["warmup"], seed)
+    save_target(target, hf_config, tokenizer, path)
+    print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
+
+
+def progress(label, **metrics):
+    """A one-line progress bar (rank 0, overwritten in place)."""
+    if is_rank0():
+        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in metrics.items())
+        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
+
+
+def progress_done():
+    if is_rank0():
+        print(file=sys.stderr, flush=True)
+
+# ----------------------------------------------------------------------------------------
+# train: EAGLE-3 training-time test (TTT)
+#
+# The drafter is trained on the target's own replies, with features and logits computed
+# online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
+# its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
+# its own (imperfect) hidden states.
+
+TTT_STEPS = 7        # unrolled steps, as the official training
+TTT_DECAY = 0.8      # weight of step k is 0.8**k: the first drafted tokens matter most
+GRAD_CLIP = 0.5      # official max grad norm
+ADAM_BETAS = (0.9, 0.95)
+
+
+class Example(NamedTuple):
+    tokens: list       # prompt + reply token ids
+    reply_mask: list   # 1 where the token belongs to an assistant reply
+
+
+@torch.no_grad()
+def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=64):
+    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
+    of prompt token ids, batched over prompts of equal length; cut after the first EOS."""
+    device = target.lm_head.weight.device
+    by_length = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    replies = [None] * len(prompts)
+    for length, indices in sorted(by_length.items()):
+        for j in range(0, len(indices), batch):
+            rows = indices[j:j + batch]
+            x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
+            cache = target.new_cache(length + max_new_tokens, batch=len(rows))
+            logits, _ = target(x, cache=cache)
+            out = []
+            for n in range(length, length + max_new_tokens):
+                token = logits[:, -1].argmax(-1)                           # (B,)
+                out.append(token)
+                logits, _ = target(token[:, None], cache=cache, start=n)
+            for i, reply in zip(rows, torch.stack(out, 1).tolist()):
+                cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
+                replies[i] = reply[:cut]
+    return replies
+
+
+def build_vocab_mapping(token_counts, draft_vocab_size):
+    """Keep the draft_vocab_size most frequent target tokens (ties: smaller id first; ids
+    never seen fill up in ascending order), sorted ascending: draft id i <-> used[i].
+    Returns d2t (offsets: target id = i + d2t[i]) and t2d (bool over the target vocab)."""
+    counts = torch.as_tensor(token_counts)
+    V = len(counts)
+    if not 0 < draft_vocab_size <= V:
+        fail(f"draft_vocab_size={draft_vocab_size} must be in 1..{V} (the target vocab size)")
+    # a stable sort keeps equal counts in id order, so unseen ids (count 0) come ascending
+    used = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab_size), t2d
+
+
+def count_reply_tokens(examples, vocab_size):
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        tokens = torch.tensor(ex.tokens)[torch.tensor(ex.reply_mask, dtype=torch.bool)]
+        counts += torch.bincount(tokens, minlength=vocab_size)
+    return counts
+
+
+def shift_left(x):
+    """x[:, t] <- x[:, t+1], zeros entering at the end (the official padding)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+def collate(examples, pad_id):
+    """Right-pad to the longest example. loss_mask[t] = 1 when the token that position t
+    predicts at TTT step 0, x[t+2], is a reply token (the alignment the official code
+    reaches with its hard-coded offsets; later steps shift it along)."""
+    T = max(len(ex.tokens) for ex in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    reply = torch.zeros(len(examples), T)
+    for i, ex in enumerate(examples):
+        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
+        reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
+    return ids, shift_left(shift_left(reply))
+
+
+def ttt_attention(q, k, v, past):
+    """Attention of TTT step k (k = len(past) before this call): the query at position t
+    sees the step-0 keys at positions <= t (causal) plus, for each later step j = 1..k, only
+    the key of step j at its own position t, as a depth-k tree node sees the real prefix
+    plus its own ancestors. One fp32 softmax over the T + k scores. `past` is the caller's
+    list of earlier steps' (k, v); this step's are appended."""
+    past.append((k, v))
+    B, H, T, hs = q.shape
+    group = H // k.shape[1]                                   # GQA: head h reads h // group
+    (k0, v0), later = past[0], past[1:]
+    k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)  # (B, H, T, hs)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ k0.transpose(-1, -2)).masked_fill(~causal, -math.inf)]    # (B, H, T, T)
+    scores += [(q * kj.repeat_interleave(group, 1)).sum(-1, keepdim=True) for kj, _ in later]
+    w = torch.softmax(torch.cat(scores, -1).float() / math.sqrt(hs), -1).to(q.dtype)
+    y = w[..., :T] @ v0                                                       # (B, H, T, hs)
+    for j, (_, vj) in enumerate(later):
+        y = y + w[..., T + j:T + j + 1] * vj.repeat_interleave(group, 1)
+    return y
+
+
+class TTTResult(NamedTuple):
+    loss: torch.Tensor   # sum_k 0.8**k * loss_k
+    losses: list         # per step
+    hits: list           # per step: correct top-1 drafts at loss-masked positions
+    counts: list         # per step: loss-masked positions
+
+
+def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
+             decay=TTT_DECAY, denominator=None):
+    """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
+    (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
+    token x[t+1+k] and predicts x[t+2+k]; the teacher is the target's distribution
+    restricted to the draft vocab; positions whose full-vocab target argmax is outside the
+    draft vocab get no loss. loss_k is summed over the vocab and divided by all B*T
+    positions (masked ones included, as the official code and SpecForge do);
+    `denominator` overrides B*T for data-parallel shards of a global batch."""
+    B, T = input_ids.shape
+    denominator = denominator or B * T
+    teacher = shift_left(target_logits.float())        # teacher[t] = target dist. of x[t+2]
+    ids, mask = shift_left(input_ids), loss_mask.float()
+    positions = torch.arange(T, device=input_ids.device)
+    h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []
+    result = TTTResult(0.0, [], [], [])
+    for k in range(steps):
+        h = draft.layer(h, ids, positions + k, lambda q, kk, v: ttt_attention(q, kk, v, past))
+        log_q = torch.log_softmax(draft.logits(h).float(), -1)          # (B, T, Vd)
+        if draft.cfg.has_vocab_map:
+            p = torch.softmax(teacher[..., draft.t2d], -1)               # (B, T, Vd)
+            position_mask = draft.t2d[teacher.argmax(-1)].float() * mask
+        else:
+            p, position_mask = torch.softmax(teacher, -1), mask
+        loss_k = -(position_mask * (p * log_q).sum(-1)).sum() / denominator
+        hits = ((log_q.argmax(-1) == p.argmax(-1)).float() * position_mask).sum()
+        result = TTTResult(result.loss + decay ** k * loss_k, result.losses + [loss_k],
+                           result.hits + [hits.detach()], result.counts + [mask.sum()])
+        ids, teacher, mask = shift_left(ids), shift_left(teacher), shift_left(mask)
+    return result
+
+class TrainConfig(NamedTuple):
+    steps: int = 400
+    batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
+    lr: float = 3e-3
+    warmup: int = 20
+    ttt_steps: int = TTT_STEPS
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+
+def batch_indices(n, batch, step, seed):
+    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
+    run sees exactly the batches the uninterrupted run would have seen."""
+    per_epoch = max(1, n // batch)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[i * batch:(i + 1) * batch].tolist()
+
+
+def trainable(draft):
+    return [p for name, p in draft.named_parameters()
+            if draft.own_embedding or not name.startswith("embed_tokens")]
+
+
+def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS):
+    """Target forward over the whole batch (tensor-parallel: every rank sees it all), then
+    the TTT loss on this rank's slice of the rows, normalised by the *global* B*T so the
+    all-reduced gradient is the gradient of the global loss."""
+    device = target.lm_head.weight.device
+    ids, mask = (t.to(device) for t in collate(examples, pad_id))
+    with torch.no_grad():
+        logits, aux = target(ids, aux_layers=draft.cfg.aux_layers)
+    rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
+    return ttt_loss(draft, aux[rows], ids[rows], mask[rows], logits[rows], steps,
+                    denominator=ids.numel())
+
+
+def step_accuracy(result, world):
+    """Per-step top-1 accuracy summed over the data-parallel ranks."""
+    hits = all_reduce(torch.stack(result.hits).detach().clone(), world)
+    counts = all_reduce(torch.stack(result.counts).detach().clone(), world)
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+@torch.no_grad()
+def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32):
+    """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
+    hits, counts = torch.zeros(steps), torch.zeros(steps)
+    for i in range(0, len(examples), batch):
+        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
+        hits += torch.stack(r.hits).cpu()
+        counts += torch.stack(r.counts).cpu()
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+def save_train_state(path, draft, opt, step):
+    """One file holds the drafter and the optimizer at `step`, written atomically, so a
+    resume never mixes weights and optimizer state from different steps."""
+    if is_rank0():
+        state = dict(step=step, draft=draft.state_dict(), optimizer=opt.state_dict())
+        atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_train_state(path, draft, opt):
+    try:
+        state = torch.load(path, map_location=draft.fc.weight.device, weights_only=True)
+    except Exception as e:
+        fail(f"cannot resume from {path!r} ({type(e).__name__}: {e}); the checkpoint is "
+             f"truncated or corrupt: delete it to start over")
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["optimizer"])
+    return state["step"]
+
+
+def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False):
+    """Naive EAGLE-3 training: AdamW(0.9, 0.95), grad clip 0.5, warmup + cosine decay;
+    data-parallel over the W ranks (one gradient all_reduce per step). Checkpoints go to
+    out_dir (save_draft layout + train_state.pt for --resume). Returns the last held-out
+    per-step accuracy."""
+    rank, world = world_info()
+    if cfg.batch % world:
+        fail(f"batch={cfg.batch} must be divisible by the world size {world}")
+    params = trainable(draft)
+    draft.train().requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
+    state_file = os.path.join(out_dir, "train_state.pt")
+    start = load_train_state(state_file, draft, opt) if resume else 0
+    held_out_acc = []
+    for step in range(start, cfg.steps):
+        batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
+        result = ttt_batch(target, draft, batch, pad_id, rank, world, cfg.ttt_steps)
+        result.loss.backward()
+        for p in params:  # data parallel: sum the shards' gradients
+            all_reduce(p.grad, world)
+        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        acc = step_accuracy(result, world)
+        progress(f"train draft {step + 1}/{cfg.steps}",
+                 loss=float(all_reduce(result.loss.detach().clone(), world)),
+                 **{f"acc{k}": a for k, a in enumerate(acc[:3])})
+        last = step + 1 == cfg.steps
+        if held_out and ((step + 1) % cfg.eval_every == 0 or last):
+            held_out_acc = evaluate_draft(target, draft, held_out, pad_id, cfg.ttt_steps)
+            progress_done()
+            print0(f"  held-out draft accuracy per TTT step: "
+                   f"{' '.join(f'{a:.3f}' for a in held_out_acc)}")
+        if (step + 1) % cfg.save_every == 0 or last:
+            os.makedirs(out_dir, exist_ok=True)
+            save_draft(draft, out_dir)
+            save_train_state(state_file, draft, opt, step + 1)
+    progress_done()
+    draft.eval().requires_grad_(False)
+    return held_out_acc
+
+def read_conversations(path):
+    """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
+    content}) -> lists of {role, content}."""
+    roles = dict(human="user", user="user", gpt="assistant", assistant="assistant",
+                 system="system")
+    out = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            turns = row.get("messages") or row.get("conversations")
+            if not turns:
+                fail(f"{path}:{line_no} has neither 'messages' nor 'conversations'")
+            out.append([dict(role=roles.get(t.get("role", t.get("from")), "user"),
+                             content=t.get("content", t.get("value", ""))) for t in turns])
+    return out
+
+
+def tokenize_conversation(tokenizer, messages):
+    """Chat-template the conversation; reply_mask marks the tokens of assistant turns,
+    found by rendering each prefix (the template must extend its prefixes, as real ones do)."""
+    def render(msgs, gen=False):
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    tokens = render(messages)
+    mask = [0] * len(tokens)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, upto = render(messages[:i], gen=True) if i else [], render(messages[:i + 1])
+        if upto[:len(before)] != before or tokens[:len(upto)] != upto:
+            fail("the tokenizer's chat template does not extend its prefixes, so assistant "
+                 "tokens cannot be located; use a template that renders turns in sequence")
+        mask[len(before):len(upto)] = [1] * (len(upto) - len(before))
+    return Example(tokens, mask)
+
+
+def draft_config_for(target, draft_vocab_size):
+    """A new drafter shaped like one target layer (as the released drafters are)."""
+    c = target.cfg
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+               num_hidden_layers=1, hidden_size=c.hidden_size,
+               intermediate_size=c.intermediate_size, num_attention_heads=c.n_heads,
+               num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.rms_eps,
+               rope_theta=DRAFT_ROPE_BASE, max_position_embeddings=c.max_positions,
+               vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
+               tie_word_embeddings=False)
+    return read_draft_config(raw, c)
+
+
+def cmd_train(args):
+    from transformers import AutoTokenizer
+    init_distributed()
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
+    examples = [ex for ex in examples if len(ex.tokens) <= args.max_len and sum(ex.reply_mask)]
+    if len(examples) < 2:
+        fail(f"{args.data} gives {len(examples)} usable conversations (with an assistant turn, "
+             f"at most --max-len {args.max_len} tokens); need at least 2")
+    n_held = max(1, len(examples) // 50)
+    train, held_out = examples[n_held:], examples[:n_held]
+    if args.init_draft:
+        draft = load_draft(args.init_draft, target, dtype=torch.float32)
+    else:
+        d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
+                                       args.draft_vocab_size)
+        draft = init_draft(new_draft(draft_config_for(target, args.draft_vocab_size), target,
+                                     dtype=torch.float32), args.seed)
+        draft.d2t.copy_(d2t.to(draft.d2t.device))
+        draft.t2d.copy_(t2d.to(draft.t2d.device))
+    steps = max(1, args.epochs * len(train) // args.batch)
+    cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
+                      ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
+                      save_every=max(1, steps // 10), seed=args.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id, args.resume)
+    print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
+
+
+# ----------------------------------------------------------------------------------------
+# the main job: the whole method on a laptop CPU, nothing downloaded
+
+DEMO = dict(train_prompts=4000, held_out_prompts=24, reply_tokens=64, draft_vocab=512,
+            max_new_tokens=96, seed=0)
+
+
+def tiny_paths():
+    return os.path.join(TINY_DIR, "target"), os.path.join(TINY_DIR, "draft")
+
+
+def ensure_tiny_target():
+    """Build the tiny target once (rank 0), reuse it afterwards."""
+    target_dir, _ = tiny_paths()
+    if is_rank0() and not os.path.isfile(os.path.join(target_dir, "config.json")):
+        build_tiny_target(target_dir, DEMO["seed"])
+    if world_info()[1] > 1:
+        dist.barrier()
+    return target_dir
+
+
+def ensure_tiny_models():
+    """The tiny target and a drafter trained for it (built on first use)."""
+    from transformers import AutoTokenizer
+    target_dir, draft_dir = tiny_paths()
+    ensure_tiny_target()
+    if not os.path.isfile(os.path.join(draft_dir, "config.json")):
+        target = load_target(target_dir, dtype=torch.float32)
+        train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
+    return target_dir, draft_dir
+
+
+def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
+    """Chat-format the prompts, let the target answer, mark the reply tokens."""
+    prompt_ids = [tokenizer(chat_text(p)).input_ids for p in prompts]
+    replies = regenerate_replies(target, prompt_ids, max_new_tokens, tokenizer.eos_token_id)
+    return [Example(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompt_ids, replies)]
+
+
+def tiny_draft_config(target, draft_vocab_size):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_configs",
+                        "tiny_demo_draft.json")
+    raw = dict(json.load(open(path)), vocab_size=target.cfg.vocab_size,
+               draft_vocab_size=draft_vocab_size)
+    return read_draft_config(raw, target.cfg)
+
+
+def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False):
+    """Target replies -> vocab map -> TTT training; returns the drafter and held-out acc."""
+    seed = DEMO["seed"]
+    train = replies_as_examples(target, tokenizer, [p for p, _ in synthetic_corpus(
+        DEMO["train_prompts"], seed + 1)], DEMO["reply_tokens"])
+    held_out = replies_as_examples(target, tokenizer, [p for p, _ in synthetic_corpus(
+        64, seed + 2)], DEMO["reply_tokens"])
+    d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
+                                   DEMO["draft_vocab"])
+    draft = init_draft(new_draft(tiny_draft_config(target, DEMO["draft_vocab"]), target), seed)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    acc = train_draft(target, draft, train, held_out, cfg, out_dir, tokenizer.pad_token_id, resume)
+    return draft, acc
+
+
+class DecodeStats(NamedTuple):
+    tau: float                # mean accept length (accepted drafts + 1) per round
+    accept_rate_by_depth: list  # P(depth d accepted | depth d-1 accepted), d = 1..
+    forwards_per_token: float  # target forward passes (prefill + rounds) per output token
+    spec_tokens_per_s: float
+    greedy_tokens_per_s: float
+    lossless: bool
+
+
+def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None):
+    """Speculative vs plain greedy on the same prompts: speed, tau, and exactness."""
+    rounds, n_tokens, forwards, lossless = [], 0, 0, True
+    spec_s = greedy_s = 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        spec = speculative_generate(target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos)
+        t1 = time.perf_counter()
+        plain = greedy_generate(target, ids, max_new_tokens, eos_token_id=eos)
+        greedy_s += time.perf_counter() - t1
+        spec_s += t1 - t0
+        lossless &= spec.tokens.tolist() == plain.tolist()
+        rounds += spec.rounds
+        n_tokens += len(spec.tokens)
+        forwards += 1 + len(spec.rounds)
+    accepted = torch.tensor([r.accepted for r in rounds])
+    reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
+    rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
+    return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
+                       n_tokens / spec_s, n_tokens / greedy_s, lossless)
+
+
+def main_demo():
+    """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
+    from transformers import AutoTokenizer
+    t0 = time.time()
+    init_distributed()
+    target_dir, draft_dir = tiny_paths()
+    ensure_tiny_target()
+    target = load_target(target_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    held_out_text = synthetic_corpus(200, DEMO["seed"] + 3)
+    target_acc = next_token_accuracy(target, [tokenizer(chat_text(p, r)).input_ids
+                                              for p, r in held_out_text])
+    print0(f"tiny target: {target.cfg.n_layers} layers, vocab {target.cfg.vocab_size}, "
+           f"held-out top-1 next-token accuracy {target_acc:.3f}")
+    draft, draft_acc = train_tiny_draft(target, tokenizer, draft_dir)
+    prompts = [torch.tensor([tokenizer(chat_text(p)).input_ids]) for p, _ in
+               synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
+    stats = measure_decoding(target, draft, prompts, DEMO["max_new_tokens"],
+                             eos=tokenizer.eos_token_id)
+    print0(f"speculative decoding on {len(prompts)} held-out prompts (tree {tuple(TreeShape())}):")
+    print0(f"  tau (accepted + 1 per round)       {stats.tau:.2f}")
+    print0(f"  acceptance rate by depth           {' '.join(f'{r:.2f}' for r in stats.accept_rate_by_depth)}")
+    print0(f"  target forwards per token          {stats.forwards_per_token:.3f} (greedy: 1.000)")
+    print0(f"  tokens/s speculative / greedy      {stats.spec_tokens_per_s:.0f} / {stats.greedy_tokens_per_s:.0f}")
+    print0(f"  output equals greedy_generate      {stats.lossless}")
+    print0(f"  draft accuracy per TTT step        {' '.join(f'{a:.3f}' for a in draft_acc)}")
+    print0(json.dumps(dict(
+        tau=round(stats.tau, 3), lossless=stats.lossless,
+        speedup_vs_greedy=round(stats.spec_tokens_per_s / stats.greedy_tokens_per_s, 3),
+        train_acc_step0=round(draft_acc[0], 3), draft_acc_per_step=[round(a, 3) for a in draft_acc],
+        target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
+
+# ----------------------------------------------------------------------------------------
+# golden traces: exact per-round records other implementations can be tested against
+#
+# One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
+# version, run configuration, library versions); tensors are named "round0007.<field>".
+# The README documents every field.
+
+GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
+FULL_LOGITS_MAX_VOCAB = 4096   # larger vocabularies store top-20 values/ids + a checksum
+GOLDEN_TOP = 20
+LOGITS_ATOL = 1e-4             # --check: logits may differ by fp32 round-off, nothing else
+
+
+def golden_tensors(input_ids, result):
+    t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
+             accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
+             first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
+    for i, r in enumerate(result.rounds):
+        p = f"round{i:04d}."
+        t.update({p + "tree_tokens": r.tree.tokens, p + "parents": r.tree.parents,
+                  p + "positions": r.tree.positions, p + "mask": r.tree.mask,
+                  p + "retrieve_indices": r.tree.retrieve_indices, p + "path": r.path,
+                  p + "accept_length": torch.tensor([r.accepted + 1]),
+                  p + "bonus": torch.tensor([r.bonus]),
+                  p + "uniforms": torch.tensor(r.uniforms, dtype=torch.float64)})
+        if r.logits.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
+            t[p + "logits"] = r.logits
+        else:
+            top = r.logits.topk(GOLDEN_TOP, dim=-1)
+            t.update({p + "logits_top20_values": top.values, p + "logits_top20_ids": top.indices,
+                      p + "logits_checksum": r.logits.double().sum(-1)})
+    return {k: v.contiguous() for k, v in t.items()}
+
+
+def write_golden(path, header, tensors):
+    from safetensors.torch import save_file
+    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT,
+                                             version=GOLDEN_VERSION))}
+    if is_rank0():
+        atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
+
+
+def read_golden(path):
+    from safetensors import safe_open
+    f = open_checkpoint(path)
+    header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
+    if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
+        fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
+             f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
+             f"version={header.get('version')!r}); regenerate it with this eagle3_ref.py")
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    _open_files.clear()
+    return header, tensors
+
+
+def first_divergence(expected, actual):
+    """The first field (in round order) where two traces differ, as a readable line, or
+    None. Logits compare within LOGITS_ATOL; everything else exactly."""
+    for name in sorted(set(expected) | set(actual)):
+        where = f"round {int(name[5:9])}, field {name[10:]}" if name.startswith("round") else f"field {name}"
+        if name not in expected or name not in actual:
+            return f"{where}: present only in the {'re-run' if name in actual else 'file'}"
+        e, a = expected[name], actual[name]
+        if e.shape != a.shape:
+            return f"{where}: shape {tuple(e.shape)} in the file, {tuple(a.shape)} re-run"
+        tol = LOGITS_ATOL if "logits" in name and e.is_floating_point() else 0
+        bad = ((e.double() - a.double()).abs() > tol).nonzero()
+        if len(bad):
+            index = tuple(bad[0].tolist())
+            return (f"{where}, index {index if len(index) > 1 else index[0]}: "
+                    f"file {e[index].item()}, re-run {a[index].item()}")
+    return None
+
+
+def golden_run(cfg):
+    """Run speculative decoding as described by a golden header -> (input_ids, result)."""
+    target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
+    draft = load_draft(cfg["draft"], target)
+    ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
+    result = speculative_generate(
+        target, draft, ids, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
+        cfg["top_k"], TreeShape(*cfg["tree"]), cfg["seed"], cfg["eos_token_id"], cfg["scheme"],
+        record_logits=True)
+    return ids, result
+
+
+def cmd_golden(args):
+    import transformers
+    init_distributed()
+    if args.check:
+        header, expected = read_golden(args.check)
+        cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
+                                                          ("draft", args.draft)) if v})
+        ids, result = golden_run(cfg)
+        diff = first_divergence(expected, golden_tensors(ids, result))
+        print0("match" if diff is None else f"first divergence: {diff}")
+        sys.exit(0 if diff is None else 1)
+    if not args.out:
+        fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
+    target_dir, draft_dir, prompt_ids = args.target, args.draft, args.prompt_ids
+    if not target_dir:
+        target_dir, draft_dir = ensure_tiny_models()
+    if prompt_ids:
+        prompt_ids = [int(x) for x in prompt_ids.split(",")]
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
+    cfg = dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
+               input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+               tree=[args.tree_top_k, args.depth, args.total_tokens], scheme=args.scheme,
+               seed=args.seed, dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
+    ids, result = golden_run(cfg)
+    header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
+                  transformers=transformers.__version__)
+    write_golden(args.out, header, golden_tensors(ids, result))
+    print0(f"wrote {args.out}: {len(result.rounds)} rounds, {len(result.tokens)} tokens")
+
+
+# ----------------------------------------------------------------------------------------
+# drafter diagnostics: does a drafter's vocab map fit this target?
+
+VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
+
+
+def raw_vocab_map(draft_dir):
+    """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
+    files = checkpoint_files(draft_dir)
+    if "d2t" not in files:
+        return None, None
+    d2t = read_shard(files["d2t"], "d2t", None, 0, 1)
+    t2d = read_shard(files["t2d"], "t2d", None, 0, 1) if "t2d" in files else None
+    _open_files.clear()
+    return d2t, t2d
+
+
+def token_strings(tokenizer, ids):
+    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
+            for i in ids]
+
+
+def data_tokens(tokenizer, path):
+    """Token ids of a JSONL chat file through the tokenizer's chat template."""
+    return [t for m in read_conversations(path) for t in tokenize_conversation(tokenizer, m).tokens]
+
+
+class VocabFit(NamedTuple):
+    matching: int         # d2t entries naming the same token string in both tokenizers
+    entries: int          # draft vocab size
+    out_of_range: int     # d2t entries outside the target vocab
+    coverage: float       # share of the data's target tokens inside t2d (None without data)
+    fits: bool
+
+
+def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
+    d2t, t2d = raw_vocab_map(draft_dir)
+    V = len(target_tokenizer)
+    if d2t is None:  # no map: draft ids are target ids
+        d2t = torch.zeros(len(draft_tokenizer), dtype=torch.long)
+    target_ids = torch.arange(len(d2t)) + d2t
+    in_range = (target_ids >= 0) & (target_ids < V)
+    old = token_strings(draft_tokenizer, target_ids)
+    new = token_strings(target_tokenizer, target_ids)
+    matching = sum(a is not None and a == b for a, b in zip(old, new))
+    coverage = None
+    if data:
+        ids = torch.tensor(data_tokens(target_tokenizer, data))
+        keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
+        ids = ids[ids < len(keep)]
+        coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
+    fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
+    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
+
+
+def cmd_vocab_check(args):
+    from transformers import AutoTokenizer
+    target_tok = AutoTokenizer.from_pretrained(args.target)
+    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
+    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: {fit.out_of_range}")
+    if fit.coverage is not None:
+        print(f"share of the data's target tokens inside the draft vocab (t2d): {fit.coverage:.1%}")
+    if not fit.fits:
+        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
+              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
+              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
+              f"Run remap-draft first.", file=sys.stderr)
+    print(json.dumps(fit._asdict()))
+
+
+def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
+                seed=0):
+    """A new vocab map for a new target, built from data; lm_head rows move with their
+    token strings, tokens new to the drafter get fresh rows; everything else is kept."""
+    d2t_old, _ = raw_vocab_map(draft_dir)
+    old_cfg = json.load(open(os.path.join(draft_dir, "config.json")))
+    if d2t_old is None:
+        d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
+    old_rows = {s: i for i, s in enumerate(token_strings(
+        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
+    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
+    d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
+                                   draft_vocab_size)
+    files = checkpoint_files(draft_dir)
+    old_head = read_shard(files["lm_head.weight"], "lm_head.weight", None, 0, 1).float()
+    raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
+    draft = init_draft(new_draft(read_draft_config(raw, target.cfg), target, dtype=torch.float32), seed)
+    skip = {"lm_head.weight", "d2t", "t2d"}
+    load_state(draft, draft_dir, 0, 1, skip=lambda n: n in skip or n.startswith("embed_tokens"))
+    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
+    carried = 0
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        for j, s in enumerate(new_strings):
+            if s in old_rows:
+                draft.lm_head.weight[j] = old_head[old_rows[s]]
+                carried += 1
+    return draft, carried
+
+
+def cmd_remap_draft(args):
+    from transformers import AutoTokenizer
+    init_distributed()
+    target = load_target(args.target, dtype=torch.float32)
+    target_tok = AutoTokenizer.from_pretrained(args.target)
+    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    size = args.draft_vocab_size or json.load(open(os.path.join(args.draft, "config.json"))).get(
+        "draft_vocab_size", target.cfg.vocab_size)
+    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size, args.seed)
+    save_draft(draft, args.out)
+    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
+           f"{size - carried} freshly initialised")
+
+
+# ----------------------------------------------------------------------------------------
+# benchmark: speed against what a user would pick instead, measured in one run
+
+ASSISTANT_LM = dict(num_hidden_layers=2, steps=200)  # the small LM for HF assisted decoding
+
+
+def peak_rss_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Timed(NamedTuple):
+    tokens_per_s: float
+    forwards_per_token: float
+
+
+def count_calls(module):
+    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
+    calls = [0]
+    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+def time_hf(model, prompts, max_new_tokens, eos, **generate_kwargs):
+    """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
+    calls, handle = count_calls(model)
+    tokens, seconds = 0, 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                             **generate_kwargs)
+        seconds += time.perf_counter() - t0
+        tokens += out.shape[1] - ids.shape[1]
+    handle.remove()
+    return Timed(tokens / seconds, calls[0] / tokens)
+
+
+def build_assistant_lm(target_dir, path, seed=0):
+    """A small draft LM for transformers' assisted generation, trained here on the same
+    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = ASSISTANT_LM["num_hidden_layers"]
+    texts = [chat_text(p, r) for p, r in synthetic_corpus(PRETRAIN["conversations"], seed)]
+    small = init_weights(Target(target_config(config)), seed)
+    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
+    pretrain_target(small, rows, ASSISTANT_LM["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
+                    PRETRAIN["warmup"], seed)
+    save_target(small, config, tokenizer, path)
+
+
+def cmd_bench(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    init_distributed()
+    if world_info()[1] > 1:
+        fail("bench compares against transformers in one process; run it without torchrun")
+    t0 = time.time()
+    if args.target:
+        target_dir, draft_dir, assistant_dir = args.target, args.draft, args.assistant
+        texts = args.prompt or ["Write a short story about a robot who learns to paint."]
+    else:
+        target_dir, draft_dir = ensure_tiny_models()
+        assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
+        if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
+            build_assistant_lm(target_dir, assistant_dir)
+        texts = [p for p, _ in synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
+    dtype = parse_dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    draft = load_draft(draft_dir, target)
+    device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
+    prompts = [encode_prompt(tokenizer, t, args.target is None or args.chat, device) for t in texts]
+    n = args.max_new_tokens
+    ours = measure_decoding(target, draft, prompts, n, eos=eos)
+    hf_dtype = target.lm_head.weight.dtype
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=hf_dtype).to(device).eval()
+    hf_plain = time_hf(hf, prompts, n, eos)
+    hf_assisted = None
+    if assistant_dir:
+        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype).to(device).eval()
+        hf_assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
+    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
+            ("transformers generate", hf_plain.tokens_per_s, hf_plain.forwards_per_token)]
+    if hf_assisted:
+        rows.append(("transformers assisted (small LM)", hf_assisted.tokens_per_s,
+                     hf_assisted.forwards_per_token))
+    rows.append(("ours: EAGLE-3 speculative", ours.spec_tokens_per_s, ours.forwards_per_token))
+    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s}")
+    for name, tps, fpt in rows:
+        print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
+    print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB")
+    report = dict(
+        tau=round(ours.tau, 3), lossless=ours.lossless,
+        speedup_vs_greedy=round(ours.spec_tokens_per_s / ours.greedy_tokens_per_s, 3),
+        speedup_vs_hf_generate=round(ours.spec_tokens_per_s / hf_plain.tokens_per_s, 3),
+        greedy_vs_hf_generate=round(ours.greedy_tokens_per_s / hf_plain.tokens_per_s, 3),
+        speedup_vs_hf_assisted=round(ours.spec_tokens_per_s / hf_assisted.tokens_per_s, 3)
+        if hf_assisted else None,
+        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))
+    print0(json.dumps(report))
+
+
+# ----------------------------------------------------------------------------------------
+# command line
+
+
+def parse_dtype(name):
+    if name is None:
+        return None
+    dtypes = dict(float32=torch.float32, fp32=torch.float32, bfloat16=torch.bfloat16,
+                  bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
+    if name not in dtypes:
+        fail(f"--dtype {name!r} is not one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def encode_prompt(tokenizer, text, chat, device):
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(text).input_ids
+    return torch.tensor([ids], device=device)
+
+
+def eos_ids(tokenizer, target_dir):
+    """EOS ids from generation_config.json (Llama-3 lists several), else the tokenizer's."""
+    path = os.path.join(target_dir, "generation_config.json")
+    eos = json.load(open(path)).get("eos_token_id") if os.path.isfile(path) else None
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+def cmd_generate(args):
+    from transformers import AutoTokenizer
+    init_distributed()
+    if args.top_k and not args.temperature:
+        fail("--top-k is the sampling top-k and needs --temperature > 0; "
+             "the draft tree's top-k is --tree-top-k")
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    draft = load_draft(args.draft, target)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
+    t0 = time.perf_counter()
+    result = speculative_generate(
+        target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, tree=TreeShape(args.tree_top_k, args.depth, args.total_tokens),
+        seed=args.seed, eos_token_id=eos_ids(tokenizer, args.target), scheme=args.scheme)
+    seconds = time.perf_counter() - t0
+    if args.show_tree:
+        for i, r in enumerate(result.rounds):
+            print0(f"round {i + 1}: accepted {r.accepted}, bonus {tokenizer.decode([r.bonus])!r}")
+            print0(render_tree(r.tree, r.path, tokenizer))
+    print0(tokenizer.decode(result.tokens))
+    tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
+    print0(f"tau {tau:.2f} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
+           f"{len(result.tokens) / seconds:.1f} tokens/s")
+
+
+def render_tree(tree, path, tokenizer):
+    """ASCII drawing of a draft tree; '*' marks the accepted path."""
+    kids = children_of(tree.parents)
+    on_path = set(path.tolist())
+    lines = []
+
+    def walk(node, prefix, last):
+        mark = "*" if node in on_path else " "
+        branch = "" if node == 0 else ("└─ " if last else "├─ ")
+        lines.append(f"{prefix}{branch}{mark}{tokenizer.decode([int(tree.tokens[node])])!r}")
+        for i, child in enumerate(kids[node]):
+            walk(child, prefix + ("" if node == 0 else ("   " if last else "│  ")),
+                 i == len(kids[node]) - 1)
+    walk(0, "", True)
+    return "\n".join(lines)
+
+
+def cmd_demo(args):
+    main_demo()
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="EAGLE-3 reference: with no command, run the tiny "
+                                            "end-to-end demo (train a drafter, decode, report).")
+    sub = p.add_subparsers(dest="command")
+    g = sub.add_parser("generate", help="speculative decoding with a target and an EAGLE-3 drafter")
+    g.add_argument("--target", required=True, help="Hugging Face model dir")
+    g.add_argument("--draft", required=True, help="EAGLE-3 drafter dir (official or SpecForge)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--tree-top-k", type=int, default=TOP_K)
+    g.add_argument("--depth", type=int, default=DEPTH)
+    g.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--scheme", default="tree", help=f"one of {SCHEMES}")
+    g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: fp32 CPU, bf16 CUDA)")
+    g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
+    g.set_defaults(run=cmd_generate)
+    t = sub.add_parser("train", help="train an EAGLE-3 drafter for a target on chat data")
+    t.add_argument("--target", required=True)
+    t.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
+    t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--draft-vocab-size", type=int, default=32000)
+    t.add_argument("--max-len", type=int, default=2048, help="longer conversations are dropped")
+    t.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    t.add_argument("--init-draft", help="start from this drafter (keeps its vocab map)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype")
+    t.set_defaults(run=cmd_train)
+    b = sub.add_parser("bench", help="tokens/s: ours vs transformers (plain and assisted)")
+    b.add_argument("--target", help="HF model dir (default: the tiny demo target)")
+    b.add_argument("--draft", help="EAGLE-3 drafter dir (with --target)")
+    b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
+    b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    b.add_argument("--chat", action="store_true")
+    b.add_argument("--max-new-tokens", type=int, default=DEMO["max_new_tokens"])
+    b.add_argument("--dtype")
+    b.set_defaults(run=cmd_bench)
+    gd = sub.add_parser("golden", help="write (--out) or re-check (--check) a golden trace")
+    gd.add_argument("--out")
+    gd.add_argument("--check")
+    gd.add_argument("--target", help="HF model dir (default: the tiny demo target)")
+    gd.add_argument("--draft")
+    gd.add_argument("--prompt", default="Tell me a story about anna the cat.")
+    gd.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    gd.add_argument("--max-new-tokens", type=int, default=64)
+    gd.add_argument("--temperature", type=float, default=0.0)
+    gd.add_argument("--top-p", type=float, default=1.0)
+    gd.add_argument("--top-k", type=int, default=0)
+    gd.add_argument("--tree-top-k", type=int, default=TOP_K)
+    gd.add_argument("--depth", type=int, default=DEPTH)
+    gd.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
+    gd.add_argument("--scheme", default="tree")
+    gd.add_argument("--seed", type=int, default=0)
+    gd.add_argument("--eos-token-id", type=int)
+    gd.add_argument("--dtype")
+    gd.set_defaults(run=cmd_golden)
+    vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?")
+    vc.add_argument("--draft", required=True)
+    vc.add_argument("--target", required=True)
+    vc.add_argument("--draft-tokenizer", help="the drafter's original tokenizer (default: --draft)")
+    vc.add_argument("--data", help="JSONL chat data for t2d coverage")
+    vc.set_defaults(run=cmd_vocab_check)
+    rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target")
+    rd.add_argument("--draft", required=True)
+    rd.add_argument("--target", required=True)
+    rd.add_argument("--data", required=True)
+    rd.add_argument("--out", required=True)
+    rd.add_argument("--draft-tokenizer")
+    rd.add_argument("--draft-vocab-size", type=int)
+    rd.add_argument("--seed", type=int, default=0)
+    rd.set_defaults(run=cmd_remap_draft)
+    p.set_defaults(run=cmd_demo)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except Eagle3Error as e:  # wrong input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
