@@ -1013,7 +1013,7 @@ def accept_sampled(logits, tree, uniforms, sampling):
     """The official recursive scheme for deterministic (top-k) drafts, i.e. q = 1.
     Order of the random draws (the replay contract):
       at the current node, for each child in ascending node index: one uniform u;
-        accept the child's token x iff u <= p(x), and move to it (p = its target dist.);
+        accept the child's token x iff u < p(x), and move to it (p = its target dist.);
         otherwise set p(x) = 0, renormalise p, and try the next child;
       when no child is accepted (or the node is a leaf): one uniform for the bonus token,
         drawn from p by inverse CDF (the residual if children were rejected here).
@@ -1026,7 +1026,7 @@ def accept_sampled(logits, tree, uniforms, sampling):
             u = next(uniforms)
             used.append(u)
             x = int(tree.tokens[child])
-            if u <= p[x]:
+            if u < p[x]:  # strict: a token warped to p = 0 is never accepted, even at u = 0
                 break
             p[x] = 0
             p = p / p.sum()
@@ -1043,7 +1043,7 @@ def accept_sampled(logits, tree, uniforms, sampling):
 def accept_chain(logits, drafts, q, uniforms, sampling):
     """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
     of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
-    i one uniform u, accept iff u * q_i(x) <= p_i(x); on the first rejection one uniform
+    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
     for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
     from p_k."""
     used = []
@@ -1051,7 +1051,7 @@ def accept_chain(logits, drafts, q, uniforms, sampling):
         p = target_probs(logits[i], sampling)
         u = next(uniforms)
         used.append(u)
-        if u * q[i, x] <= p[x]:
+        if u * q[i, x] < p[x]:
             continue
         residual = (p - q[i]).clamp(min=0)
         u = next(uniforms)

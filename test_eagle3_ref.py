@@ -42,6 +42,7 @@ def assert_close(actual, expected, what=""):
     diff, scale = float((actual - expected).abs().max()), float(expected.abs().max())
     assert diff <= ATOL + RTOL * scale, f"{what} max abs diff {diff:.3g} at scale {scale:.3g}"
 
+
 TARGETS = {  # test name -> (model_type, config overrides)
     "llama": ("llama", {}),                                  # GQA: 4 query heads, 2 kv heads
     "mistral": ("mistral", dict(sliding_window=None)),
@@ -80,18 +81,20 @@ def random_hf_model(name, seed=0, layers=LAYERS, std=0.25):
 
 
 class Zoo:
-    """Random tiny checkpoints, each built, saved and loaded once per module."""
+    """Random tiny checkpoints, each built, saved and loaded once per module (on first use;
+    the seed depends on the name only, so any subset of tests sees the same models)."""
 
     def __init__(self, root):
         self.root, self.models, self.targets = root, {}, {}
 
     def hf(self, name):
         if name not in self.models:
-            self.models[name] = random_hf_model(name, seed=len(self.models))
-            self.models[name].save_pretrained(self.dir(name))
+            self.models[name] = random_hf_model(name, seed=list(TARGETS).index(name))
+            self.models[name].save_pretrained(self.root / name)
         return self.models[name]
 
     def dir(self, name):
+        self.hf(name)
         return str(self.root / name)
 
     def target(self, name):
@@ -209,7 +212,8 @@ def test_aux_features_are_residuals_entering_layers_2_mid_and_L_minus_3(zoo, nam
     ids = random_prompt(2, length=20)
     _, hidden_states = hf_forward(zoo.hf(name), ids)
     _, aux = zoo.target(name)(ids)
-    expected = torch.cat([hidden_states[2], hidden_states[LAYERS // 2], hidden_states[LAYERS - 3]], -1)
+    L = LAYERS
+    expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
     assert aux.shape == (1, 20, 3 * HIDDEN)
     assert_close(aux[0], expected)
 
@@ -264,8 +268,8 @@ def test_verify_tree_gives_each_node_the_logits_and_features_of_its_path(zoo, na
     assert max(len(path_to(parents, i)) for i in range(len(parents))) >= 4, "tree too shallow"
     cache = target.new_cache(64)
     target(prefix, cache=cache)
-    logits, aux = E.verify_tree(target, cache, 10, E.tree_from_parents(tokens, torch.tensor(parents)),
-                                target.cfg.default_aux_layers)
+    tree = E.tree_from_parents(tokens, torch.tensor(parents))
+    logits, aux = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
     for node in range(len(tokens)):
         ids = torch.cat([prefix[0], tokens[path_to(parents, node)]])[None]
         ref_logits, hidden_states = hf_forward(hf, ids)
@@ -298,7 +302,8 @@ def test_commit_then_decode_equals_recompute_from_scratch(zoo):
 
 def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=VOCAB)))
-    with pytest.raises(E.Eagle3Error, match=r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+    supported = r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"
+    with pytest.raises(E.Eagle3Error, match=supported):
         E.load_target(str(tmp_path))
 
 
@@ -320,14 +325,16 @@ def edited_checkpoint(zoo, tmp_path, edit):
 
 def test_missing_weight_key_is_refused_naming_it(zoo, tmp_path):
     path = edited_checkpoint(zoo, tmp_path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight"))
-    with pytest.raises(E.Eagle3Error, match=r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"):
+    message = r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"
+    with pytest.raises(E.Eagle3Error, match=message):
         E.load_target(path)
 
 
 def test_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path):
     path = edited_checkpoint(zoo, tmp_path, lambda s: s.update(
         {"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
-    with pytest.raises(E.Eagle3Error, match=r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"):
+    message = r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"
+    with pytest.raises(E.Eagle3Error, match=message):
         E.load_target(path)
 
 
@@ -347,7 +354,8 @@ def official_draft_dir(path, target, draft_vocab_size=20):
     os.makedirs(path, exist_ok=True)
     kept = torch.arange(draft_vocab_size)
     draft = random_draft(target, seed=5, kept=kept, std=0.2)
-    state = {k: v.clone() for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")}
+    state = {k: v.clone() for k, v in draft.state_dict().items()
+             if not k.startswith("embed_tokens")}
     torch.save(state, os.path.join(path, "pytorch_model.bin"))
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=HIDDEN,
                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -385,15 +393,15 @@ def plain_draft(zoo):
 @pytest.mark.parametrize("generate", list(GENERATORS))
 def test_empty_prompt_is_refused(zoo, plain_draft, generate):
     with pytest.raises(E.Eagle3Error, match=r"prompt is empty"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, torch.zeros(1, 0, dtype=torch.long), 5)
+        GENERATORS[generate](zoo.target("llama"), plain_draft,
+                             torch.zeros(1, 0, dtype=torch.long), 5)
 
 
-@pytest.mark.parametrize("generate, max_new_tokens", [("greedy", 501), ("speculative", 495)])
-def test_prompt_plus_new_tokens_over_cache_length_is_refused(zoo, plain_draft, generate,
-                                                            max_new_tokens):
-    # 12 + 501 > 512; speculation also reserves the 6 tree nodes: 12 + 495 + 6 > 512
+@pytest.mark.parametrize("generate", list(GENERATORS))
+def test_prompt_plus_new_tokens_over_cache_length_is_refused(zoo, plain_draft, generate):
+    # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
     with pytest.raises(E.Eagle3Error, match=r"exceeds the cache length 512"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), max_new_tokens)
+        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), 501)
 
 
 @pytest.mark.parametrize("generate", list(GENERATORS))
@@ -511,7 +519,8 @@ def test_draft_tree_invariants_hold_for_random_drafters(zoo):
     g = torch.Generator().manual_seed(11)
     for case in range(40):
         draft = drafters[case % 4]
-        top_k, depth = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(1, 5, (), generator=g))
+        top_k = int(torch.randint(1, 5, (), generator=g))
+        depth = int(torch.randint(1, 5, (), generator=g))
         total = int(torch.randint(2, top_k + depth * top_k ** 2 + 2, (), generator=g))
         T = int(torch.randint(1, 10, (), generator=g))
         aux = torch.randn(1, T, 3 * HIDDEN, generator=g) * 3
@@ -535,7 +544,7 @@ def test_draft_tree_invariants_hold_for_random_drafters(zoo):
             children = [int(tree.tokens[c]) for c in range(total) if parents[c] == node]
             assert len(children) == len(set(children)), where            # distinct siblings
             assert len(children) <= top_k, where
-        if draft.cfg.has_vocab_map:                                       # drafted ids mapped by d2t
+        if draft.cfg.has_vocab_map:                                 # drafted ids mapped by d2t
             assert set(tree.tokens[1:].tolist()) <= set(kept.tolist()), where
 
 
@@ -554,8 +563,9 @@ REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possib
 
 @pytest.fixture(scope="module")
 def speculation(zoo):
-    """Per target: a drafter, a 'memorized' prompt (the drafter was sharpened on its greedy
-    text, so drafts go deep) and a 'fresh' one, and transformers' greedy text for both."""
+    """Per target: a drafter, two prompts and transformers' greedy text for both. Sharpened
+    drafters were taught the greedy text of the 'memorized' prompt (drafts go deep) but not
+    of the 'fresh' one; the unsharpened drafter knows neither."""
     setups = {}
     for i, (name, spec) in enumerate(SPEC_TARGETS.items()):
         hf, target = zoo.hf(name), zoo.target(name)
@@ -671,7 +681,8 @@ class OracleDrafter:
 
 
 @pytest.mark.parametrize("top_k, depth, total", [(1, 3, 5), (2, 2, 7), (3, 4, 20), (4, 1, 6)])
-def test_drafter_predicting_the_greedy_text_accepts_depth_plus_two_per_round(zoo, top_k, depth, total):
+def test_drafter_predicting_the_greedy_text_accepts_depth_plus_two_per_round(zoo, top_k, depth,
+                                                                             total):
     prompt, max_new = random_prompt(12), 30
     text = hf_greedy(zoo.hf("llama"), prompt, max_new + depth + 3)
     oracle = OracleDrafter(torch.cat([prompt[0], text]))
@@ -702,11 +713,12 @@ def test_drafter_is_fed_target_features_of_its_aux_layers(zoo):
 def test_speculative_generate_stops_at_first_eos(speculation):
     s = speculation["llama"]
     text = s.reference["memorized"].tolist()
-    eos = text[6]
-    first = text.index(eos)                                       # the first EOS ends the text
+    first = next(i for i in range(8, 32) if text[i] not in text[:i])   # a token new at i >= 8
+    expected = text[:first + 1]                                       # up to and with the EOS
     result = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], 32,
-                                    tree=E.TreeShape(3, 3, 12), eos_token_id=eos)
-    assert result.tokens.tolist() == text[:first + 1]
+                                    tree=E.TreeShape(3, 3, 12), eos_token_id=text[first])
+    assert result.tokens.tolist() == expected
+    assert E.greedy_generate(s.target, s.prompts["memorized"], 32, text[first]).tolist() == expected
 
 
 # ----------------------------------------------------------------------------------------
@@ -730,7 +742,8 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculatio
     ids = torch.cat([s.prompts["fresh"], s.reference["fresh"][:1][None]], dim=1)
     h = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(0))
     assert torch.equal(loaded.logits(h), s.draft.logits(h))
-    for a, b in zip(E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)):
+    trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
+    for a, b in zip(*trees):
         assert torch.equal(a, b)
 
 
@@ -758,7 +771,8 @@ def test_eagle_aux_layer_ids_use_output_of_layer_convention(zoo, tmp_path):
     assert aux_layers([1, L // 2 - 1, L - 4]) == (2, L // 2, L - 3)
     assert aux_layers([0, 3, 6]) == (1, 4, 7)
     # and save_draft writes them back in the same (output-of-layer) convention
-    draft = random_draft(target, seed=1, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
+    draft = random_draft(target, seed=1,
+                         eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
     E.save_draft(draft, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
@@ -819,7 +833,8 @@ def tp_run(zoo, speculation, tmp_path_factory):
     for name in TP_TARGETS:
         draft_dir = str(root / f"draft-{name}")
         E.save_draft(speculation[name].draft, draft_dir)
-        job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir))
+        job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir,
+                                   spec_prompt=speculation[name].prompts["memorized"]))
     torch.save(job, root / "job.pt")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -848,19 +863,24 @@ def tp_worker(job_file, out_dir):
         logits, aux = target(job["prompt"])
         results[case["name"]] = dict(
             logits=logits, aux=aux,
-            slices=dict(q=layer.self_attn.q_proj.weight.clone(), o=layer.self_attn.o_proj.weight.clone(),
+            slices=dict(q=layer.self_attn.q_proj.weight.clone(),
+                        o=layer.self_attn.o_proj.weight.clone(),
                         down=layer.mlp.down_proj.weight.clone()),
             greedy=E.greedy_generate(target, job["prompt"], job["new_tokens"]),
-            speculative=[E.speculative_generate(target, draft, job["prompt"], job["new_tokens"],
-                                                tree=E.TreeShape(*shape)).tokens
+            speculative=[E.speculative_generate(target, draft, case["spec_prompt"],
+                                                job["new_tokens"], tree=E.TreeShape(*shape))
                          for shape in job["shapes"]])
+    for r in results.values():  # keep plain tensors and lists: what torch.load reads back
+        if isinstance(r, dict):
+            r["speculative"] = [(x.tokens, x.accept_lengths) for x in r["speculative"]]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_tensor_parallel_shards_attention_and_mlp_weights_across_ranks(zoo, tp_run):
     for name in TP_TARGETS:
         hf_layer = zoo.hf(name).model.layers[0]
-        q, o, down = hf_layer.self_attn.q_proj.weight, hf_layer.self_attn.o_proj.weight, hf_layer.mlp.down_proj.weight
+        q, o = hf_layer.self_attn.q_proj.weight, hf_layer.self_attn.o_proj.weight
+        down = hf_layer.mlp.down_proj.weight
         for r, rank in enumerate(tp_run.ranks):
             assert rank["world"] == 2
             s = rank[name]["slices"]
@@ -883,19 +903,26 @@ def test_tensor_parallel_logits_and_aux_equal_single_process(zoo, tp_run):
 def test_tensor_parallel_greedy_generate_equals_single_process(zoo, tp_run):
     for name in TP_TARGETS:
         expected = hf_greedy(zoo.hf(name), tp_run.prompt, TP_NEW_TOKENS).tolist()
-        assert E.greedy_generate(zoo.target(name), tp_run.prompt, TP_NEW_TOKENS).tolist() == expected
+        one_process = E.greedy_generate(zoo.target(name), tp_run.prompt, TP_NEW_TOKENS)
+        assert one_process.tolist() == expected
         for rank in tp_run.ranks:
             assert rank[name]["greedy"].tolist() == expected, name
 
 
-def test_tensor_parallel_speculative_generate_equals_single_process(zoo, speculation, tp_run):
+def test_tensor_parallel_speculative_generate_equals_single_process(speculation, tp_run):
+    deepest = 0
     for name in TP_TARGETS:
-        expected = hf_greedy(zoo.hf(name), tp_run.prompt, TP_NEW_TOKENS).tolist()
-        for shape, rank0, rank1 in zip(TP_SHAPES, tp_run.ranks[0][name]["speculative"],
-                                       tp_run.ranks[1][name]["speculative"]):
-            one = E.speculative_generate(zoo.target(name), speculation[name].draft, tp_run.prompt,
-                                         TP_NEW_TOKENS, tree=E.TreeShape(*shape)).tokens
-            assert rank0.tolist() == rank1.tolist() == one.tolist() == expected, (name, shape)
+        s = speculation[name]
+        expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
+        rank0, rank1 = (rank[name]["speculative"] for rank in tp_run.ranks)
+        for shape, (tokens0, accepts0), (tokens1, accepts1) in zip(TP_SHAPES, rank0, rank1):
+            one = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], TP_NEW_TOKENS,
+                                         tree=E.TreeShape(*shape))
+            assert tokens0.tolist() == tokens1.tolist() == one.tokens.tolist() == expected, \
+                (name, shape)
+            assert accepts0 == accepts1 == one.accept_lengths, (name, shape)
+            deepest = max(deepest, max(accepts0) - 1)
+    assert deepest >= 2, "no round accepted two drafts under tensor parallelism"
 
 
 if __name__ == "__main__":
