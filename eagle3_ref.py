@@ -487,14 +487,17 @@ def read_shard(file, name, dim, rank, world):
         fail(f"cannot read {name!r} from {file!r} ({type(e).__name__}: {e}); the file is corrupt")
 
 
-def load_state(module, path, rank, world, skip=lambda name: False):
+def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
     """Strict key-for-key load of a checkpoint dir into `module`, each rank reading only its
-    slice. Missing or unexpected keys and wrong shapes are errors that name the key."""
+    slice. Missing or unexpected keys and wrong shapes are errors that name the key.
+    Tolerated extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored,
+    as transformers does)."""
     files = checkpoint_files(path)
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
-    expected = {k for k in params if not skip(k)}
-    ignorable = {k for k in files if k.endswith("rotary_emb.inv_freq")}  # old HF buffers
+    expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
+    ignorable = {k for k in files if k.endswith("rotary_emb.inv_freq") or
+                 (tied and k == "lm_head.weight")}
     missing, unexpected = sorted(expected - set(files)), sorted(set(files) - expected - ignorable)
     if missing or unexpected:
         fail(f"checkpoint {path!r} does not match the model: missing keys {missing[:5]}"
@@ -529,8 +532,7 @@ def load_target(path, dtype=None, device=None):
     target = target.to_empty(device=device).to(dtype)
     if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
         target.lm_head.weight = target.model.embed_tokens.weight
-    load_state(target, path, rank, world,
-               skip=lambda name: cfg.tie_embeddings and name == "lm_head.weight")
+    load_state(target, path, rank, world, tied=cfg.tie_embeddings)
     return target.eval().requires_grad_(False)
 
 
@@ -784,10 +786,13 @@ class Tree(NamedTuple):
     retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
 
 
-def check_tree_shape(top_k, depth, total_tokens):
+def check_tree_shape(top_k, depth, total_tokens, draft_vocab_size):
     for name, value in (("top_k", top_k), ("depth", depth), ("total_tokens", total_tokens)):
         if not isinstance(value, int) or value < 1:
             fail(f"{name}={value!r} must be a positive integer")
+    if top_k > draft_vocab_size:
+        fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "
+             f"use top_k <= {draft_vocab_size}")
     pool = top_k + depth * top_k ** 2
     if total_tokens - 1 > pool:
         fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
@@ -902,7 +907,7 @@ def grow_tree(draft, cache, n, h_last, root, top_k, depth, total_tokens):
 def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
     """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
     are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
-    check_tree_shape(top_k, depth, total_tokens)
+    check_tree_shape(top_k, depth, total_tokens, draft.cfg.draft_vocab_size)
     T = aux.shape[1]
     if input_ids.shape != (1, T + 1):
         fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
@@ -1203,12 +1208,14 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
     sampled output has exactly the distribution of sample_generate."""
     sampling = Sampling(temperature, top_k, top_p)
     check_sampling(sampling)
-    tree = TreeShape(*tree)
-    check_tree_shape(*tree)
     if scheme not in SCHEMES or (scheme == "chain" and sampling.greedy):
         fail(f"scheme={scheme!r} must be one of {SCHEMES}; 'chain' samples drafts and needs "
              f"temperature > 0 (greedy chains are trees with top_k=1)")
-    N = tree.total_tokens if scheme == "tree" else tree.depth + 2
+    tree = TreeShape(*tree)
+    if scheme == "chain":  # a chain of depth+1 sampled drafts: only the depth matters
+        tree = TreeShape(1, tree.depth, tree.depth + 2)
+    check_tree_shape(*tree, draft.cfg.draft_vocab_size)
+    N = tree.total_tokens
     check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions, reserve=N)
     device, aux_layers = input_ids.device, draft.cfg.aux_layers
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))

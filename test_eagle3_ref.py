@@ -9,6 +9,7 @@ this same file as the torchrun worker:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 test_eagle3_ref.py tp JOB OUT
 """
+import itertools
 import json
 import math
 import os
@@ -16,11 +17,14 @@ import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from scipy.stats import chisquare
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -175,8 +179,8 @@ def sharpen(draft, target, sequences, kept=None, steps=60, unroll=3, lr=1e-2):
         h, loss = draft.fc(aux[:, :-1]), 0.0
         for k in range(unroll):
             n = T - k
-            h = draft(h[:, :n], sequences[:, 1 + k:1 + k + n], torch.arange(k, k + n),
-                      E.causal_mask(n, 0, h.device))
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            h = draft(h[:, :n], sequences[:, 1 + k:1 + k + n], torch.arange(k, k + n), causal)
             loss = loss + F.cross_entropy(draft.logits(h).flatten(0, 1),
                                           labels[:, 1 + k:1 + k + n].flatten(), ignore_index=-100)
         opt.zero_grad()
@@ -307,11 +311,12 @@ def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
         E.load_target(str(tmp_path))
 
 
-def test_heads_not_divisible_by_world_size_are_refused(zoo):
+@pytest.mark.parametrize("world", [3, 4])   # 3: neither head count divides; 4: the kv heads
+def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
     cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
     with pytest.raises(E.Eagle3Error, match=r"num_attention_heads=4 and num_key_value_heads=2 "
-                                            r"must both be divisible by the world size 3"):
-        E.Target(cfg, world=3)
+                                            rf"must both be divisible by the world size {world}"):
+        E.Target(cfg, world=world)
 
 
 def edited_checkpoint(zoo, tmp_path, edit):
@@ -416,6 +421,16 @@ def test_unbuildable_tree_shape_is_refused(zoo, plain_draft):
     with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
         E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
                                tree=E.TreeShape(2, 1, 8))
+
+
+def test_top_k_larger_than_the_draft_vocab_is_refused(zoo):
+    # a drafter with 6 draft tokens cannot offer 8 distinct children per node
+    target = zoo.target("llama")
+    draft = random_draft(target, seed=4, kept=torch.tensor([0, 3, 5, 7, 9, 11]))
+    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
+        E.speculative_generate(target, draft, random_prompt(0), 5, tree=E.TreeShape(8, 2, 10))
+    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
+        E.draft_tree(draft, torch.zeros(1, 4, 3 * HIDDEN), random_prompt(0, length=5), 8, 2, 10)
 
 
 # ----------------------------------------------------------------------------------------
@@ -844,7 +859,7 @@ def tp_run(zoo, speculation, tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          os.path.abspath(__file__), "tp", str(root / "job.pt"), str(root)],
-        env=env, capture_output=True, text=True, timeout=300)
+        env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(root / f"rank{r}.pt") for r in range(2)]
     return SimpleNamespace(prompt=prompt, ranks=ranks)
@@ -870,6 +885,20 @@ def tp_worker(job_file, out_dir):
             speculative=[E.speculative_generate(target, draft, case["spec_prompt"],
                                                 job["new_tokens"], tree=E.TreeShape(*shape))
                          for shape in job["shapes"]])
+    # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
+    # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
+    case = job["targets"][0]
+    target = E.load_target(case["dir"])
+    draft = E.load_draft(case["draft"], target)
+    if rank == 1:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            target.lm_head.weight.add_(torch.randn(target.lm_head.weight.shape, generator=g) * 2)
+    greedy = E.greedy_generate(target, case["spec_prompt"], job["new_tokens"])
+    results["rank1_disagrees"] = dict(
+        logits=target(torch.cat([case["spec_prompt"], greedy[None]], dim=1))[0], greedy=greedy,
+        speculative=[E.speculative_generate(target, draft, case["spec_prompt"], job["new_tokens"],
+                                            tree=E.TreeShape(*shape)) for shape in job["shapes"]])
     for r in results.values():  # keep plain tensors and lists: what torch.load reads back
         if isinstance(r, dict):
             r["speculative"] = [(x.tokens, x.accept_lengths) for x in r["speculative"]]
@@ -925,9 +954,763 @@ def test_tensor_parallel_speculative_generate_equals_single_process(speculation,
     assert deepest >= 2, "no round accepted two drafts under tensor parallelism"
 
 
+def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
+    s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
+    expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
+    rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
+    assert not torch.equal(rank0["logits"].argmax(-1), rank1["logits"].argmax(-1)), \
+        "rank 1's own choices must differ for this test to mean anything"
+    assert rank0["greedy"].tolist() == rank1["greedy"].tolist() == expected
+    for shape, (tokens0, _), (tokens1, _) in zip(TP_SHAPES, rank0["speculative"],
+                                                  rank1["speculative"]):
+        assert tokens0.tolist() == tokens1.tolist() == expected, shape
+
+# ----------------------------------------------------------------------------------------
+# sampling: exact losslessness, hand-worked acceptance, replayable randomness (SPEC §5)
+
+V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
+PROMPT = torch.tensor([[1, 4, 2]])
+N_TOKENS = 3                           # generated tokens whose joint law is enumerated
+TRIALS = 20_000                        # Monte Carlo runs per chi-square test
+ALPHA = 1e-3                           # chi-square significance level
+MIN_EXPECTED = 5                       # cells expecting fewer are merged (chi-square rule)
+REPLAY_SEEDS = 60                      # full speculative_generate calls per replay test
+REPLAY_TOKENS = 6                      # tokens per replayed call (several rounds)
+SLOTS = 64                             # cache room beyond the prefix: any tree here fits
+T1 = E.Sampling(temperature=1.0)
+T07_P09 = E.Sampling(temperature=0.7, top_k=0, top_p=0.9)
+SAMPLINGS = {"T1": T1, "T0.7-p0.9": T07_P09}
+
+
+class Case(NamedTuple):
+    scheme: str
+    shape: E.TreeShape
+    draft: str                         # key of vocab6_drafts
+
+
+CASES = {
+    "tree-2-2-5": Case("tree", E.TreeShape(2, 2, 5), "full"),
+    "tree-3-1-4-vd4": Case("tree", E.TreeShape(3, 1, 4), "vd4"),  # 4-token draft vocab
+    "tree-1-3-5": Case("tree", E.TreeShape(1, 3, 5), "full"),
+    "chain-2": Case("chain", E.TreeShape(1, 1, 2), "full"),         # 2 sampled drafts/round
+}
+
+
+def coins(seed):
+    """The documented uniform stream (SPEC §5): float64 torch.rand, one at a time, from a
+    CPU torch.Generator seeded with `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield float(torch.rand((), generator=g, dtype=torch.float64))
+
+# ----------------------------------------------------------------------------------------
+# tiny models (vocab 6)
+
+
+def vocab6_hf_config():
+    from transformers import AutoConfig
+    return AutoConfig.for_model(
+        "llama", vocab_size=V, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=7,  # aux layers (2, L//2, L-3) are distinct only for L >= 7
+        num_attention_heads=2, num_key_value_heads=2,  # 2 kv heads: also runs with W = 2
+        max_position_embeddings=128, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def vocab6_checkpoint(tmp_path_factory):
+    """(dir, transformers model): weights N(0, 0.5) so that next-token distributions are
+    far from uniform and change with the context (max probabilities ~0.4-0.96)."""
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM(vocab6_hf_config()).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:  # norms keep weight 1
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    path = str(tmp_path_factory.mktemp("vocab6_target"))
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def vocab6_target(vocab6_checkpoint):
+    return E.load_target(vocab6_checkpoint[0], dtype=torch.float32, device="cpu")
+
+
+def vocab6_new_draft(target, seed, draft_vocab_size=None):
+    """A random drafter (N(0, 0.5) weights). With draft_vocab_size=4 it drafts only target
+    tokens 0, 2, 3, 5 (d2t = target id - draft id)."""
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=16,
+               intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+               num_hidden_layers=1, rms_norm_eps=1e-6, vocab_size=V,
+               max_position_embeddings=128)
+    if draft_vocab_size:
+        raw["draft_vocab_size"] = draft_vocab_size
+    draft = E.init_draft(E.new_draft(E.read_draft_config(raw, target.cfg), target), seed, std=0.5)
+    if draft_vocab_size:
+        kept = torch.tensor([0, 2, 3, 5])
+        draft.d2t.copy_(kept - torch.arange(4))
+        draft.t2d.zero_()
+        draft.t2d[kept] = True
+    return draft.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def vocab6_drafts(vocab6_target):
+    return {"full": vocab6_new_draft(vocab6_target, seed=1),
+            "vd4": vocab6_new_draft(vocab6_target, seed=2, draft_vocab_size=4)}
+
+# ----------------------------------------------------------------------------------------
+# the independent oracle: transformers' logits and warpers, enumerated
+
+
+def hf_warped_probs(scores, sampling):
+    """softmax after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
+    TopPLogitsWarper (the order transformers' generate applies them); scores (B, V)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    scores = scores.double()
+    warpers = [TemperatureLogitsWarper(sampling.temperature)]
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    for warp in warpers:
+        scores = warp(None, scores)
+    return scores.softmax(-1)
+
+
+class ExactLaw(NamedTuple):
+    p1: np.ndarray      # (V,) p(a | prompt)
+    p2: np.ndarray      # (V, V) [a, b] = p(b | prompt a)
+    p3: np.ndarray      # (V, V, V) [a, b, c] = p(c | prompt a b)
+
+    @property
+    def joint(self):    # (V, V, V) law of the first 3 sampled tokens
+        return self.p1[:, None, None] * self.p2[:, :, None] * self.p3
+
+
+@pytest.fixture(scope="module")
+def vocab6_exact_law(vocab6_checkpoint):
+    """sampling -> ExactLaw of the first 3 sampled tokens after PROMPT, from the
+    transformers model's logits for all 36 continuations (a, b) in one batch."""
+    hf, laws = vocab6_checkpoint[1], {}
+    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))       # (36, 2)
+    ids = torch.cat([PROMPT.expand(len(pairs), -1), pairs], 1)              # (36, T+2)
+    with torch.no_grad():
+        logits = hf(ids).logits                                             # (36, T+2, V)
+    T = PROMPT.shape[1]
+
+    def law(sampling):
+        if sampling not in laws:
+            laws[sampling] = ExactLaw(
+                hf_warped_probs(logits[:1, T - 1], sampling)[0].numpy(),
+                hf_warped_probs(logits[::V, T], sampling).numpy(),         # rows (a, 0)
+                hf_warped_probs(logits[:, T + 1], sampling).view(V, V, V).numpy())
+        return laws[sampling]
+    return law
+
+
+def inverse_cdf(p, u):
+    """The token whose interval [cdf(i-1), cdf(i)) of the normalised p contains u."""
+    cdf = np.cumsum(p) / np.sum(p)
+    return int(np.searchsorted(cdf, u, side="right"))
+
+
+def chi_square_p(samples, law):
+    """p-value of the samples (token tuples) against the exact law; the smallest cells are
+    pooled into one bin until no bin expects fewer than MIN_EXPECTED. An outcome of
+    probability 0 fails outright (chi-square cannot see it)."""
+    counts = np.zeros(law.size)
+    np.add.at(counts, np.ravel_multi_index(np.array(samples).T, law.shape), 1)
+    probs = law.ravel()
+    assert counts[probs == 0].sum() == 0, \
+        f"{int(counts[probs == 0].sum())} samples of zero-probability outcomes"
+    expected = probs * len(samples)
+    order = np.argsort(expected)
+    pooled = max(int((expected < MIN_EXPECTED).sum()),
+                 int(np.searchsorted(np.cumsum(expected[order]), MIN_EXPECTED)) + 1)
+    small, rest = order[:pooled], order[pooled:]
+    observed = np.append(counts[rest], counts[small].sum())
+    return chisquare(observed, np.append(expected[rest], expected[small].sum())).pvalue
+
+# ----------------------------------------------------------------------------------------
+# round-by-round replay of speculative_generate from states built with the real pieces
+
+
+@torch.no_grad()
+def round_start(target, draft, ctx):
+    """What speculative_generate holds when a round starts after emitting `ctx`: target
+    and drafter K/V of PROMPT + ctx[:-1] (n positions), the drafter output h_last that
+    predicts the root's children, and the root ctx[-1]. Built with one prefill instead of
+    incrementally; test_speculative_generate_replays_round_by_round covers the loop."""
+    ids = torch.cat([PROMPT, torch.tensor([ctx[:-1]], dtype=torch.long)], 1)   # (1, n)
+    n = ids.shape[1]
+    target_cache, draft_cache = target.new_cache(n + SLOTS), draft.new_cache(n + SLOTS)
+    _, aux = target(ids, cache=target_cache, aux_layers=draft.cfg.aux_layers)
+    next_tokens = torch.cat([ids[0, 1:], torch.tensor(ctx[-1:])])[None]    # (1, n)
+    h_last = E.draft_prefix(draft, draft_cache, 0, aux, next_tokens)
+    return target_cache, draft_cache, n, h_last, torch.tensor(ctx[-1])
+
+
+class TreeRounds:
+    """Lazy table ctx -> (tree, verify logits (N, V)) from the real grow_tree and
+    verify_tree; trees and target logits do not depend on the sampling settings."""
+
+    def __init__(self, target, draft, shape):
+        self.target, self.draft, self.shape, self.rounds = target, draft, shape, {}
+
+    @torch.no_grad()
+    def __getitem__(self, ctx):
+        if ctx not in self.rounds:
+            target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
+            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, *self.shape)
+            self.rounds[ctx] = tree, E.verify_tree(self.target, target_cache, n, tree,
+                                                   self.draft.cfg.aux_layers)[0]
+        return self.rounds[ctx]
+
+
+def uniform_choosing(q, token):
+    """A uniform that inverse-CDF sampling of q maps to `token`: the middle of its interval."""
+    cdf = np.cumsum(q.numpy()) / float(q.sum())
+    return ((cdf[token - 1] if token else 0.0) + cdf[token]) / 2
+
+
+class ChainRounds:
+    """Lazy tables for the chain scheme: the drafter's q rows over the target vocab, from
+    the real draft_chain steered to each drafted prefix, and the real verify_tree logits of
+    each chain."""
+
+    def __init__(self, target, draft, sampling, length):
+        self.target, self.draft, self.sampling, self.length = target, draft, sampling, length
+        self.starts, self.q_rows, self.chain_logits = {}, {}, {}
+
+    def start(self, ctx):
+        if ctx not in self.starts:
+            self.starts[ctx] = round_start(self.target, self.draft, ctx)
+        return self.starts[ctx]
+
+    @torch.no_grad()
+    def q(self, ctx, drafted):
+        """q of the next draft after the drafted prefix (tuple of target ids)."""
+        if (ctx, drafted) not in self.q_rows:
+            steer = [uniform_choosing(self.q(ctx, drafted[:i]), d) for i, d in enumerate(drafted)]
+            steer += [0.5] * (self.length - len(drafted))
+            _, draft_cache, n, h_last, root = self.start(ctx)
+            chain, q, _ = E.draft_chain(self.draft, draft_cache, n, h_last, root, self.length,
+                                        iter(steer), self.sampling)
+            tokens = tuple(chain.tokens[1:].tolist())
+            assert tokens[:len(drafted)] == drafted, "steering uniforms missed the prefix"
+            for i in range(self.length):
+                self.q_rows.setdefault((ctx, tokens[:i]), q[i])
+        return self.q_rows[(ctx, drafted)]
+
+    @torch.no_grad()
+    def logits(self, ctx, drafts):
+        if (ctx, drafts) not in self.chain_logits:
+            target_cache, _, n, _, root = self.start(ctx)
+            chain = E.tree_from_parents(torch.tensor((int(root),) + drafts),
+                                        torch.arange(-1, len(drafts)))
+            self.chain_logits[(ctx, drafts)] = E.verify_tree(
+                self.target, target_cache, n, chain, self.draft.cfg.aux_layers)[0]
+        return self.chain_logits[(ctx, drafts)]
+
+
+def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
+    """First n_tokens of speculative_generate(scheme="tree"): the first token by one
+    uniform, then per round the acceptance on that round's tree; a round emits its
+    accepted drafts and the bonus, which is the next round's root."""
+    out = [E.next_token(prefill_logits, sampling, uniforms)[0]]
+    while len(out) < n_tokens:
+        tree, logits = rounds[tuple(out)]
+        acc = accept(logits, tree, uniforms, sampling)
+        out += tree.tokens[acc.path[1:]].tolist() + [acc.bonus]
+    return tuple(out[:n_tokens])
+
+
+def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
+    """First n_tokens of speculative_generate(scheme="chain"): per round, one uniform per
+    draft (inverse CDF of q, as draft_chain documents), then the acceptance's uniforms."""
+    out = [E.next_token(prefill_logits, sampling, uniforms)[0]]
+    while len(out) < n_tokens:
+        ctx, drafts = tuple(out), ()
+        for _ in range(chains.length):
+            drafts += (E.sample_inverse_cdf(chains.q(ctx, drafts), next(uniforms)),)
+        q = torch.stack([chains.q(ctx, drafts[:i]) for i in range(chains.length)])
+        acc = accept(chains.logits(ctx, drafts), torch.tensor(drafts), q, uniforms, sampling)
+        out += list(drafts[:acc.accepted]) + [acc.bonus]
+    return tuple(out[:n_tokens])
+
+
+@pytest.fixture(scope="module")
+def vocab6_replay(vocab6_target, vocab6_drafts):
+    """(case, sampling) -> replay(uniforms, accept=None, n_tokens=N_TOKENS): the tokens
+    speculative_generate emits for PROMPT, replayed round by round."""
+    with torch.no_grad():
+        prefill_logits = vocab6_target(PROMPT)[0][0, -1]
+    tables = {}
+
+    def make(case, sampling):
+        draft = vocab6_drafts[case.draft]
+        if case.scheme == "tree":
+            key = (case, None)  # trees and target logits do not depend on the sampling
+            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape))
+            run, default_accept = replay_tree, E.accept_sampled
+        else:
+            key = (case, sampling)  # the drafter's q is warped like the target
+            tables.setdefault(key, ChainRounds(vocab6_target, draft, sampling,
+                                               case.shape.depth + 1))
+            run, default_accept = replay_chain, E.accept_chain
+        return lambda uniforms, accept=default_accept, n_tokens=N_TOKENS: run(
+            prefill_logits, tables[key], sampling, uniforms, accept, n_tokens)
+    return make
+
+
+def monte_carlo(replay, accept=None, seed=2024):
+    uniforms = coins(seed)
+    kwargs = {} if accept is None else dict(accept=accept)
+    return [replay(uniforms, **kwargs) for _ in range(TRIALS)]
+
+# ----------------------------------------------------------------------------------------
+# losslessness: 20,000 runs against the enumeration
+
+
+@pytest.mark.parametrize("sampling_name", SAMPLINGS)
+@pytest.mark.parametrize("case_name", CASES)
+def test_sampled_speculation_is_lossless(case_name, sampling_name, vocab6_replay,
+                                         vocab6_exact_law):
+    sampling = SAMPLINGS[sampling_name]
+    samples = monte_carlo(vocab6_replay(CASES[case_name], sampling))
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
+    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
+
+
+@pytest.mark.parametrize("sampling_name", SAMPLINGS)
+@pytest.mark.parametrize("case_name", CASES)
+def test_speculative_generate_replays_round_by_round(case_name, sampling_name, vocab6_target,
+                                                     vocab6_drafts, vocab6_replay):
+    """The real loop (incremental caches, commit after accepted drafts, next rounds, emit)
+    gives, seed for seed, the tokens of the round-by-round replay the chi-square tests
+    sample from. REPLAY_TOKENS > N_TOKENS so that later rounds start after non-trivial
+    commits (the 3-token window only reaches round 2 after a round accepting nothing)."""
+    case, s = CASES[case_name], SAMPLINGS[sampling_name]
+    replay = vocab6_replay(case, s)
+    for seed in range(REPLAY_SEEDS):
+        result = E.speculative_generate(
+            vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, tree=case.shape, seed=seed,
+            scheme=case.scheme)
+        assert tuple(result.tokens.tolist()) == replay(coins(seed), n_tokens=REPLAY_TOKENS), \
+            f"seed {seed}"
+
+# ----------------------------------------------------------------------------------------
+# power: the same test rejects deliberately broken acceptance
+
+
+def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
+    """accept_sampled minus one line: a rejected token is zeroed but p is not renormalised,
+    so the next sibling y is accepted with p(y) instead of p(y) / (1 - p(x))."""
+    kids = [[c for c in range(len(tree.parents)) if tree.parents[c] == node]
+            for node in range(len(tree.parents))]
+    node, path, used = 0, [0], []
+    p = E.target_probs(logits[0], sampling)
+    while True:
+        for child in kids[node]:
+            used.append(next(uniforms))
+            x = int(tree.tokens[child])
+            if used[-1] <= p[x]:
+                break
+            p[x] = 0
+        else:
+            break
+        node = child
+        path.append(node)
+        p = E.target_probs(logits[node], sampling)
+    used.append(next(uniforms))
+    return E.Acceptance(torch.tensor(path), len(path) - 1, E.sample_inverse_cdf(p, used[-1]), used)
+
+
+def accept_sampled_bonus_ignoring_rejections(logits, tree, uniforms, sampling):
+    """The bonus drawn (same uniform) from the unmodified target distribution at the last
+    node instead of the residual, so a rejected draft can come back as the bonus."""
+    acc = E.accept_sampled(logits, tree, uniforms, sampling)
+    p = E.target_probs(logits[int(acc.path[-1])], sampling)
+    return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
+
+
+def accept_chain_residual_ignoring_q(logits, drafts, q, uniforms, sampling):
+    """After a rejection, the token drawn from p instead of norm(max(0, p - q))."""
+    acc = E.accept_chain(logits, drafts, q, uniforms, sampling)
+    p = E.target_probs(logits[acc.accepted], sampling)
+    return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
+
+
+@pytest.mark.parametrize("case_name,broken", [
+    ("tree-3-1-4-vd4", accept_sampled_without_renormalising),
+    ("tree-2-2-5", accept_sampled_bonus_ignoring_rejections),
+    ("chain-2", accept_chain_residual_ignoring_q)], ids=lambda x: getattr(x, "__name__", x))
+def test_chi_square_rejects_broken_acceptance(case_name, broken, vocab6_replay, vocab6_exact_law):
+    samples = monte_carlo(vocab6_replay(CASES[case_name], T1), accept=broken)
+    p = chi_square_p(samples, vocab6_exact_law(T1).joint)
+    assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
+
+# ----------------------------------------------------------------------------------------
+# hand-worked acceptance
+#
+# Tree (node: token):   0:0 (root) -> 1:1 -> 3:3
+#                                  -> 2:2
+# HAND_P[i] is the target distribution after node i; logits = log p, so at temperature 1
+# the warped distribution is exactly p.
+
+HAND_P = torch.tensor([[0.10, 0.40, 0.30, 0.20],    # after node 0 (root)
+                       [0.40, 0.30, 0.20, 0.10],    # after node 1
+                       [0.05, 0.05, 0.10, 0.80],    # after node 2 (a leaf)
+                       [0.70, 0.10, 0.10, 0.10]],   # after node 3 (a leaf)
+                      dtype=torch.float64)
+
+
+def hand_accept(uniforms, sampling=T1, logits=None):
+    tree = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))
+    stream = iter(uniforms)
+    acc = E.accept_sampled(HAND_P.log() if logits is None else logits, tree, stream, sampling)
+    assert next(stream, None) is None, "uniforms left unused"
+    return acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms
+
+
+def test_accept_sampled_first_child_accepted():
+    # root: node 1 (token 1): 0.35 <= p0(1) = 0.4 -> accept; node 2 is never tried
+    # node 1: node 3 (token 3): 0.5 > p1(3) = 0.1 -> reject; residual [.4, .3, .2, 0] / .9,
+    #   CDF [.444, .778, 1, 1]
+    # bonus: 0.8 lies in [.778, 1) -> token 2
+    assert hand_accept([0.35, 0.5, 0.8]) == ([0, 1], 1, 2, [0.35, 0.5, 0.8])
+
+
+def test_accept_sampled_tests_second_child_with_renormalised_probability():
+    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [.1, 0, .3, .2] / .6 = [1/6, 0, 1/2, 1/3]
+    # root: node 2 (token 2): 0.45 <= 1/2 -> accept (the unrenormalised 0.3 would reject)
+    # node 2 is a leaf: bonus from p2, CDF [.05, .1, .2, 1]: 0.6 -> token 3
+    assert hand_accept([0.6, 0.45, 0.6]) == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
+
+
+def test_accept_sampled_all_children_rejected_bonus_from_residual():
+    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [1/6, 0, 1/2, 1/3]
+    # root: node 2 (token 2): 0.7 > 1/2 -> reject; p0 -> [1/6, 0, 0, 1/3] / (1/2) = [1/3, 0, 0, 2/3]
+    # bonus: 0.4 in the residual CDF [1/3, 1/3, 1/3, 1] -> token 3
+    #   (the unmodified p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
+    assert hand_accept([0.6, 0.7, 0.4]) == ([0], 0, 3, [0.6, 0.7, 0.4])
+
+
+def test_accept_sampled_leaf_bonus_from_unmodified_distribution():
+    # root: node 1: 0.35 <= 0.4 -> accept; node 1: node 3 (token 3): 0.05 <= 0.1 -> accept
+    # node 3 is a leaf: bonus from p3, CDF [.7, .8, .9, 1]: 0.75 -> token 1
+    #   (node 1's distribution, CDF [.4, .7, .9, 1], would give token 2)
+    assert hand_accept([0.35, 0.05, 0.75]) == ([0, 1, 3], 2, 1, [0.35, 0.05, 0.75])
+
+
+def test_accept_sampled_tests_drafts_against_warped_distribution():
+    # top_k = 2: p0 -> tokens {1, 2} kept: [0, 4/7, 3/7, 0]; p1 -> tokens {0, 1}: [4/7, 3/7, 0, 0]
+    # root: node 1 (token 1): 0.5 <= 4/7 -> accept (0.5 > the unwarped 0.4)
+    # node 1: node 3 (token 3): 0.01 > 0 -> reject (top-k removed token 3); residual = p1
+    # bonus: 0.6 in CDF [4/7, 1, 1, 1] -> token 1
+    got = hand_accept([0.5, 0.01, 0.6], sampling=E.Sampling(1.0, top_k=2))
+    assert got == ([0, 1], 1, 1, [0.5, 0.01, 0.6])
+
+
+def test_accept_sampled_never_accepts_zero_probability_draft():
+    # top_k = 2 leaves node 1's distribution [4/7, 3/7, 0, 0]: its child, token 3, has
+    # probability 0 and must be rejected whatever the coin. torch.rand draws from [0, 1),
+    # so u = 0.0 is a possible coin, and the rule "accept iff u <= p(x)" accepts at 0 <= 0.
+    # root: node 1: 0.5 <= 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
+    # bonus: 0.6 in node 1's CDF [4/7, 1, 1, 1] -> token 1
+    got = hand_accept([0.5, 0.0, 0.6], sampling=E.Sampling(1.0, top_k=2))
+    assert got == ([0, 1], 1, 1, [0.5, 0.0, 0.6])
+
+
+def test_accept_sampled_applies_temperature():
+    # logits = 0.5 log p at temperature 0.5 -> the warped distribution is p again, so the
+    # renormalisation case above must come out unchanged
+    got = hand_accept([0.6, 0.45, 0.6], sampling=E.Sampling(0.5), logits=0.5 * HAND_P.log())
+    assert got == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
+
+
+# Chain: drafts x1 = 1, x2 = 3 sampled from q; rows of p after root, x1, x2.
+HAND_CHAIN_Q = torch.tensor([[0.10, 0.60, 0.20, 0.10],
+                             [0.20, 0.20, 0.20, 0.40]], dtype=torch.float64)
+HAND_CHAIN_P = torch.tensor([[0.25, 0.30, 0.25, 0.20],
+                             [0.10, 0.10, 0.10, 0.70],
+                             [0.10, 0.20, 0.30, 0.40]], dtype=torch.float64)
+
+
+def hand_accept_chain(uniforms, q=HAND_CHAIN_Q, p=HAND_CHAIN_P):
+    stream = iter(uniforms)
+    acc = E.accept_chain(p.log(), torch.tensor([1, 3]), q, stream, T1)
+    assert next(stream, None) is None, "uniforms left unused"
+    return acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms
+
+
+def test_accept_chain_accepts_iff_u_times_q_at_most_p():
+    # x1 = 1: 0.45 * q(1) = 0.27 <= p(1) = 0.3 -> accept (0.45 > p(1): a q = 1 rule rejects)
+    # x2 = 3: 0.99 * 0.4 = 0.396 <= 0.7 -> accept
+    # bonus from the last row, CDF [.1, .3, .6, 1]: 0.5 -> token 2
+    assert hand_accept_chain([0.45, 0.99, 0.5]) == ([0, 1, 2], 2, 2, [0.45, 0.99, 0.5])
+
+
+def test_accept_chain_rejection_samples_residual_p_minus_q():
+    # x1 = 1: 0.6 * 0.6 = 0.36 > 0.3 -> reject; x2 is never tested
+    # residual max(0, p - q) = [.15, 0, .05, .1] (sum .3): 0.52 * .3 = .156 in CDF
+    #   [.15, .15, .2, .3] -> token 2 (p itself, CDF [.25, .55, ...], gives the rejected 1)
+    assert hand_accept_chain([0.6, 0.52]) == ([0], 0, 2, [0.6, 0.52])
+
+
+def test_accept_chain_second_rejection_uses_its_own_rows():
+    q = torch.tensor([[0.10, 0.60, 0.20, 0.10], [0.10, 0.10, 0.10, 0.70]], dtype=torch.float64)
+    p = HAND_CHAIN_P.clone()
+    p[1] = torch.tensor([0.30, 0.20, 0.10, 0.40], dtype=torch.float64)
+    # x1 = 1: 0.45 * 0.6 = 0.27 <= 0.3 -> accept
+    # x2 = 3: 0.9 * q2(3) = 0.63 > p2(3) = 0.4 -> reject
+    # residual max(0, p2 - q2) = [.2, .1, 0, 0] (sum .3): 0.7 * .3 = .21 in CDF [.2, .3, .3, .3]
+    #   -> token 1
+    assert hand_accept_chain([0.45, 0.9, 0.7], q=q, p=p) == ([0, 1], 1, 1, [0.45, 0.9, 0.7])
+
+
+def test_accept_chain_never_accepts_zero_probability_draft():
+    # top_k = 2 keeps tokens 0, 1 of p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]. The
+    # drafter proposed token 2 (q(2) = .5): the target gives it probability 0, so it must
+    # be rejected whatever the coin; but u = 0.0 (a possible torch.rand draw) passes
+    # "accept iff u * q(x) <= p(x)" as 0 <= 0.
+    # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): 0.5 * .5 = .25 -> token 0
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4], dtype=torch.float64)
+    q = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.25] * 4], dtype=torch.float64)
+    stream = iter([0.0, 0.5, 0.5, 0.5])  # enough for the faulty path too
+    acc = E.accept_chain(p.log(), torch.tensor([2, 0]), q, stream, E.Sampling(1.0, top_k=2))
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 0)
+
+# ----------------------------------------------------------------------------------------
+# warpers and inverse CDF
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 5, 1.0), (1.0, 1, 1.0), (1.0, 0, 0.9), (0.7, 0, 0.9),
+    (0.5, 10, 0.8), (2.0, 3, 0.5), (0.9, 0, 0.05), (1.0, 50, 0.95), (1.2, 40, 1.0)])
+def test_target_probs_matches_transformers_warpers(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(int(temperature * 100) + top_k + int(top_p * 1000))
+    logits = torch.randn(16, 40, generator=g) * 3
+    if top_p == 1:
+        # Rows with tied logits: top-k keeps every tie (a rule). Ties straddling the top-p
+        # cut are left out: transformers drops whichever tied token its *unstable*
+        # torch.sort puts first, which is not a rule eagle3_ref can match (see the report).
+        logits = torch.cat([logits, torch.randint(-3, 4, (4, 40), generator=g).float()])
+    sampling = E.Sampling(temperature, top_k, top_p)
+    got = E.target_probs(logits, sampling)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, hf_warped_probs(logits, sampling), rtol=0, atol=1e-12)
+
+
+def test_target_probs_top_p_drops_token_exactly_at_the_cut():
+    # p = [8, 1, 4, 3] / 16, top_p = 0.75: ascending [1, 3, 4, 8] / 16, cumulative
+    # [1/16, 4/16, 8/16, 1]; tokens whose cumulative stays <= 1 - 0.75 = 4/16 are dropped,
+    # the one *at* 4/16 (token 3) included -> [8, 0, 4, 0] / 12
+    logits = torch.tensor([8, 1, 4, 3], dtype=torch.float64).div(16).log()
+    cumulative = logits.sort().values.softmax(-1).cumsum(-1)
+    assert cumulative[1] == 1 - 0.75, "precondition: the cut is hit exactly in float64"
+    sampling = E.Sampling(1.0, 0, 0.75)
+    expected = torch.tensor([2 / 3, 0, 1 / 3, 0], dtype=torch.float64)
+    torch.testing.assert_close(E.target_probs(logits, sampling), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(hf_warped_probs(logits[None], sampling)[0], expected,
+                               rtol=0, atol=1e-12)
+
+
+def test_sample_inverse_cdf_hand_example():
+    p = torch.tensor([0.25, 0.0, 0.5, 0.125, 0.0, 0.125], dtype=torch.float64)
+    # CDF [.25, .25, .75, .875, .875, 1]; token i owns [cdf(i-1), cdf(i)), empty for p = 0
+    cases = {0.0: 0, 0.2: 0, 0.25: 2, 0.74: 2, 0.75: 3, 0.874: 3, 0.875: 5, 0.999: 5}
+    assert {u: E.sample_inverse_cdf(p, u) for u in cases} == cases
+    assert {u: E.sample_inverse_cdf(8 * p, u) for u in cases} == cases  # u scales with sum
+
+
+def test_sample_inverse_cdf_never_picks_zero_probability_token():
+    g = torch.Generator().manual_seed(0)
+    below_one = float(np.nextafter(1.0, 0.0))
+    for _ in range(50):
+        p = torch.rand(12, generator=g, dtype=torch.float64)
+        p[torch.rand(12, generator=g) < 0.5] = 0.0
+        p[int(torch.randint(12, (1,), generator=g))] = 0.3  # at least one live token
+        cdf = (p.cumsum(0) / p.sum()).tolist()
+        for u in [0.0, below_one] + cdf + torch.rand(20, generator=g).tolist():
+            token = E.sample_inverse_cdf(p, u)
+            assert p[token] > 0, f"u={u} chose token {token} of probability 0 in {p.tolist()}"
+
+# ----------------------------------------------------------------------------------------
+# seeds, the plain sampler, tensor parallelism
+
+
+@pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
+def test_same_seed_same_tokens(case_name, vocab6_target, vocab6_drafts):
+    case = CASES[case_name]
+
+    def run():
+        return E.speculative_generate(vocab6_target, vocab6_drafts[case.draft], PROMPT, 24,
+                                      temperature=0.8, top_p=0.95, tree=case.shape, seed=7,
+                                      scheme=case.scheme)
+    first, second = run(), run()
+    assert first.tokens.tolist() == second.tokens.tolist()
+    assert first.accept_lengths == second.accept_lengths
+
+
+@pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
+def test_different_seeds_different_tokens(case_name, vocab6_target, vocab6_drafts):
+    case = CASES[case_name]
+    outputs = {tuple(E.speculative_generate(
+        vocab6_target, vocab6_drafts[case.draft], PROMPT, 24, temperature=1.0, tree=case.shape,
+        seed=seed, scheme=case.scheme).tokens.tolist()) for seed in range(4)}
+    assert len(outputs) == 4  # 24 tokens of a 6-token vocab: a repeat is (almost) impossible
+
+
+@pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
+def test_round_trace_records_the_seeded_uniforms_in_order(case_name, vocab6_target,
+                                                          vocab6_drafts):
+    case = CASES[case_name]
+    for seed in range(5):
+        result = E.speculative_generate(
+            vocab6_target, vocab6_drafts[case.draft], PROMPT, 16, temperature=0.9, top_p=0.9,
+            tree=case.shape, seed=seed, scheme=case.scheme)
+        used = result.first_uniforms + [u for r in result.rounds for u in r.uniforms]
+        assert used == list(itertools.islice(coins(seed), len(used)))
+
+
+def test_sample_generate_replays_inverse_cdf_of_exact_law(vocab6_target, vocab6_exact_law):
+    """sample_generate's i-th token = inverse CDF, at the i-th seeded uniform, of
+    transformers' warped distribution given the tokens before it."""
+    law = vocab6_exact_law(T07_P09)
+    for seed in range(100):
+        u1, u2, u3 = itertools.islice(coins(seed), 3)
+        a = inverse_cdf(law.p1, u1)
+        b = inverse_cdf(law.p2[a], u2)
+        expected = [a, b, inverse_cdf(law.p3[a, b], u3)]
+        got = E.sample_generate(vocab6_target, PROMPT, N_TOKENS, temperature=0.7, top_p=0.9,
+                                seed=seed).tolist()
+        assert got == expected, f"seed {seed}"
+
+
+def test_sample_generate_first_token_matches_enumeration(vocab6_target, vocab6_exact_law):
+    law = vocab6_exact_law(T1).p1
+    samples = [tuple(E.sample_generate(vocab6_target, PROMPT, 1, seed=seed).tolist())
+               for seed in range(1000)]
+    p = chi_square_p(samples, law)
+    assert p >= ALPHA, f"sample_generate's first token deviates: p = {p:.2e}"
+
+
+def test_sample_generate_same_seed_same_tokens(vocab6_target):
+    def run():
+        return E.sample_generate(vocab6_target, PROMPT, 24, temperature=0.8, top_p=0.9,
+                                 top_k=3, seed=5).tolist()
+    assert run() == run()
+
+
+TP_SEED = 11
+
+
+def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
+    """Sampled tokens of each generator, as the tensor-parallel tests compare them."""
+    run = dict(
+        tree=lambda: E.speculative_generate(target, draft, PROMPT, 16, temperature=0.9, top_p=0.9,
+                                            tree=CASES["tree-2-2-5"].shape, seed=seed).tokens,
+        chain=lambda: E.speculative_generate(target, draft, PROMPT, 16, temperature=0.9,
+                                             top_p=0.9, tree=CASES["chain-2"].shape, seed=seed,
+                                             scheme="chain").tokens,
+        plain=lambda: E.sample_generate(target, PROMPT, 16, temperature=0.9, top_p=0.9, seed=seed))
+    return {name: run[name]().tolist() for name in generators}
+
+
+@pytest.fixture(scope="module")
+def vocab6_tp_outputs(vocab6_checkpoint, tmp_path_factory):
+    """Per rank of a 2-process torchrun (gloo): outputs with the shared seed TP_SEED, and
+    ("own seed") the tree and plain samplers with a different seed on each rank."""
+    out = tmp_path_factory.mktemp("vocab6_tp")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(E.__file__)),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), "worker", vocab6_checkpoint[0], str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+def test_tensor_parallel_ranks_emit_identical_tokens(vocab6_tp_outputs, vocab6_target,
+                                                     vocab6_drafts):
+    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
+    for name, tokens in single.items():
+        assert vocab6_tp_outputs[0]["shared"][name] == vocab6_tp_outputs[1]["shared"][name], name
+        assert vocab6_tp_outputs[0]["shared"][name] == tokens, f"{name}: W = 2 differs from W = 1"
+
+
+def test_tensor_parallel_rank0_decides_sampled_tokens(vocab6_tp_outputs, vocab6_target,
+                                                      vocab6_drafts):
+    """Rank 1 draws other uniforms, yet emits rank 0's tokens: the first token and every
+    acceptance are rank 0's, broadcast (SPEC §5 TP). (Not the chain: its sampled drafts
+    are drawn on each rank, so it needs the shared seed.)"""
+    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED, ("tree", "plain"))
+    for name, tokens in single.items():
+        assert vocab6_tp_outputs[1]["own seed"][name] == tokens, f"{name}: rank 1 decided"
+        assert vocab6_tp_outputs[0]["own seed"][name] == tokens, name
+
+# ----------------------------------------------------------------------------------------
+# bad input
+
+
+BAD_SAMPLING = [
+    (dict(temperature=-0.5), r"temperature=-0\.5.*>= ?0"),
+    (dict(top_p=0.0), r"top_p=0\.0.*\(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1\.5.*\(0, 1\]"),
+    (dict(top_p=-0.2), r"top_p=-0\.2.*\(0, 1\]"),
+    (dict(top_k=-1), r"top_k=-1.*>= ?0"),
+    (dict(top_k=2.5), r"top_k=2\.5.*integer"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
+def test_speculative_generate_rejects_bad_sampling(kwargs, match, vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=match):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               **dict(dict(temperature=1.0), **kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
+def test_sample_generate_rejects_bad_sampling(kwargs, match, vocab6_target):
+    with pytest.raises(E.Eagle3Error, match=match):
+        E.sample_generate(vocab6_target, PROMPT, 4, **dict(dict(temperature=1.0), **kwargs))
+
+
+def test_chain_scheme_needs_temperature(vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=r"scheme='chain'.*temperature > 0"):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               temperature=0.0, scheme="chain")
+
+
+def test_unknown_scheme_rejected(vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=r"scheme='beam'.*one of"):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               temperature=1.0, scheme="beam")
+
+# ----------------------------------------------------------------------------------------
+# torchrun worker: python -m torch.distributed.run --nproc_per_node=2 THIS worker TARGET OUT
+
+
+def sampling_tp_worker(target_dir, out_dir):
+    rank = E.init_distributed().rank
+    tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
+    tp_draft = vocab6_new_draft(tp_target, seed=1)
+    outputs = {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
+               "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
+    torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["tp"]:
         tp_worker(*sys.argv[2:4])
+    elif sys.argv[1:2] == ["worker"]:
+        sampling_tp_worker(*sys.argv[2:4])
     else:
         sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} tp JOB_FILE OUT_DIR")
 
