@@ -230,13 +230,19 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def attend(q, k, v, mask):
-    """Softmax attention of q (B, H, T, hs) over k, v (B, Hkv, S, hs); mask (T, S) bool,
-    True = may attend. Query head h reads kv head h // (H / Hkv) (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def attention_bias(mask, dtype):
+    """bool mask (T, S), True = may attend -> additive bias: 0 allowed, -inf blocked.
+    Built once per forward pass rather than once per layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
 
 
-def attend_cached(q, k, v, mask, kv=None, start=0):
+def attend(q, k, v, bias):
+    """Softmax attention of q (B, H, T, hs) over k, v (B, Hkv, S, hs) with an additive
+    bias (T, S). Query head h reads kv head h // (H / Hkv) (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+def attend_cached(q, k, v, bias, kv=None, start=0):
     """With a cache slab pair kv, write the new keys/values at slots start..start+T-1 and
     attend over slots 0..start+T-1; without one, attend over k, v themselves."""
     if kv is not None:
@@ -244,7 +250,7 @@ def attend_cached(q, k, v, mask, kv=None, start=0):
         kv[0][:, :, start:start + T] = k
         kv[1][:, :, start:start + T] = v
         k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]  # (B, Hkv, S, hs)
-    return attend(q, k, v, mask)
+    return attend(q, k, v, bias)
 
 
 def causal_mask(T, start, device):
@@ -319,9 +325,9 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)
         return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
 
-    def forward(self, x, cos, sin, mask, kv=None, start=0):
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
         q, k, v = self.project(x, cos, sin)
-        return self.output(attend_cached(q, k, v, mask, kv, start))
+        return self.output(attend_cached(q, k, v, bias, kv, start))
 
 
 class MLP(nn.Module):
@@ -348,8 +354,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, world)
 
-    def forward(self, x, cos, sin, mask, kv=None, start=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, start)
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -379,24 +385,28 @@ class Target(nn.Module):
         (T, start+T) bool (default causal). With a cache, K/V are written at slots
         start..start+T-1 and the first `start` slots are the prefix.
         Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
-        of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state)."""
+        of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
+        aux_layers=() when no features are needed (aux is then None)."""
         B, T = input_ids.shape
         device = input_ids.device
-        aux_layers = aux_layers or self.cfg.default_aux_layers
+        if aux_layers is None:
+            aux_layers = self.cfg.default_aux_layers
+            check_aux_layers(aux_layers, self.cfg.n_layers)
         if positions is None:
             positions = torch.arange(start, start + T, device=device)
         if mask is None:
             mask = causal_mask(T, start, device)
         x = self.model.embed_tokens(input_ids)                              # (B, T, D)
         cos, sin = rope_cos_sin(self.cfg.inv_freq, positions, self.cfg.rope_scale, x.dtype)
+        bias = attention_bias(mask, x.dtype)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 captured[i] = x
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x = layer(x, cos, sin, mask, kv, start)
+            x = layer(x, cos, sin, bias, kv, start)
         captured[self.cfg.n_layers] = x
-        aux = torch.cat([captured[i] for i in aux_layers], dim=-1)          # (B, T, 3*D)
+        aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(self.model.norm(x)), aux
 
 
@@ -636,7 +646,8 @@ class Draft(nn.Module):
         """h (B, T, D): fc(target features) or the previous draft output; tokens (B, T) target
         ids. Returns the pre-norm output (B, T, D), which is also the next step's hidden."""
         kv = None if cache is None else (cache.k[0], cache.v[0])
-        return self.layer(h, tokens, positions, lambda q, k, v: attend_cached(q, k, v, mask, kv, start))
+        bias = attention_bias(mask, h.dtype)
+        return self.layer(h, tokens, positions, lambda q, k, v: attend_cached(q, k, v, bias, kv, start))
 
     def layer(self, h, tokens, positions, attention):
         """The decoder layer with a pluggable attention(q, k, v) -> y: cached attention at
@@ -820,16 +831,18 @@ def tree_from_parents(tokens, parents):
     tokens, parents = tokens.cpu(), parents.cpu()
     N = len(tokens)
     mask = torch.eye(N, dtype=torch.bool)
-    for j, p in enumerate(parents.tolist()[1:], start=1):  # one pass: parents come first
-        mask[j] |= mask[p]
+    nodes, ancestor = torch.arange(N), parents.clone()
+    while (ancestor >= 0).any():  # climb one level per pass: depth+1 passes reach the root
+        up = ancestor >= 0
+        mask[nodes[up], ancestor[up]] = True
+        ancestor[up] = parents[ancestor[up]]
     positions = mask.sum(1) - 1
     is_parent = torch.zeros(N, dtype=torch.bool)
     is_parent[parents[1:]] = True
     leaves = (~is_parent).nonzero().flatten()
     retrieve = torch.full((len(leaves), int(positions.max()) + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves.tolist()):
-        path = mask[leaf].nonzero().flatten()  # ancestors in index order = root..leaf
-        retrieve[row, :len(path)] = path
+    row, node = mask[leaves].nonzero(as_tuple=True)  # each leaf's ancestors-or-self ...
+    retrieve[row, positions[node]] = node            # ... placed by depth: root..leaf
     return Tree(tokens, parents, positions, mask, retrieve)
 
 
@@ -876,7 +889,8 @@ def grow_tree(draft, cache, n, h_last, root, top_k, depth, total_tokens):
     # 1) level 1: the K best children of the root
     scores, ids = topk_first_index(draft_log_probs(draft, h_last)[0], K)    # (K,)
     tokens = draft.to_target_ids(ids)
-    pool_scores, pool_tokens, group_parent = [scores], [tokens], [-1]
+    pool_scores, pool_tokens = [scores], [tokens]
+    group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
     inputs = torch.arange(K, device=device)          # pool indices of this level's nodes
     h = h_last.expand(K, -1)                         # (K, D) the output that drafted them
     tree_mask = torch.eye(K, dtype=torch.bool, device=device)  # ancestors among tree slots
@@ -890,7 +904,7 @@ def grow_tree(draft, cache, n, h_last, root, top_k, depth, total_tokens):
         cum = scores[:, None] + child_logp           # cumulative log-prob of each child
         pool_scores.append(cum.flatten())
         pool_tokens.append(draft.to_target_ids(child_ids).flatten())
-        group_parent.extend(inputs.tolist())         # the K children of input r: group
+        group_parent.append(inputs)                  # input r's K children form a group
         if it == depth - 1:
             break
         # 3) rerank: the K best of the K*K children become the next level's nodes
@@ -900,10 +914,10 @@ def grow_tree(draft, cache, n, h_last, root, top_k, depth, total_tokens):
         tokens, h = pool_tokens[-1][best], out[rows]
         tree_mask = torch.cat([tree_mask[rows], torch.eye(K, dtype=torch.bool, device=device)], 1)
     return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),
-                       torch.tensor(group_parent, device=device), root, total_tokens, K)
+                       torch.cat(group_parent), root, total_tokens, K)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
     """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
     are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
@@ -981,7 +995,7 @@ class Acceptance(NamedTuple):
     uniforms: list       # the uniforms this round used, in order (empty when greedy)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def verify_tree(target, cache, n, tree, aux_layers):
     """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
     device = cache.k.device
@@ -1154,7 +1168,7 @@ def next_token(logits, sampling, uniforms):
     return int(broadcast0(torch.tensor([token], device=logits.device))), used
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
     """Plain decoding with a KV cache: one target forward per token."""
     check_sampling(sampling)
@@ -1162,13 +1176,14 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))
     n = input_ids.shape[1]
     cache = target.new_cache(n + max_new_tokens)
-    logits, _ = target(input_ids, cache=cache)
+    logits, _ = target(input_ids, cache=cache, aux_layers=())
     out = []
     while True:
         token, _ = next_token(logits[0, -1], sampling, uniforms)
         if emit(out, [token], max_new_tokens, eos_token_id):
             return torch.tensor(out)
-        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache, start=n)
+        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
+                           start=n, aux_layers=())
         n += 1
 
 
@@ -1200,7 +1215,7 @@ class SpecResult(NamedTuple):
     first_uniforms: list  # the uniform that sampled the first token (sampling only)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
                          record_logits=False):
@@ -1312,32 +1327,47 @@ WORDS = ("house water light music paper stone river green table happy window gar
 
 
 def corpus_example(g):
-    """One (prompt, reply) pair drawn with the torch generator g."""
+    """One (prompt, reply) pair drawn with the torch generator g. Replies are a few
+    sentences long, like a chat model's: mostly determined by the prompt, with some words
+    drawn at random."""
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
     kind = int(torch.randint(8, (1,), generator=g))
     if kind == 0:
         country = pick(list(CAPITALS))
-        return f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}."
+        city = CAPITALS[country]
+        return (f"What is the capital of {country}?",
+                f"The capital of {country} is {city}. Many people in {country} live in {city}, "
+                f"and visitors to {country} often start their trip in {city}.")
     if kind == 1:
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
-        return f"Count from {NUMBERS[a]} to {NUMBERS[b]}.", " ".join(NUMBERS[a:b + 1]) + "."
+        return (f"Count from {NUMBERS[a]} to {NUMBERS[b]}.",
+                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: {', '.join(NUMBERS[a:b + 1])}. "
+                f"That is {NUMBERS[b - a + 1]} numbers.")
     if kind == 2:
         a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        return f"What is {NUMBERS[a]} plus {NUMBERS[b]}?", f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}."
+        x, y, z = NUMBERS[a], NUMBERS[b], NUMBERS[a + b]
+        return (f"What is {x} plus {y}?",
+                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
     if kind == 3:
         thing = pick(list(COLORS))
-        return f"What color is the {thing}?", f"The {thing} is {COLORS[thing]}."
+        return (f"What color is the {thing}?",
+                f"The {thing} is {COLORS[thing]}. Most people would say that the color of the "
+                f"{thing} is {COLORS[thing]}.")
     if kind == 4:
         word = pick(list(OPPOSITES))
-        return f"What is the opposite of {word}?", f"The opposite of {word} is {OPPOSITES[word]}."
+        return (f"What is the opposite of {word}?",
+                f"The opposite of {word} is {OPPOSITES[word]}. Something that is not {word} "
+                f"is {OPPOSITES[word]}.")
     if kind == 5:
         word = pick(WORDS)
-        return f"Spell the word {word}.", " ".join(word.upper()) + "."
+        return (f"Spell the word {word}.",
+                f"The word {word} is spelled {' '.join(word.upper())}. It has "
+                f"{NUMBERS[len(word)]} letters.")
     if kind == 6:
-        words = [pick(WORDS + ANIMALS) for _ in range(3)]
-        return f"Repeat after me: {' '.join(words)}.", f"{' '.join(words)}. {' '.join(words)}."
+        words = " ".join(pick(WORDS + ANIMALS) for _ in range(3))
+        return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
     name, animal = pick(NAMES), pick(ANIMALS)
     return (f"Tell me a story about {name} the {animal}.",
             f"Once upon a time {name} the {pick(ADJECTIVES)} {animal} lived near a "
@@ -1397,7 +1427,7 @@ def next_token_accuracy(target, token_lists):
     with torch.no_grad():
         for tokens in token_lists:
             x = torch.tensor([tokens], device=target.lm_head.weight.device)
-            logits, _ = target(x)
+            logits, _ = target(x, aux_layers=())
             hits += int((logits[0, :-1].argmax(-1) == x[0, 1:]).sum())
             total += x.shape[1] - 1
     return hits / total
@@ -1411,13 +1441,13 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         x = rows[torch.randint(len(rows), (batch,), generator=g)]
-        logits, _ = target(x)
+        logits, _ = target(x, aux_layers=())
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        progress(f"pretrain target {step + 1}/{steps}", loss=float(loss))
+        progress(f"pretrain target {step + 1}/{steps}", loss=loss.item())
     progress_done()
 
 
@@ -1484,7 +1514,7 @@ class Example(NamedTuple):
     reply_mask: list   # 1 where the token belongs to an assistant reply
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=64):
     """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
     of prompt token ids, batched over prompts of equal length; cut after the first EOS."""
@@ -1498,12 +1528,12 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=64):
             rows = indices[j:j + batch]
             x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
             cache = target.new_cache(length + max_new_tokens, batch=len(rows))
-            logits, _ = target(x, cache=cache)
+            logits, _ = target(x, cache=cache, aux_layers=())
             out = []
             for n in range(length, length + max_new_tokens):
                 token = logits[:, -1].argmax(-1)                           # (B,)
                 out.append(token)
-                logits, _ = target(token[:, None], cache=cache, start=n)
+                logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
             for i, reply in zip(rows, torch.stack(out, 1).tolist()):
                 cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
                 replies[i] = reply[:cut]
@@ -1655,7 +1685,7 @@ def step_accuracy(result, world):
     return (hits / counts.clamp(min=1)).tolist()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32):
     """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
     hits, counts = torch.zeros(steps), torch.zeros(steps)
@@ -1883,17 +1913,29 @@ class DecodeStats(NamedTuple):
     lossless: bool
 
 
-def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None):
+def best_time(run, repeats):
+    """(result, fastest wall time) of `repeats` calls: the minimum filters out machine noise
+    and is applied to every contender alike."""
+    best, result = math.inf, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = run()
+        best = min(best, time.perf_counter() - t0)
+    return result, best
+
+
+def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
+                     repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, and exactness."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
     spec_s = greedy_s = 0.0
+    speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
     for ids in prompts:
-        t0 = time.perf_counter()
-        spec = speculative_generate(target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos)
-        t1 = time.perf_counter()
-        plain = greedy_generate(target, ids, max_new_tokens, eos_token_id=eos)
-        greedy_s += time.perf_counter() - t1
-        spec_s += t1 - t0
+        spec, seconds = best_time(lambda: speculative_generate(
+            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
+        spec_s += seconds
+        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos), repeats)
+        greedy_s += seconds
         lossless &= spec.tokens.tolist() == plain.tolist()
         rounds += spec.rounds
         n_tokens += len(spec.tokens)
@@ -2197,19 +2239,19 @@ def count_calls(module):
     return calls, handle
 
 
-def time_hf(model, prompts, max_new_tokens, eos, **generate_kwargs):
+def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
-    calls, handle = count_calls(model)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, calls = 0, 0.0, 0
     for ids in prompts:
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
-                             **generate_kwargs)
-        seconds += time.perf_counter() - t0
+        counter, handle = count_calls(model)
+        out, s = best_time(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=eos, pad_token_id=eos, **generate_kwargs), repeats)
+        handle.remove()
+        seconds += s
         tokens += out.shape[1] - ids.shape[1]
-    handle.remove()
-    return Timed(tokens / seconds, calls[0] / tokens)
+        calls += counter[0] / repeats
+    return Timed(tokens / seconds, calls / tokens)
 
 
 def build_assistant_lm(target_dir, path, seed=0):
@@ -2440,6 +2482,9 @@ def build_parser():
 
 
 def main(argv=None):
+    import transformers
+    transformers.logging.set_verbosity_error()   # keep the report readable
+    transformers.utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
