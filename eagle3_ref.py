@@ -1275,227 +1275,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
     return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
 
 # ----------------------------------------------------------------------------------------
-# training data: a synthetic chat corpus a tiny model can learn
-#
-# Deterministic and written here, so the demo needs no download. Each conversation is a
-# user prompt and an assistant reply from one of a few task families: some replies are a
-# function of the prompt (facts, counting, arithmetic, spelling, copying), others contain
-# genuinely uncertain spans (stories, lists), so the language is learnable but not trivial.
-
-USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + ASSISTANT +
-                 "{{ m['content'] }}" + END + "{% else %}" + USER + "{{ m['content'] }}"
-                 "{% endif %}{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
-CAPITALS = dict(france="paris", spain="madrid", italy="rome", japan="tokyo", egypt="cairo",
-                peru="lima", kenya="nairobi", norway="oslo", chile="santiago", cuba="havana",
-                greece="athens", poland="warsaw", india="delhi", canada="ottawa",
-                ireland="dublin", austria="vienna", portugal="lisbon", sweden="stockholm",
-                finland="helsinki", hungary="budapest", russia="moscow", china="beijing",
-                mexico="mexico city", brazil="brasilia", argentina="buenos aires",
-                germany="berlin", belgium="brussels", denmark="copenhagen", nepal="kathmandu",
-                iceland="reykjavik", morocco="rabat", ghana="accra", vietnam="hanoi",
-                thailand="bangkok", turkey="ankara", iran="tehran", iraq="baghdad")
-COLORS = dict(sky="blue", grass="green", snow="white", coal="black", blood="red",
-              banana="yellow", orange="orange", sea="blue", cloud="grey", rose="red",
-              lemon="yellow", leaf="green", night="black", milk="white", cherry="red",
-              plum="purple", violet="purple", ash="grey", carrot="orange", frog="green")
-OPPOSITES = dict(hot="cold", big="small", fast="slow", happy="sad", early="late",
-                 light="dark", up="down", open="closed", young="old", loud="quiet",
-                 rich="poor", strong="weak", full="empty", wet="dry", hard="soft",
-                 long="short", high="low", clean="dirty", near="far", heavy="light")
-NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-           "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
-NAMES = ("anna ben clara david emma felix grace hugo iris jonas kara leo mia noah olga paul "
-         "quinn rosa sam tina uma victor wanda xavier yara zoe arthur bella carlos dora elias "
-         "fiona george hannah ivan julia kevin lucy marco nina oscar").split()
-ANIMALS = ("cat dog fox owl bear wolf horse rabbit tiger mouse lion zebra camel eagle goat "
-           "sheep duck goose otter beaver badger panda koala whale shark crab snail frog "
-           "lizard parrot").split()
-ADJECTIVES = ("brave clever quiet curious gentle lazy proud tiny wise funny bold calm eager "
-              "fierce glad honest jolly kind lively merry nervous polite shy silly sleepy "
-              "strange sweet tidy witty grumpy").split()
-FOODS = ("apples bread cheese honey rice soup cake fish plums nuts pears grapes beans corn "
-         "pasta noodles cookies berries carrots peas oats butter eggs melons figs dates olives "
-         "peaches lemons pies").split()
-PLACES = ("forest village river mountain garden city desert island valley farm lake castle "
-          "harbor meadow canyon jungle swamp beach hill cave bridge tower market library "
-          "school temple station orchard vineyard glacier").split()
-WORDS = ("house water light music paper stone river green table happy window garden yellow "
-         "pencil bottle silver winter summer planet rocket candle basket mirror ladder "
-         "blanket button circle dragon engine feather guitar island jacket kitten lantern "
-         "marble needle pocket rabbit saddle ticket velvet wagon").split()
-
-
-def corpus_example(g):
-    """One (prompt, reply) pair drawn with the torch generator g. Replies are a few
-    sentences long, like a chat model's: mostly determined by the prompt, with some words
-    drawn at random."""
-    def pick(seq):
-        return seq[int(torch.randint(len(seq), (1,), generator=g))]
-    kind = int(torch.randint(8, (1,), generator=g))
-    if kind == 0:
-        country = pick(list(CAPITALS))
-        city = CAPITALS[country]
-        return (f"What is the capital of {country}?",
-                f"The capital of {country} is {city}. Many people in {country} live in {city}, "
-                f"and visitors to {country} often start their trip in {city}.")
-    if kind == 1:
-        a = int(torch.randint(0, 12, (1,), generator=g))
-        b = a + int(torch.randint(3, 9, (1,), generator=g))
-        return (f"Count from {NUMBERS[a]} to {NUMBERS[b]}.",
-                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: {', '.join(NUMBERS[a:b + 1])}. "
-                f"That is {NUMBERS[b - a + 1]} numbers.")
-    if kind == 2:
-        a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = NUMBERS[a], NUMBERS[b], NUMBERS[a + b]
-        return (f"What is {x} plus {y}?",
-                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
-    if kind == 3:
-        thing = pick(list(COLORS))
-        return (f"What color is the {thing}?",
-                f"The {thing} is {COLORS[thing]}. Most people would say that the color of the "
-                f"{thing} is {COLORS[thing]}.")
-    if kind == 4:
-        word = pick(list(OPPOSITES))
-        return (f"What is the opposite of {word}?",
-                f"The opposite of {word} is {OPPOSITES[word]}. Something that is not {word} "
-                f"is {OPPOSITES[word]}.")
-    if kind == 5:
-        word = pick(WORDS)
-        return (f"Spell the word {word}.",
-                f"The word {word} is spelled {' '.join(word.upper())}. It has "
-                f"{NUMBERS[len(word)]} letters.")
-    if kind == 6:
-        words = " ".join(pick(WORDS + ANIMALS) for _ in range(3))
-        return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
-    name, animal = pick(NAMES), pick(ANIMALS)
-    return (f"Tell me a story about {name} the {animal}.",
-            f"Once upon a time {name} the {pick(ADJECTIVES)} {animal} lived near a "
-            f"{pick(PLACES)}. Every day {name} ate {pick(FOODS)} and {pick(FOODS)}. "
-            f"{name} was {pick(ADJECTIVES)} and {pick(ADJECTIVES)}. The end.")
-
-
-def synthetic_corpus(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [corpus_example(g) for _ in range(n)]
-
-
-def chat_text(prompt, reply=None):
-    """The tiny chat format; the same string the saved tokenizer's chat template renders."""
-    return f"{USER}{prompt}{ASSISTANT}" + ("" if reply is None else f"{reply}{END}")
-
-
-def train_tokenizer(texts, vocab_size):
-    """Byte-level BPE trained with the `tokenizers` library, wrapped as a transformers
-    tokenizer with the chat template, so it saves and loads like a real one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END,
-                                   chat_template=CHAT_TEMPLATE)
-
-# ----------------------------------------------------------------------------------------
-# the tiny target: pretrained here on the synthetic corpus, saved as a real HF model dir
-
-TINY_DIR = os.path.join(RUNS_DIR, "tiny")
-TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
-PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=300, lr=3e-3, warmup=30)
-
-
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def pack_rows(token_lists, row_len):
-    """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
-    stream = torch.tensor([t for tokens in token_lists for t in tokens])
-    return stream[:len(stream) // row_len * row_len].view(-1, row_len)
-
-
-def next_token_accuracy(target, token_lists):
-    """Held-out top-1 accuracy of the target on its own language (all positions)."""
-    hits = total = 0
-    with torch.no_grad():
-        for tokens in token_lists:
-            x = torch.tensor([tokens], device=target.lm_head.weight.device)
-            logits, _ = target(x, aux_layers=())
-            hits += int((logits[0, :-1].argmax(-1) == x[0, 1:]).sum())
-            total += x.shape[1] - 1
-    return hits / total
-
-
-def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
-    """Plain next-token training of the tiny target (one process): AdamW, clip 1.0."""
-    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        x = rows[torch.randint(len(rows), (batch,), generator=g)]
-        logits, _ = target(x, aux_layers=())
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        progress(f"pretrain target {step + 1}/{steps}", loss=loss.item())
-    progress_done()
-
-
-def save_target(target, hf_config, tokenizer, path):
-    """A real HF model dir: config.json, model.safetensors, tokenizer files; loadable by
-    transformers' AutoModelForCausalLM / AutoTokenizer and by load_target."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
-    tokenizer.save_pretrained(path)
-    atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
-    atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
-
-
-def build_tiny_target(path, seed=0):
-    """Corpus -> tokenizer -> pretrained tiny target saved at `path` (rank 0 builds it)."""
-    from transformers import AutoConfig
-    t0 = time.time()
-    corpus = synthetic_corpus(PRETRAIN["conversations"], seed)
-    texts = [chat_text(p, r) for p, r in corpus]
-    tokenizer = train_tokenizer(texts, TINY_TOKENIZER_VOCAB)
-    config = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "tiny_configs", "tiny_demo_target.json")))
-    config.update(vocab_size=-(-len(tokenizer) // 64) * 64,  # round up, as real models do
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                  bos_token_id=None)
-    hf_config = AutoConfig.for_model(**config)
-    target = init_weights(Target(target_config(hf_config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
-    pretrain_target(target, rows, PRETRAIN["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
-                    PRETRAIN["warmup"], seed)
-    save_target(target, hf_config, tokenizer, path)
-    print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
-
-
-def progress(label, **metrics):
-    """A one-line progress bar (rank 0, overwritten in place)."""
-    if is_rank0():
-        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in metrics.items())
-        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
-
-
-def progress_done():
-    if is_rank0():
-        print(file=sys.stderr, flush=True)
-
-# ----------------------------------------------------------------------------------------
 # train: EAGLE-3 training-time test (TTT)
 #
 # The drafter is trained on the target's own replies, with features and logits computed
@@ -1811,34 +1590,448 @@ def draft_config_for(target, draft_vocab_size):
     return read_draft_config(raw, c)
 
 
-def cmd_train(args):
-    from transformers import AutoTokenizer
-    init_distributed()
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
-    examples = [ex for ex in examples if len(ex.tokens) <= args.max_len and sum(ex.reply_mask)]
-    if len(examples) < 2:
-        fail(f"{args.data} gives {len(examples)} usable conversations (with an assistant turn, "
-             f"at most --max-len {args.max_len} tokens); need at least 2")
-    n_held = max(1, len(examples) // 50)
-    train, held_out = examples[n_held:], examples[:n_held]
-    if args.init_draft:
-        draft = load_draft(args.init_draft, target, dtype=torch.float32)
-    else:
-        d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
-                                       args.draft_vocab_size)
-        draft = init_draft(new_draft(draft_config_for(target, args.draft_vocab_size), target,
-                                     dtype=torch.float32), args.seed)
-        draft.d2t.copy_(d2t.to(draft.d2t.device))
-        draft.t2d.copy_(t2d.to(draft.t2d.device))
-    steps = max(1, args.epochs * len(train) // args.batch)
-    cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
-                      ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
-                      save_every=max(1, steps // 10), seed=args.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id, args.resume)
-    print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
+# ----------------------------------------------------------------------------------------
+# tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
+#
+# Deterministic and written here, so the demo needs no download. Each conversation is a
+# user prompt and an assistant reply from one of a few task families: some replies are a
+# function of the prompt (facts, counting, arithmetic, spelling, copying), others contain
+# genuinely uncertain spans (stories, lists), so the language is learnable but not trivial.
+
+USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + ASSISTANT +
+                 "{{ m['content'] }}" + END + "{% else %}" + USER + "{{ m['content'] }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+CAPITALS = dict(france="paris", spain="madrid", italy="rome", japan="tokyo", egypt="cairo",
+                peru="lima", kenya="nairobi", norway="oslo", chile="santiago", cuba="havana",
+                greece="athens", poland="warsaw", india="delhi", canada="ottawa",
+                ireland="dublin", austria="vienna", portugal="lisbon", sweden="stockholm",
+                finland="helsinki", hungary="budapest", russia="moscow", china="beijing",
+                mexico="mexico city", brazil="brasilia", argentina="buenos aires",
+                germany="berlin", belgium="brussels", denmark="copenhagen", nepal="kathmandu",
+                iceland="reykjavik", morocco="rabat", ghana="accra", vietnam="hanoi",
+                thailand="bangkok", turkey="ankara", iran="tehran", iraq="baghdad")
+COLORS = dict(sky="blue", grass="green", snow="white", coal="black", blood="red",
+              banana="yellow", orange="orange", sea="blue", cloud="grey", rose="red",
+              lemon="yellow", leaf="green", night="black", milk="white", cherry="red",
+              plum="purple", violet="purple", ash="grey", carrot="orange", frog="green")
+OPPOSITES = dict(hot="cold", big="small", fast="slow", happy="sad", early="late",
+                 light="dark", up="down", open="closed", young="old", loud="quiet",
+                 rich="poor", strong="weak", full="empty", wet="dry", hard="soft",
+                 long="short", high="low", clean="dirty", near="far", heavy="light")
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+           "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
+NAMES = ("anna ben clara david emma felix grace hugo iris jonas kara leo mia noah olga paul "
+         "quinn rosa sam tina uma victor wanda xavier yara zoe arthur bella carlos dora elias "
+         "fiona george hannah ivan julia kevin lucy marco nina oscar").split()
+ANIMALS = ("cat dog fox owl bear wolf horse rabbit tiger mouse lion zebra camel eagle goat "
+           "sheep duck goose otter beaver badger panda koala whale shark crab snail frog "
+           "lizard parrot").split()
+ADJECTIVES = ("brave clever quiet curious gentle lazy proud tiny wise funny bold calm eager "
+              "fierce glad honest jolly kind lively merry nervous polite shy silly sleepy "
+              "strange sweet tidy witty grumpy").split()
+FOODS = ("apples bread cheese honey rice soup cake fish plums nuts pears grapes beans corn "
+         "pasta noodles cookies berries carrots peas oats butter eggs melons figs dates olives "
+         "peaches lemons pies").split()
+PLACES = ("forest village river mountain garden city desert island valley farm lake castle "
+          "harbor meadow canyon jungle swamp beach hill cave bridge tower market library "
+          "school temple station orchard vineyard glacier").split()
+WORDS = ("house water light music paper stone river green table happy window garden yellow "
+         "pencil bottle silver winter summer planet rocket candle basket mirror ladder "
+         "blanket button circle dragon engine feather guitar island jacket kitten lantern "
+         "marble needle pocket rabbit saddle ticket velvet wagon").split()
+
+
+def corpus_example(g):
+    """One (prompt, reply) pair drawn with the torch generator g. Replies are a few
+    sentences long, like a chat model's: mostly determined by the prompt, with some words
+    drawn at random."""
+    def pick(seq):
+        return seq[int(torch.randint(len(seq), (1,), generator=g))]
+    kind = int(torch.randint(8, (1,), generator=g))
+    if kind == 0:
+        country = pick(list(CAPITALS))
+        city = CAPITALS[country]
+        return (f"What is the capital of {country}?",
+                f"The capital of {country} is {city}. Many people in {country} live in {city}, "
+                f"and visitors to {country} often start their trip in {city}.")
+    if kind == 1:
+        a = int(torch.randint(0, 12, (1,), generator=g))
+        b = a + int(torch.randint(3, 9, (1,), generator=g))
+        return (f"Count from {NUMBERS[a]} to {NUMBERS[b]}.",
+                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: {', '.join(NUMBERS[a:b + 1])}. "
+                f"That is {NUMBERS[b - a + 1]} numbers.")
+    if kind == 2:
+        a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
+        x, y, z = NUMBERS[a], NUMBERS[b], NUMBERS[a + b]
+        return (f"What is {x} plus {y}?",
+                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
+    if kind == 3:
+        thing = pick(list(COLORS))
+        return (f"What color is the {thing}?",
+                f"The {thing} is {COLORS[thing]}. Most people would say that the color of the "
+                f"{thing} is {COLORS[thing]}.")
+    if kind == 4:
+        word = pick(list(OPPOSITES))
+        return (f"What is the opposite of {word}?",
+                f"The opposite of {word} is {OPPOSITES[word]}. Something that is not {word} "
+                f"is {OPPOSITES[word]}.")
+    if kind == 5:
+        word = pick(WORDS)
+        return (f"Spell the word {word}.",
+                f"The word {word} is spelled {' '.join(word.upper())}. It has "
+                f"{NUMBERS[len(word)]} letters.")
+    if kind == 6:
+        words = " ".join(pick(WORDS + ANIMALS) for _ in range(3))
+        return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
+    name, animal = pick(NAMES), pick(ANIMALS)
+    return (f"Tell me a story about {name} the {animal}.",
+            f"Once upon a time {name} the {pick(ADJECTIVES)} {animal} lived near a "
+            f"{pick(PLACES)}. Every day {name} ate {pick(FOODS)} and {pick(FOODS)}. "
+            f"{name} was {pick(ADJECTIVES)} and {pick(ADJECTIVES)}. The end.")
+
+
+def synthetic_corpus(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [corpus_example(g) for _ in range(n)]
+
+
+def chat_text(prompt, reply=None):
+    """The tiny chat format; the same string the saved tokenizer's chat template renders."""
+    return f"{USER}{prompt}{ASSISTANT}" + ("" if reply is None else f"{reply}{END}")
+
+
+def train_tokenizer(texts, vocab_size):
+    """Byte-level BPE trained with the `tokenizers` library, wrapped as a transformers
+    tokenizer with the chat template, so it saves and loads like a real one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END, USER, ASSISTANT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END,
+                                   chat_template=CHAT_TEMPLATE)
+
+
+TINY_DIR = os.path.join(RUNS_DIR, "tiny")
+TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
+PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=300, lr=3e-3, warmup=30)
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def pack_rows(token_lists, row_len):
+    """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
+    stream = torch.tensor([t for tokens in token_lists for t in tokens])
+    return stream[:len(stream) // row_len * row_len].view(-1, row_len)
+
+
+def next_token_accuracy(target, token_lists):
+    """Held-out top-1 accuracy of the target on its own language (all positions)."""
+    hits = total = 0
+    with torch.no_grad():
+        for tokens in token_lists:
+            x = torch.tensor([tokens], device=target.lm_head.weight.device)
+            logits, _ = target(x, aux_layers=())
+            hits += int((logits[0, :-1].argmax(-1) == x[0, 1:]).sum())
+            total += x.shape[1] - 1
+    return hits / total
+
+
+def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
+    """Plain next-token training of the tiny target (one process): AdamW, clip 1.0."""
+    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        x = rows[torch.randint(len(rows), (batch,), generator=g)]
+        logits, _ = target(x, aux_layers=())
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        progress(f"pretrain target {step + 1}/{steps}", loss=loss.item())
+    progress_done()
+
+
+def save_target(target, hf_config, tokenizer, path):
+    """A real HF model dir: config.json, model.safetensors, tokenizer files; loadable by
+    transformers' AutoModelForCausalLM / AutoTokenizer and by load_target."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
+    tokenizer.save_pretrained(path)
+    atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
+    atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
+
+
+def build_tiny_target(path, seed=0):
+    """Corpus -> tokenizer -> pretrained tiny target saved at `path` (rank 0 builds it)."""
+    from transformers import AutoConfig
+    t0 = time.time()
+    corpus = synthetic_corpus(PRETRAIN["conversations"], seed)
+    texts = [chat_text(p, r) for p, r in corpus]
+    tokenizer = train_tokenizer(texts, TINY_TOKENIZER_VOCAB)
+    config = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "tiny_configs", "tiny_demo_target.json")))
+    config.update(vocab_size=-(-len(tokenizer) // 64) * 64,  # round up, as real models do
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=None)
+    hf_config = AutoConfig.for_model(**config)
+    target = init_weights(Target(target_config(hf_config)), seed)
+    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
+    pretrain_target(target, rows, PRETRAIN["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
+                    PRETRAIN["warmup"], seed)
+    save_target(target, hf_config, tokenizer, path)
+    print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
+
+
+def progress(label, **metrics):
+    """A one-line progress bar (rank 0, overwritten in place)."""
+    if is_rank0():
+        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in metrics.items())
+        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
+
+
+def progress_done():
+    if is_rank0():
+        print(file=sys.stderr, flush=True)
+
+# ----------------------------------------------------------------------------------------
+# golden traces: exact per-round records other implementations can be tested against
+#
+# One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
+# version, run configuration, library versions); tensors are named "round0007.<field>".
+# The README documents every field.
+
+GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
+FULL_LOGITS_MAX_VOCAB = 4096   # larger vocabularies store top-20 values/ids + a checksum
+GOLDEN_TOP = 20
+LOGITS_ATOL = 1e-4             # --check: logits may differ by fp32 round-off, nothing else
+
+
+def golden_tensors(input_ids, result):
+    t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
+             accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
+             first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
+    for i, r in enumerate(result.rounds):
+        p = f"round{i:04d}."
+        t.update({p + "tree_tokens": r.tree.tokens, p + "parents": r.tree.parents,
+                  p + "positions": r.tree.positions, p + "mask": r.tree.mask,
+                  p + "retrieve_indices": r.tree.retrieve_indices, p + "path": r.path,
+                  p + "accept_length": torch.tensor([r.accepted + 1]),
+                  p + "bonus": torch.tensor([r.bonus]),
+                  p + "uniforms": torch.tensor(r.uniforms, dtype=torch.float64)})
+        if r.logits.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
+            t[p + "logits"] = r.logits
+        else:
+            top = r.logits.topk(GOLDEN_TOP, dim=-1)
+            t.update({p + "logits_top20_values": top.values, p + "logits_top20_ids": top.indices,
+                      p + "logits_checksum": r.logits.double().sum(-1)})
+    return {k: v.contiguous() for k, v in t.items()}
+
+
+def write_golden(path, header, tensors):
+    from safetensors.torch import save_file
+    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT,
+                                             version=GOLDEN_VERSION))}
+    if is_rank0():
+        atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
+
+
+def read_golden(path):
+    from safetensors import safe_open
+    f = open_checkpoint(path)
+    header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
+    if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
+        fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
+             f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
+             f"version={header.get('version')!r}); regenerate it with this eagle3_ref.py")
+    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    _open_files.clear()
+    return header, tensors
+
+
+def first_divergence(expected, actual):
+    """The first field (in round order) where two traces differ, as a readable line, or
+    None. Logits compare within LOGITS_ATOL; everything else exactly."""
+    for name in sorted(set(expected) | set(actual)):
+        where = f"round {int(name[5:9])}, field {name[10:]}" if name.startswith("round") else f"field {name}"
+        if name not in expected or name not in actual:
+            return f"{where}: present only in the {'re-run' if name in actual else 'file'}"
+        e, a = expected[name], actual[name]
+        if e.shape != a.shape:
+            return f"{where}: shape {tuple(e.shape)} in the file, {tuple(a.shape)} re-run"
+        tol = LOGITS_ATOL if "logits" in name and e.is_floating_point() else 0
+        bad = ((e.double() - a.double()).abs() > tol).nonzero()
+        if len(bad):
+            index = tuple(bad[0].tolist())
+            return (f"{where}, index {index if len(index) > 1 else index[0]}: "
+                    f"file {e[index].item()}, re-run {a[index].item()}")
+    return None
+
+
+def golden_run(cfg):
+    """Run speculative decoding as described by a golden header -> (input_ids, result)."""
+    target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
+    draft = load_draft(cfg["draft"], target)
+    ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
+    result = speculative_generate(
+        target, draft, ids, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
+        cfg["top_k"], TreeShape(*cfg["tree"]), cfg["seed"], cfg["eos_token_id"], cfg["scheme"],
+        record_logits=True)
+    return ids, result
+
+
+# ----------------------------------------------------------------------------------------
+# drafter diagnostics: does a drafter's vocab map fit this target?
+
+VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
+
+
+def raw_vocab_map(draft_dir):
+    """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
+    files = checkpoint_files(draft_dir)
+    if "d2t" not in files:
+        return None, None
+    d2t = read_shard(files["d2t"], "d2t", None, 0, 1)
+    t2d = read_shard(files["t2d"], "t2d", None, 0, 1) if "t2d" in files else None
+    _open_files.clear()
+    return d2t, t2d
+
+
+def token_strings(tokenizer, ids):
+    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
+            for i in ids]
+
+
+def data_tokens(tokenizer, path):
+    """Token ids of a JSONL chat file through the tokenizer's chat template."""
+    return [t for m in read_conversations(path) for t in tokenize_conversation(tokenizer, m).tokens]
+
+
+class VocabFit(NamedTuple):
+    matching: int         # d2t entries naming the same token string in both tokenizers
+    entries: int          # draft vocab size
+    out_of_range: int     # d2t entries outside the target vocab
+    coverage: float       # share of the data's target tokens inside t2d (None without data)
+    fits: bool
+
+
+def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
+    d2t, t2d = raw_vocab_map(draft_dir)
+    V = len(target_tokenizer)
+    if d2t is None:  # no map: draft ids are target ids
+        d2t = torch.zeros(len(draft_tokenizer), dtype=torch.long)
+    target_ids = torch.arange(len(d2t)) + d2t
+    in_range = (target_ids >= 0) & (target_ids < V)
+    old = token_strings(draft_tokenizer, target_ids)
+    new = token_strings(target_tokenizer, target_ids)
+    matching = sum(a is not None and a == b for a, b in zip(old, new))
+    coverage = None
+    if data:
+        ids = torch.tensor(data_tokens(target_tokenizer, data))
+        keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
+        ids = ids[ids < len(keep)]
+        coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
+    fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
+    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
+
+
+def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
+                seed=0):
+    """A new vocab map for a new target, built from data; lm_head rows move with their
+    token strings, tokens new to the drafter get fresh rows; everything else is kept."""
+    d2t_old, _ = raw_vocab_map(draft_dir)
+    old_cfg = json.load(open(os.path.join(draft_dir, "config.json")))
+    if d2t_old is None:
+        d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
+    old_rows = {s: i for i, s in enumerate(token_strings(
+        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
+    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
+    d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
+                                   draft_vocab_size)
+    files = checkpoint_files(draft_dir)
+    old_head = read_shard(files["lm_head.weight"], "lm_head.weight", None, 0, 1).float()
+    raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
+    draft = init_draft(new_draft(read_draft_config(raw, target.cfg), target, dtype=torch.float32), seed)
+    skip = {"lm_head.weight", "d2t", "t2d"}
+    load_state(draft, draft_dir, 0, 1, skip=lambda n: n in skip or n.startswith("embed_tokens"))
+    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
+    carried = 0
+    with torch.no_grad():
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        for j, s in enumerate(new_strings):
+            if s in old_rows:
+                draft.lm_head.weight[j] = old_head[old_rows[s]]
+                carried += 1
+    return draft, carried
+
+
+# ----------------------------------------------------------------------------------------
+# benchmark: speed against what a user would pick instead, measured in one run
+
+ASSISTANT_LM = dict(num_hidden_layers=2, steps=200)  # the small LM for HF assisted decoding
+
+
+def peak_rss_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Timed(NamedTuple):
+    tokens_per_s: float
+    forwards_per_token: float
+
+
+def count_calls(module):
+    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
+    calls = [0]
+    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
+    """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
+    tokens, seconds, calls = 0, 0.0, 0
+    for ids in prompts:
+        counter, handle = count_calls(model)
+        out, s = best_time(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=eos, pad_token_id=eos, **generate_kwargs), repeats)
+        handle.remove()
+        seconds += s
+        tokens += out.shape[1] - ids.shape[1]
+        calls += counter[0] / repeats
+    return Timed(tokens / seconds, calls / tokens)
+
+
+def build_assistant_lm(target_dir, path, seed=0):
+    """A small draft LM for transformers' assisted generation, trained here on the same
+    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = ASSISTANT_LM["num_hidden_layers"]
+    texts = [chat_text(p, r) for p, r in synthetic_corpus(PRETRAIN["conversations"], seed)]
+    small = init_weights(Target(target_config(config)), seed)
+    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
+    pretrain_target(small, rows, ASSISTANT_LM["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
+                    PRETRAIN["warmup"], seed)
+    save_target(small, config, tokenizer, path)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1980,347 +2173,6 @@ def main_demo():
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
 # ----------------------------------------------------------------------------------------
-# golden traces: exact per-round records other implementations can be tested against
-#
-# One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
-# version, run configuration, library versions); tensors are named "round0007.<field>".
-# The README documents every field.
-
-GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
-FULL_LOGITS_MAX_VOCAB = 4096   # larger vocabularies store top-20 values/ids + a checksum
-GOLDEN_TOP = 20
-LOGITS_ATOL = 1e-4             # --check: logits may differ by fp32 round-off, nothing else
-
-
-def golden_tensors(input_ids, result):
-    t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
-             accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
-             first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
-    for i, r in enumerate(result.rounds):
-        p = f"round{i:04d}."
-        t.update({p + "tree_tokens": r.tree.tokens, p + "parents": r.tree.parents,
-                  p + "positions": r.tree.positions, p + "mask": r.tree.mask,
-                  p + "retrieve_indices": r.tree.retrieve_indices, p + "path": r.path,
-                  p + "accept_length": torch.tensor([r.accepted + 1]),
-                  p + "bonus": torch.tensor([r.bonus]),
-                  p + "uniforms": torch.tensor(r.uniforms, dtype=torch.float64)})
-        if r.logits.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
-            t[p + "logits"] = r.logits
-        else:
-            top = r.logits.topk(GOLDEN_TOP, dim=-1)
-            t.update({p + "logits_top20_values": top.values, p + "logits_top20_ids": top.indices,
-                      p + "logits_checksum": r.logits.double().sum(-1)})
-    return {k: v.contiguous() for k, v in t.items()}
-
-
-def write_golden(path, header, tensors):
-    from safetensors.torch import save_file
-    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT,
-                                             version=GOLDEN_VERSION))}
-    if is_rank0():
-        atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
-
-
-def read_golden(path):
-    from safetensors import safe_open
-    f = open_checkpoint(path)
-    header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
-    if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
-        fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
-             f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
-             f"version={header.get('version')!r}); regenerate it with this eagle3_ref.py")
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    _open_files.clear()
-    return header, tensors
-
-
-def first_divergence(expected, actual):
-    """The first field (in round order) where two traces differ, as a readable line, or
-    None. Logits compare within LOGITS_ATOL; everything else exactly."""
-    for name in sorted(set(expected) | set(actual)):
-        where = f"round {int(name[5:9])}, field {name[10:]}" if name.startswith("round") else f"field {name}"
-        if name not in expected or name not in actual:
-            return f"{where}: present only in the {'re-run' if name in actual else 'file'}"
-        e, a = expected[name], actual[name]
-        if e.shape != a.shape:
-            return f"{where}: shape {tuple(e.shape)} in the file, {tuple(a.shape)} re-run"
-        tol = LOGITS_ATOL if "logits" in name and e.is_floating_point() else 0
-        bad = ((e.double() - a.double()).abs() > tol).nonzero()
-        if len(bad):
-            index = tuple(bad[0].tolist())
-            return (f"{where}, index {index if len(index) > 1 else index[0]}: "
-                    f"file {e[index].item()}, re-run {a[index].item()}")
-    return None
-
-
-def golden_run(cfg):
-    """Run speculative decoding as described by a golden header -> (input_ids, result)."""
-    target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
-    draft = load_draft(cfg["draft"], target)
-    ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
-    result = speculative_generate(
-        target, draft, ids, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
-        cfg["top_k"], TreeShape(*cfg["tree"]), cfg["seed"], cfg["eos_token_id"], cfg["scheme"],
-        record_logits=True)
-    return ids, result
-
-
-def cmd_golden(args):
-    import transformers
-    init_distributed()
-    if args.check:
-        header, expected = read_golden(args.check)
-        cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
-                                                          ("draft", args.draft)) if v})
-        ids, result = golden_run(cfg)
-        diff = first_divergence(expected, golden_tensors(ids, result))
-        print0("match" if diff is None else f"first divergence: {diff}")
-        sys.exit(0 if diff is None else 1)
-    if not args.out:
-        fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
-    target_dir, draft_dir, prompt_ids = args.target, args.draft, args.prompt_ids
-    if not target_dir:
-        target_dir, draft_dir = ensure_tiny_models()
-    if prompt_ids:
-        prompt_ids = [int(x) for x in prompt_ids.split(",")]
-    else:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
-    cfg = dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
-               input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-               tree=[args.tree_top_k, args.depth, args.total_tokens], scheme=args.scheme,
-               seed=args.seed, dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
-    ids, result = golden_run(cfg)
-    header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
-                  transformers=transformers.__version__)
-    write_golden(args.out, header, golden_tensors(ids, result))
-    print0(f"wrote {args.out}: {len(result.rounds)} rounds, {len(result.tokens)} tokens")
-
-
-# ----------------------------------------------------------------------------------------
-# drafter diagnostics: does a drafter's vocab map fit this target?
-
-VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
-
-
-def raw_vocab_map(draft_dir):
-    """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
-    files = checkpoint_files(draft_dir)
-    if "d2t" not in files:
-        return None, None
-    d2t = read_shard(files["d2t"], "d2t", None, 0, 1)
-    t2d = read_shard(files["t2d"], "t2d", None, 0, 1) if "t2d" in files else None
-    _open_files.clear()
-    return d2t, t2d
-
-
-def token_strings(tokenizer, ids):
-    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
-            for i in ids]
-
-
-def data_tokens(tokenizer, path):
-    """Token ids of a JSONL chat file through the tokenizer's chat template."""
-    return [t for m in read_conversations(path) for t in tokenize_conversation(tokenizer, m).tokens]
-
-
-class VocabFit(NamedTuple):
-    matching: int         # d2t entries naming the same token string in both tokenizers
-    entries: int          # draft vocab size
-    out_of_range: int     # d2t entries outside the target vocab
-    coverage: float       # share of the data's target tokens inside t2d (None without data)
-    fits: bool
-
-
-def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
-    d2t, t2d = raw_vocab_map(draft_dir)
-    V = len(target_tokenizer)
-    if d2t is None:  # no map: draft ids are target ids
-        d2t = torch.zeros(len(draft_tokenizer), dtype=torch.long)
-    target_ids = torch.arange(len(d2t)) + d2t
-    in_range = (target_ids >= 0) & (target_ids < V)
-    old = token_strings(draft_tokenizer, target_ids)
-    new = token_strings(target_tokenizer, target_ids)
-    matching = sum(a is not None and a == b for a, b in zip(old, new))
-    coverage = None
-    if data:
-        ids = torch.tensor(data_tokens(target_tokenizer, data))
-        keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
-        ids = ids[ids < len(keep)]
-        coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
-    fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
-    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
-
-
-def cmd_vocab_check(args):
-    from transformers import AutoTokenizer
-    target_tok = AutoTokenizer.from_pretrained(args.target)
-    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
-    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
-    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: {fit.out_of_range}")
-    if fit.coverage is not None:
-        print(f"share of the data's target tokens inside the draft vocab (t2d): {fit.coverage:.1%}")
-    if not fit.fits:
-        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
-              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
-              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
-              f"Run remap-draft first.", file=sys.stderr)
-    print(json.dumps(fit._asdict()))
-
-
-def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
-                seed=0):
-    """A new vocab map for a new target, built from data; lm_head rows move with their
-    token strings, tokens new to the drafter get fresh rows; everything else is kept."""
-    d2t_old, _ = raw_vocab_map(draft_dir)
-    old_cfg = json.load(open(os.path.join(draft_dir, "config.json")))
-    if d2t_old is None:
-        d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
-    old_rows = {s: i for i, s in enumerate(token_strings(
-        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
-    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
-    d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
-                                   draft_vocab_size)
-    files = checkpoint_files(draft_dir)
-    old_head = read_shard(files["lm_head.weight"], "lm_head.weight", None, 0, 1).float()
-    raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
-    draft = init_draft(new_draft(read_draft_config(raw, target.cfg), target, dtype=torch.float32), seed)
-    skip = {"lm_head.weight", "d2t", "t2d"}
-    load_state(draft, draft_dir, 0, 1, skip=lambda n: n in skip or n.startswith("embed_tokens"))
-    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
-    carried = 0
-    with torch.no_grad():
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
-        for j, s in enumerate(new_strings):
-            if s in old_rows:
-                draft.lm_head.weight[j] = old_head[old_rows[s]]
-                carried += 1
-    return draft, carried
-
-
-def cmd_remap_draft(args):
-    from transformers import AutoTokenizer
-    init_distributed()
-    target = load_target(args.target, dtype=torch.float32)
-    target_tok = AutoTokenizer.from_pretrained(args.target)
-    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
-    size = args.draft_vocab_size or json.load(open(os.path.join(args.draft, "config.json"))).get(
-        "draft_vocab_size", target.cfg.vocab_size)
-    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size, args.seed)
-    save_draft(draft, args.out)
-    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
-           f"{size - carried} freshly initialised")
-
-
-# ----------------------------------------------------------------------------------------
-# benchmark: speed against what a user would pick instead, measured in one run
-
-ASSISTANT_LM = dict(num_hidden_layers=2, steps=200)  # the small LM for HF assisted decoding
-
-
-def peak_rss_mb():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class Timed(NamedTuple):
-    tokens_per_s: float
-    forwards_per_token: float
-
-
-def count_calls(module):
-    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
-    calls = [0]
-    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls, handle
-
-
-def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
-    """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
-    tokens, seconds, calls = 0, 0.0, 0
-    for ids in prompts:
-        counter, handle = count_calls(model)
-        out, s = best_time(lambda: model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-            eos_token_id=eos, pad_token_id=eos, **generate_kwargs), repeats)
-        handle.remove()
-        seconds += s
-        tokens += out.shape[1] - ids.shape[1]
-        calls += counter[0] / repeats
-    return Timed(tokens / seconds, calls / tokens)
-
-
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained here on the same
-    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM["num_hidden_layers"]
-    texts = [chat_text(p, r) for p, r in synthetic_corpus(PRETRAIN["conversations"], seed)]
-    small = init_weights(Target(target_config(config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
-    pretrain_target(small, rows, ASSISTANT_LM["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
-                    PRETRAIN["warmup"], seed)
-    save_target(small, config, tokenizer, path)
-
-
-def cmd_bench(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    init_distributed()
-    if world_info()[1] > 1:
-        fail("bench compares against transformers in one process; run it without torchrun")
-    t0 = time.time()
-    if args.target:
-        target_dir, draft_dir, assistant_dir = args.target, args.draft, args.assistant
-        texts = args.prompt or ["Write a short story about a robot who learns to paint."]
-    else:
-        target_dir, draft_dir = ensure_tiny_models()
-        assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
-        if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
-            build_assistant_lm(target_dir, assistant_dir)
-        texts = [p for p, _ in synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
-    dtype = parse_dtype(args.dtype)
-    target = load_target(target_dir, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    draft = load_draft(draft_dir, target)
-    device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
-    prompts = [encode_prompt(tokenizer, t, args.target is None or args.chat, device) for t in texts]
-    n = args.max_new_tokens
-    ours = measure_decoding(target, draft, prompts, n, eos=eos)
-    hf_dtype = target.lm_head.weight.dtype
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=hf_dtype).to(device).eval()
-    hf_plain = time_hf(hf, prompts, n, eos)
-    hf_assisted = None
-    if assistant_dir:
-        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype).to(device).eval()
-        hf_assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
-    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
-            ("transformers generate", hf_plain.tokens_per_s, hf_plain.forwards_per_token)]
-    if hf_assisted:
-        rows.append(("transformers assisted (small LM)", hf_assisted.tokens_per_s,
-                     hf_assisted.forwards_per_token))
-    rows.append(("ours: EAGLE-3 speculative", ours.spec_tokens_per_s, ours.forwards_per_token))
-    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s}")
-    for name, tps, fpt in rows:
-        print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
-    print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB")
-    report = dict(
-        tau=round(ours.tau, 3), lossless=ours.lossless,
-        speedup_vs_greedy=round(ours.spec_tokens_per_s / ours.greedy_tokens_per_s, 3),
-        speedup_vs_hf_generate=round(ours.spec_tokens_per_s / hf_plain.tokens_per_s, 3),
-        greedy_vs_hf_generate=round(ours.greedy_tokens_per_s / hf_plain.tokens_per_s, 3),
-        speedup_vs_hf_assisted=round(ours.spec_tokens_per_s / hf_assisted.tokens_per_s, 3)
-        if hf_assisted else None,
-        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))
-    print0(json.dumps(report))
-
-
-# ----------------------------------------------------------------------------------------
 # command line
 
 
@@ -2396,6 +2248,152 @@ def render_tree(tree, path, tokenizer):
 
 def cmd_demo(args):
     main_demo()
+
+
+def cmd_train(args):
+    from transformers import AutoTokenizer
+    init_distributed()
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
+    examples = [ex for ex in examples if len(ex.tokens) <= args.max_len and sum(ex.reply_mask)]
+    if len(examples) < 2:
+        fail(f"{args.data} gives {len(examples)} usable conversations (with an assistant turn, "
+             f"at most --max-len {args.max_len} tokens); need at least 2")
+    n_held = max(1, len(examples) // 50)
+    train, held_out = examples[n_held:], examples[:n_held]
+    if args.init_draft:
+        draft = load_draft(args.init_draft, target, dtype=torch.float32)
+    else:
+        d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
+                                       args.draft_vocab_size)
+        draft = init_draft(new_draft(draft_config_for(target, args.draft_vocab_size), target,
+                                     dtype=torch.float32), args.seed)
+        draft.d2t.copy_(d2t.to(draft.d2t.device))
+        draft.t2d.copy_(t2d.to(draft.t2d.device))
+    steps = max(1, args.epochs * len(train) // args.batch)
+    cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
+                      ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
+                      save_every=max(1, steps // 10), seed=args.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id, args.resume)
+    print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
+
+
+def cmd_golden(args):
+    import transformers
+    init_distributed()
+    if args.check:
+        header, expected = read_golden(args.check)
+        cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
+                                                          ("draft", args.draft)) if v})
+        ids, result = golden_run(cfg)
+        diff = first_divergence(expected, golden_tensors(ids, result))
+        print0("match" if diff is None else f"first divergence: {diff}")
+        sys.exit(0 if diff is None else 1)
+    if not args.out:
+        fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
+    target_dir, draft_dir, prompt_ids = args.target, args.draft, args.prompt_ids
+    if not target_dir:
+        target_dir, draft_dir = ensure_tiny_models()
+    if prompt_ids:
+        prompt_ids = [int(x) for x in prompt_ids.split(",")]
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
+    cfg = dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
+               input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+               tree=[args.tree_top_k, args.depth, args.total_tokens], scheme=args.scheme,
+               seed=args.seed, dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
+    ids, result = golden_run(cfg)
+    header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
+                  transformers=transformers.__version__)
+    write_golden(args.out, header, golden_tensors(ids, result))
+    print0(f"wrote {args.out}: {len(result.rounds)} rounds, {len(result.tokens)} tokens")
+
+
+def cmd_vocab_check(args):
+    from transformers import AutoTokenizer
+    target_tok = AutoTokenizer.from_pretrained(args.target)
+    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
+    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: {fit.out_of_range}")
+    if fit.coverage is not None:
+        print(f"share of the data's target tokens inside the draft vocab (t2d): {fit.coverage:.1%}")
+    if not fit.fits:
+        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
+              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
+              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
+              f"Run remap-draft first.", file=sys.stderr)
+    print(json.dumps(fit._asdict()))
+
+
+def cmd_remap_draft(args):
+    from transformers import AutoTokenizer
+    init_distributed()
+    target = load_target(args.target, dtype=torch.float32)
+    target_tok = AutoTokenizer.from_pretrained(args.target)
+    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    size = args.draft_vocab_size or json.load(open(os.path.join(args.draft, "config.json"))).get(
+        "draft_vocab_size", target.cfg.vocab_size)
+    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size, args.seed)
+    save_draft(draft, args.out)
+    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
+           f"{size - carried} freshly initialised")
+
+
+def cmd_bench(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    init_distributed()
+    if world_info()[1] > 1:
+        fail("bench compares against transformers in one process; run it without torchrun")
+    t0 = time.time()
+    if args.target:
+        target_dir, draft_dir, assistant_dir = args.target, args.draft, args.assistant
+        texts = args.prompt or ["Write a short story about a robot who learns to paint."]
+    else:
+        target_dir, draft_dir = ensure_tiny_models()
+        assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
+        if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
+            build_assistant_lm(target_dir, assistant_dir)
+        texts = [p for p, _ in synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
+    dtype = parse_dtype(args.dtype)
+    target = load_target(target_dir, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    draft = load_draft(draft_dir, target)
+    device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
+    prompts = [encode_prompt(tokenizer, t, args.target is None or args.chat, device) for t in texts]
+    n = args.max_new_tokens
+    ours = measure_decoding(target, draft, prompts, n, eos=eos)
+    hf_dtype = target.lm_head.weight.dtype
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=hf_dtype).to(device).eval()
+    hf_plain = time_hf(hf, prompts, n, eos)
+    hf_assisted = None
+    if assistant_dir:
+        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype).to(device).eval()
+        hf_assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
+    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
+            ("transformers generate", hf_plain.tokens_per_s, hf_plain.forwards_per_token)]
+    if hf_assisted:
+        rows.append(("transformers assisted (small LM)", hf_assisted.tokens_per_s,
+                     hf_assisted.forwards_per_token))
+    rows.append(("ours: EAGLE-3 speculative", ours.spec_tokens_per_s, ours.forwards_per_token))
+    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s}")
+    for name, tps, fpt in rows:
+        print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
+    print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB")
+    report = dict(
+        tau=round(ours.tau, 3), lossless=ours.lossless,
+        speedup_vs_greedy=round(ours.spec_tokens_per_s / ours.greedy_tokens_per_s, 3),
+        speedup_vs_hf_generate=round(ours.spec_tokens_per_s / hf_plain.tokens_per_s, 3),
+        greedy_vs_hf_generate=round(ours.greedy_tokens_per_s / hf_plain.tokens_per_s, 3),
+        speedup_vs_hf_assisted=round(ours.spec_tokens_per_s / hf_assisted.tokens_per_s, 3)
+        if hf_assisted else None,
+        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))
+    print0(json.dumps(report))
 
 
 def build_parser():
