@@ -35,12 +35,25 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 # ----------------------------------------------------------------------------------------
 # constants
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type
 MIN_LAYERS_FOR_AUX = 7      # aux layers (2, L//2, L-3) are distinct only for L >= 7
+DRAFT_ROPE_BASE = 10000.0   # draft RoPE base when its config.json has no rope_theta (the
+                            # released LLaMA-3.1 drafter), whatever the target uses
+# the official dynamic tree (EaModel.from_pretrained defaults)
+TOP_K = 10                  # children per expanded node, and nodes expanded per level
+DEPTH = 7                   # draft passes after the first level: depth+1 drafted levels
+TOTAL_TOKENS = 60           # tree size the target verifies, root included
+# training-time test (official traineagle3)
+TTT_STEPS = 7               # unrolled draft steps per position
+TTT_DECAY = 0.8             # step k weighs 0.8**k: the first drafted tokens matter most
+GRAD_CLIP = 0.5             # max gradient norm
+ADAM_BETAS = (0.9, 0.95)    # AdamW betas; weight decay 0
 RUNS_DIR = "runs"           # every generated file lives under here (git-ignored)
+TINY_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_configs")
 
 
 class Eagle3Error(ValueError):
@@ -49,6 +62,11 @@ class Eagle3Error(ValueError):
 
 def fail(message):
     raise Eagle3Error(message)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,7 +121,7 @@ def read_target_config(path):
     from transformers import AutoConfig
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
-    family = json.load(open(os.path.join(path, "config.json"))).get("model_type")
+    family = read_json(os.path.join(path, "config.json")).get("model_type")
     if family not in SUPPORTED_FAMILIES:
         fail(f"model_type={family!r} in {path}/config.json is not supported; "
              f"supported: {', '.join(SUPPORTED_FAMILIES)}")
@@ -438,40 +456,21 @@ def shard_dim(name):
     return None
 
 
-def checkpoint_files(path):
-    """name -> file for the weights of a model dir (single or sharded; safetensors or .bin)."""
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if os.path.isfile(os.path.join(path, index)):
-            weight_map = json.load(open(os.path.join(path, index)))["weight_map"]
-            return {k: os.path.join(path, f) for k, f in weight_map.items()}
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        file = os.path.join(path, single)
-        if os.path.isfile(file):
-            return {k: file for k in open_checkpoint(file).keys()}
-    fail(f"no weights in {path!r}: expected model.safetensors, model.safetensors.index.json, "
-         f"pytorch_model.bin or pytorch_model.bin.index.json")
+def open_weights(file):
+    """A lazy handle with .keys() and .get_slice(name) (safetensors reads from disk on
+    demand; .bin files are memory-mapped). Unreadable files are a clear error."""
+    try:
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+            return safe_open(file, framework="pt")
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        return BinWeights(state)
+    except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
+        fail(f"cannot read weight file {file!r} ({type(e).__name__}: {e}); "
+             f"the file is corrupt or truncated, re-download or re-save it")
 
 
-_open_files = {}
-
-
-def open_checkpoint(file):
-    """A handle with .keys() and .get_slice(name); safetensors reads lazily from disk."""
-    if file not in _open_files:
-        try:
-            if file.endswith(".safetensors"):
-                from safetensors import safe_open
-                _open_files[file] = safe_open(file, framework="pt")
-            else:
-                _open_files[file] = BinCheckpoint(torch.load(file, map_location="cpu",
-                                                             mmap=True, weights_only=True))
-        except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
-            fail(f"cannot read weight file {file!r} ({type(e).__name__}: {e}); "
-                 f"the file is corrupt or truncated, re-download or re-save it")
-    return _open_files[file]
-
-
-class BinCheckpoint(NamedTuple):
+class BinWeights(NamedTuple):
     state: dict
 
     def keys(self):
@@ -481,20 +480,48 @@ class BinCheckpoint(NamedTuple):
         return self.state[name]
 
 
-def read_shard(file, name, dim, rank, world):
-    """Read only this rank's slice of one tensor: rows (dim 0) or columns (dim 1)."""
-    try:
-        t = open_checkpoint(file).get_slice(name)
-        if dim is None:
-            return t[:]
-        n = t.get_shape()[dim] if hasattr(t, "get_shape") else t.shape[dim]
-        part = n // world
-        lo, hi = rank * part, (rank + 1) * part
-        return t[lo:hi] if dim == 0 else t[:, lo:hi]
-    except Eagle3Error:
-        raise
-    except Exception as e:
-        fail(f"cannot read {name!r} from {file!r} ({type(e).__name__}: {e}); the file is corrupt")
+class Checkpoint:
+    """The weights of a model dir: one file or a sharded index, safetensors or .bin.
+    Tensors are read one by one, and each rank reads only its own slice."""
+
+    def __init__(self, path):
+        self.path, self.handles = path, {}
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if os.path.isfile(os.path.join(path, index)):
+                weight_map = read_json(os.path.join(path, index))["weight_map"]
+                self.files = {k: os.path.join(path, f) for k, f in weight_map.items()}
+                return
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            file = os.path.join(path, single)
+            if os.path.isfile(file):
+                self.files = {k: file for k in self.handle(file).keys()}
+                return
+        fail(f"no weights in {path!r}: expected model.safetensors, model.safetensors.index.json, "
+             f"pytorch_model.bin or pytorch_model.bin.index.json")
+
+    def handle(self, file):
+        if file not in self.handles:
+            self.handles[file] = open_weights(file)
+        return self.handles[file]
+
+    def keys(self):
+        return self.files.keys()
+
+    def read(self, name, dim=None, rank=0, world=1):
+        """The whole tensor, or this rank's 1/W of its rows (dim 0) or columns (dim 1)."""
+        file = self.files[name]
+        try:
+            t = self.handle(file).get_slice(name)
+            if dim is None:
+                return t[:]
+            n = t.get_shape()[dim] if hasattr(t, "get_shape") else t.shape[dim]
+            lo, hi = rank * n // world, (rank + 1) * n // world
+            return t[lo:hi] if dim == 0 else t[:, lo:hi]
+        except Eagle3Error:
+            raise
+        except Exception as e:
+            fail(f"cannot read {name!r} from {file!r} ({type(e).__name__}: {e}); "
+                 f"the file is corrupt or truncated")
 
 
 def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
@@ -502,26 +529,26 @@ def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
     slice. Missing or unexpected keys and wrong shapes are errors that name the key.
     Tolerated extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored,
     as transformers does)."""
-    files = checkpoint_files(path)
+    ckpt = Checkpoint(path)
     params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
-    ignorable = {k for k in files if k.endswith("rotary_emb.inv_freq") or
+    ignorable = {k for k in ckpt.keys() if k.endswith("rotary_emb.inv_freq") or
                  (tied and k == "lm_head.weight")}
-    missing, unexpected = sorted(expected - set(files)), sorted(set(files) - expected - ignorable)
+    missing = sorted(expected - set(ckpt.keys()))
+    unexpected = sorted(set(ckpt.keys()) - expected - ignorable)
     if missing or unexpected:
         fail(f"checkpoint {path!r} does not match the model: missing keys {missing[:5]}"
              f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
              f"{' ...' if len(unexpected) > 5 else ''}")
     for name in sorted(expected):
         p = params[name]
-        t = read_shard(files[name], name, shard_dim(name), rank, world)
+        t = ckpt.read(name, shard_dim(name), rank, world)
         if tuple(t.shape) != tuple(p.shape):
             fail(f"{name!r} in {path!r} has shape {tuple(t.shape)} (this rank's slice), "
                  f"the model expects {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(t.to(p.dtype) if p.is_floating_point() else t)
-    _open_files.clear()
 
 
 def default_dtype(device):
@@ -554,8 +581,6 @@ def load_target(path, dtype=None, device=None):
 # previous pre-norm output for drafted tokens. Pair convention: draft position p holds
 # (feature of token p, token p+1) and predicts token p+2.
 
-DRAFT_ROPE_BASE = 10000.0   # draft RoPE base when its config.json has no rope_theta (the
-                            # released LLaMA-3.1 drafter), whatever the target uses
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 
 
@@ -581,8 +606,8 @@ def read_draft_config(path_or_dict, target_cfg):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
     target it will run with."""
     from transformers import LlamaConfig
-    raw = path_or_dict if isinstance(path_or_dict, dict) else json.load(
-        open(os.path.join(path_or_dict, "config.json")))
+    raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(
+        os.path.join(path_or_dict, "config.json"))
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in DRAFT_ARCHITECTURES:
         fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
@@ -724,8 +749,7 @@ def load_draft(path, target, dtype=None):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
     Strict: every key present, nothing extra, right shapes, a valid d2t/t2d."""
     cfg = read_draft_config(path, target.cfg)
-    files = checkpoint_files(path)
-    own = "embed_tokens.weight" in files
+    own = "embed_tokens.weight" in Checkpoint(path).keys()
     if not own and cfg.hidden_size != target.cfg.hidden_size:
         fail(f"draft hidden_size={cfg.hidden_size} differs from the target's "
              f"{target.cfg.hidden_size}, so it needs its own embed_tokens.weight in {path!r}")
@@ -770,6 +794,7 @@ def save_draft(draft, path):
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, raw))
 
+
 # ----------------------------------------------------------------------------------------
 # draft tree (the official dynamic tree of EAGLE-2/3)
 #
@@ -777,10 +802,6 @@ def save_draft(draft, path):
 # level keeps its K best nodes by cumulative log-probability and expands each into K
 # children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
 # the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
-
-TOP_K = 10          # children per expanded node, and nodes expanded per level
-DEPTH = 7           # draft forward passes after the first level: depth+1 drafted levels
-TOTAL_TOKENS = 60   # tree size the target verifies, root included
 
 
 class TreeShape(NamedTuple):
@@ -929,6 +950,7 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     cache = draft.new_cache(T + top_k * depth)
     h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
     return grow_tree(draft, cache, T, h_last, input_ids[0, -1], top_k, depth, total_tokens)
+
 
 # ----------------------------------------------------------------------------------------
 # verify and accept
@@ -1095,7 +1117,8 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
         q_draft = target_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
         u = next(uniforms)
         used.append(u)
-        token = draft.to_target_ids(torch.tensor([sample_inverse_cdf(q_draft, u)], device=device))
+        sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, u)], device=device))
+        token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
         q = torch.zeros(V, dtype=torch.float64, device=device)
         q[draft.to_target_ids(torch.arange(len(q_draft), device=device))] = q_draft
         tokens.append(token)
@@ -1117,6 +1140,7 @@ def decide(acceptance, max_nodes, device):
     packed = broadcast0(packed).cpu()
     a = int(packed[0])
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
+
 
 # ----------------------------------------------------------------------------------------
 # generate
@@ -1215,6 +1239,29 @@ class SpecResult(NamedTuple):
     first_uniforms: list  # the uniform that sampled the first token (sampling only)
 
 
+def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, sampling,
+                      uniforms, record_logits):
+    """One round: draft a tree (or sample a chain), verify it in one target pass, accept.
+    Returns the Round and the target's aux features at the verified nodes."""
+    target_cache, draft_cache = caches
+    root = torch.tensor(root, device=h_last.device)
+    if scheme == "tree":
+        t, drafting_uniforms = grow_tree(draft, draft_cache, n, h_last, root, *tree), []
+    else:
+        t, q, drafting_uniforms = draft_chain(draft, draft_cache, n, h_last, root,
+                                              tree.depth + 1, uniforms, sampling)
+    logits, aux = verify_tree(target, target_cache, n, t, draft.cfg.aux_layers)
+    if sampling.greedy:
+        acc = accept_greedy(logits, t)
+    elif scheme == "tree":
+        acc = accept_sampled(logits, t, uniforms, sampling)
+    else:
+        acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
+    acc = decide(acc, len(t.tokens), h_last.device)
+    return Round(t, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
+                 logits.float().cpu() if record_logits else None), aux
+
+
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
@@ -1230,49 +1277,35 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
     if scheme == "chain":  # a chain of depth+1 sampled drafts: only the depth matters
         tree = TreeShape(1, tree.depth, tree.depth + 2)
     check_tree_shape(*tree, draft.cfg.draft_vocab_size)
-    N = tree.total_tokens
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions, reserve=N)
-    device, aux_layers = input_ids.device, draft.cfg.aux_layers
+    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
+                          reserve=tree.total_tokens)
+    device = input_ids.device
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))
     n = input_ids.shape[1]
-    target_cache = target.new_cache(n + max_new_tokens + N)
-    draft_cache = draft.new_cache(n + max_new_tokens + tree.top_k * tree.depth)  # tree slots
+    caches = (target.new_cache(n + max_new_tokens + tree.total_tokens),
+              draft.new_cache(n + max_new_tokens + tree.top_k * tree.depth))  # + tree slots
     # prefill: the target's first token is the root of round 1
-    logits, aux = target(input_ids, cache=target_cache, aux_layers=aux_layers)
+    logits, aux = target(input_ids, cache=caches[0], aux_layers=draft.cfg.aux_layers)
     root, first_uniforms = next_token(logits[0, -1], sampling, uniforms)
     out, rounds = [], []
     done = emit(out, [root], max_new_tokens, eos_token_id)
     next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=device)])
-    h_last = draft_prefix(draft, draft_cache, 0, aux, next_tokens[None])
+    h_last = draft_prefix(draft, caches[1], 0, aux, next_tokens[None])
     while not done:
-        root_t = torch.tensor(root, device=device)
-        if scheme == "tree":
-            t = grow_tree(draft, draft_cache, n, h_last, root_t, *tree)
-        else:
-            t, q, drafting_uniforms = draft_chain(draft, draft_cache, n, h_last, root_t,
-                                                  tree.depth + 1, uniforms, sampling)
-        logits, aux = verify_tree(target, target_cache, n, t, aux_layers)
-        if sampling.greedy:
-            acc = accept_greedy(logits, t)
-        elif scheme == "tree":
-            acc = accept_sampled(logits, t, uniforms, sampling)
-        else:
-            acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
-            acc = acc._replace(uniforms=drafting_uniforms + acc.uniforms)
-        acc = decide(acc, N, device)
-        rounds.append(Round(t, acc.path, acc.accepted, acc.bonus, acc.uniforms,
-                            logits.float().cpu() if record_logits else None))
-        new_tokens = t.tokens[acc.path[1:]].tolist() + [acc.bonus]
+        r, aux = speculation_round(target, draft, caches, n, h_last, root, tree, scheme,
+                                   sampling, uniforms, record_logits)
+        rounds.append(r)
+        new_tokens = r.tree.tokens[r.path[1:]].tolist() + [r.bonus]
         done = emit(out, new_tokens, max_new_tokens, eos_token_id)
-        if done:
-            break
-        # commit: keep the accepted nodes' K/V; re-encode them in the drafter with the
-        # target's features (pair: feature of node i, token of node i+1 / the bonus)
-        n_next = commit(target_cache, n, acc.path.to(device))
-        h_last = draft_prefix(draft, draft_cache, n, aux[acc.path.to(device)][None],
-                              torch.tensor([new_tokens], device=device))
-        n, root = n_next, acc.bonus
+        if not done:
+            # commit: keep the accepted nodes' K/V; re-encode them in the drafter with the
+            # target's features (pair: feature of node i, token of node i+1 / the bonus)
+            path = r.path.to(device)
+            h_last = draft_prefix(draft, caches[1], n, aux[path][None],
+                                  torch.tensor([new_tokens], device=device))
+            n, root = commit(caches[0], n, path), r.bonus
     return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
+
 
 # ----------------------------------------------------------------------------------------
 # train: EAGLE-3 training-time test (TTT)
@@ -1281,11 +1314,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
 # online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
 # its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
 # its own (imperfect) hidden states.
-
-TTT_STEPS = 7        # unrolled steps, as the official training
-TTT_DECAY = 0.8      # weight of step k is 0.8**k: the first drafted tokens matter most
-GRAD_CLIP = 0.5      # official max grad norm
-ADAM_BETAS = (0.9, 0.95)
 
 
 class Example(NamedTuple):
@@ -1783,8 +1811,7 @@ def build_tiny_target(path, seed=0):
     corpus = synthetic_corpus(PRETRAIN["conversations"], seed)
     texts = [chat_text(p, r) for p, r in corpus]
     tokenizer = train_tokenizer(texts, TINY_TOKENIZER_VOCAB)
-    config = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "tiny_configs", "tiny_demo_target.json")))
+    config = read_json(os.path.join(TINY_CONFIGS, "tiny_demo_target.json"))
     config.update(vocab_size=-(-len(tokenizer) // 64) * 64,  # round up, as real models do
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=None)
@@ -1808,6 +1835,7 @@ def progress(label, **metrics):
 def progress_done():
     if is_rank0():
         print(file=sys.stderr, flush=True)
+
 
 # ----------------------------------------------------------------------------------------
 # golden traces: exact per-round records other implementations can be tested against
@@ -1852,16 +1880,13 @@ def write_golden(path, header, tensors):
 
 
 def read_golden(path):
-    from safetensors import safe_open
-    f = open_checkpoint(path)
+    f = open_weights(path)
     header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
     if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
         fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
              f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
              f"version={header.get('version')!r}); regenerate it with this eagle3_ref.py")
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
-    _open_files.clear()
-    return header, tensors
+    return header, {k: f.get_tensor(k) for k in f.keys()}
 
 
 def first_divergence(expected, actual):
@@ -1903,13 +1928,10 @@ VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does no
 
 def raw_vocab_map(draft_dir):
     """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
-    files = checkpoint_files(draft_dir)
-    if "d2t" not in files:
+    ckpt = Checkpoint(draft_dir)
+    if "d2t" not in ckpt.keys():
         return None, None
-    d2t = read_shard(files["d2t"], "d2t", None, 0, 1)
-    t2d = read_shard(files["t2d"], "t2d", None, 0, 1) if "t2d" in files else None
-    _open_files.clear()
-    return d2t, t2d
+    return ckpt.read("d2t"), ckpt.read("t2d") if "t2d" in ckpt.keys() else None
 
 
 def token_strings(tokenizer, ids):
@@ -1955,7 +1977,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     """A new vocab map for a new target, built from data; lm_head rows move with their
     token strings, tokens new to the drafter get fresh rows; everything else is kept."""
     d2t_old, _ = raw_vocab_map(draft_dir)
-    old_cfg = json.load(open(os.path.join(draft_dir, "config.json")))
+    old_cfg = read_json(os.path.join(draft_dir, "config.json"))
     if d2t_old is None:
         d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
     old_rows = {s: i for i, s in enumerate(token_strings(
@@ -1963,8 +1985,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
     d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
                                    draft_vocab_size)
-    files = checkpoint_files(draft_dir)
-    old_head = read_shard(files["lm_head.weight"], "lm_head.weight", None, 0, 1).float()
+    old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
     raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
     draft = init_draft(new_draft(read_draft_config(raw, target.cfg), target, dtype=torch.float32), seed)
     skip = {"lm_head.weight", "d2t", "t2d"}
@@ -2074,10 +2095,8 @@ def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
 
 
 def tiny_draft_config(target, draft_vocab_size):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_configs",
-                        "tiny_demo_draft.json")
-    raw = dict(json.load(open(path)), vocab_size=target.cfg.vocab_size,
-               draft_vocab_size=draft_vocab_size)
+    raw = dict(read_json(os.path.join(TINY_CONFIGS, "tiny_demo_draft.json")),
+               vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
     return read_draft_config(raw, target.cfg)
 
 
@@ -2172,6 +2191,7 @@ def main_demo():
         train_acc_step0=round(draft_acc[0], 3), draft_acc_per_step=[round(a, 3) for a in draft_acc],
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
+
 # ----------------------------------------------------------------------------------------
 # command line
 
@@ -2199,7 +2219,7 @@ def encode_prompt(tokenizer, text, chat, device):
 def eos_ids(tokenizer, target_dir):
     """EOS ids from generation_config.json (Llama-3 lists several), else the tokenizer's."""
     path = os.path.join(target_dir, "generation_config.json")
-    eos = json.load(open(path)).get("eos_token_id") if os.path.isfile(path) else None
+    eos = read_json(path).get("eos_token_id") if os.path.isfile(path) else None
     return eos if eos is not None else tokenizer.eos_token_id
 
 
@@ -2337,7 +2357,7 @@ def cmd_remap_draft(args):
     target = load_target(args.target, dtype=torch.float32)
     target_tok = AutoTokenizer.from_pretrained(args.target)
     draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
-    size = args.draft_vocab_size or json.load(open(os.path.join(args.draft, "config.json"))).get(
+    size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
         "draft_vocab_size", target.cfg.vocab_size)
     draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size, args.seed)
     save_draft(draft, args.out)
