@@ -116,18 +116,6 @@ def rope_inv_freq(hf_config):
     return inv_freq.float(), float(scale)
 
 
-def read_target_config(path):
-    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' AutoConfig)."""
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
-    family = read_json(os.path.join(path, "config.json")).get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        fail(f"model_type={family!r} in {path}/config.json is not supported; "
-             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
-    return target_config(AutoConfig.from_pretrained(path))
-
-
 def target_config(c):
     """A transformers config object -> TargetConfig."""
     family = c.model_type
@@ -151,6 +139,18 @@ def target_config(c):
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
         tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
         inv_freq=inv_freq, rope_scale=rope_scale)
+
+
+def read_target_config(path):
+    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' AutoConfig)."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
+    family = read_json(os.path.join(path, "config.json")).get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        fail(f"model_type={family!r} in {path}/config.json is not supported; "
+             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return target_config(AutoConfig.from_pretrained(path))
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,6 +197,19 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def progress(label, **metrics):
+    """A one-line progress bar (rank 0, overwritten in place)."""
+    if is_rank0():
+        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in metrics.items())
+        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
+
+
+def progress_done():
+    if is_rank0():
+        print(file=sys.stderr, flush=True)
+
+
 def all_reduce(x, world):
     """Sum the partial results of a row-parallel matmul over the W ranks holding slices."""
     if world > 1:
@@ -216,6 +229,17 @@ def broadcast0(x):
 #
 # A plain Llama-style decoder written for one process. TP only changes the *local* sizes
 # (H/W heads, Hkv/W kv heads, I/W MLP width) and adds the two all_reduce lines.
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_aux_layers(aux_layers, n_layers):
+    if len(set(aux_layers)) != 3 or not all(0 <= i <= n_layers for i in aux_layers):
+        fail(f"aux layers {tuple(aux_layers)} for a {n_layers}-layer target must be 3 distinct "
+             f"ids in 0..{n_layers}; the default (2, L//2, L-3) needs "
+             f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
 
 
 def rms_norm(x, weight, eps):
@@ -428,17 +452,6 @@ class Target(nn.Module):
         return self.lm_head(self.model.norm(x)), aux
 
 
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_aux_layers(aux_layers, n_layers):
-    if len(set(aux_layers)) != 3 or not all(0 <= i <= n_layers for i in aux_layers):
-        fail(f"aux layers {tuple(aux_layers)} for a {n_layers}-layer target must be 3 distinct "
-             f"ids in 0..{n_layers}; the default (2, L//2, L-3) needs "
-             f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
-
-
 # ----------------------------------------------------------------------------------------
 # tensor parallel loading
 #
@@ -456,6 +469,16 @@ def shard_dim(name):
     return None
 
 
+class BinWeights(NamedTuple):
+    state: dict
+
+    def keys(self):
+        return self.state.keys()
+
+    def get_slice(self, name):
+        return self.state[name]
+
+
 def open_weights(file):
     """A lazy handle with .keys() and .get_slice(name) (safetensors reads from disk on
     demand; .bin files are memory-mapped). Unreadable files are a clear error."""
@@ -468,16 +491,6 @@ def open_weights(file):
     except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
         fail(f"cannot read weight file {file!r} ({type(e).__name__}: {e}); "
              f"the file is corrupt or truncated, re-download or re-save it")
-
-
-class BinWeights(NamedTuple):
-    state: dict
-
-    def keys(self):
-        return self.state.keys()
-
-    def get_slice(self, name):
-        return self.state[name]
 
 
 class Checkpoint:
@@ -553,6 +566,16 @@ def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
 
 def default_dtype(device):
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def parse_dtype(name):
+    if name is None:
+        return None
+    dtypes = dict(float32=torch.float32, fp32=torch.float32, bfloat16=torch.bfloat16,
+                  bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
+    if name not in dtypes:
+        fail(f"--dtype {name!r} is not one of {', '.join(dtypes)}")
+    return dtypes[name]
 
 
 def load_target(path, dtype=None, device=None):
@@ -1433,7 +1456,7 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
     h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []
     result = TTTResult(0.0, [], [], [])
     for k in range(steps):
-        h = draft.layer(h, ids, positions + k, lambda q, kk, v: ttt_attention(q, kk, v, past))
+        h = draft.layer(h, ids, positions + k, lambda q, k_, v: ttt_attention(q, k_, v, past))
         log_q = torch.log_softmax(draft.logits(h).float(), -1)          # (B, T, Vd)
         if draft.cfg.has_vocab_map:
             p = torch.softmax(teacher[..., draft.t2d], -1)               # (B, T, Vd)
@@ -1446,6 +1469,15 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
                            result.hits + [hits.detach()], result.counts + [mask.sum()])
         ids, teacher, mask = shift_left(ids), shift_left(teacher), shift_left(mask)
     return result
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
 
 class TrainConfig(NamedTuple):
     steps: int = 400
@@ -1566,6 +1598,7 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
     progress_done()
     draft.eval().requires_grad_(False)
     return held_out_acc
+
 
 def read_conversations(path):
     """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
@@ -1749,14 +1782,6 @@ TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k 
 PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=300, lr=3e-3, warmup=30)
 
 
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def pack_rows(token_lists, row_len):
     """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
     stream = torch.tensor([t for tokens in token_lists for t in tokens])
@@ -1822,19 +1847,6 @@ def build_tiny_target(path, seed=0):
                     PRETRAIN["warmup"], seed)
     save_target(target, hf_config, tokenizer, path)
     print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
-
-
-def progress(label, **metrics):
-    """A one-line progress bar (rank 0, overwritten in place)."""
-    if is_rank0():
-        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in metrics.items())
-        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
-
-
-def progress_done():
-    if is_rank0():
-        print(file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2013,6 +2025,49 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def best_time(run, repeats):
+    """(result, fastest wall time) of `repeats` calls: the minimum filters out machine noise
+    and is applied to every contender alike."""
+    best, result = math.inf, None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = run()
+        best = min(best, time.perf_counter() - t0)
+    return result, best
+
+
+class DecodeStats(NamedTuple):
+    tau: float                # mean accept length (accepted drafts + 1) per round
+    accept_rate_by_depth: list  # P(depth d accepted | depth d-1 accepted), d = 1..
+    forwards_per_token: float  # target forward passes (prefill + rounds) per output token
+    spec_tokens_per_s: float
+    greedy_tokens_per_s: float
+    lossless: bool
+
+
+def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
+                     repeats=2):
+    """Speculative vs plain greedy on the same prompts: speed, tau, and exactness."""
+    rounds, n_tokens, forwards, lossless = [], 0, 0, True
+    spec_s = greedy_s = 0.0
+    speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
+    for ids in prompts:
+        spec, seconds = best_time(lambda: speculative_generate(
+            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
+        spec_s += seconds
+        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos), repeats)
+        greedy_s += seconds
+        lossless &= spec.tokens.tolist() == plain.tolist()
+        rounds += spec.rounds
+        n_tokens += len(spec.tokens)
+        forwards += 1 + len(spec.rounds)
+    accepted = torch.tensor([r.accepted for r in rounds])
+    reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
+    rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
+    return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
+                       n_tokens / spec_s, n_tokens / greedy_s, lossless)
+
+
 class Timed(NamedTuple):
     tokens_per_s: float
     forwards_per_token: float
@@ -2076,17 +2131,6 @@ def ensure_tiny_target():
     return target_dir
 
 
-def ensure_tiny_models():
-    """The tiny target and a drafter trained for it (built on first use)."""
-    from transformers import AutoTokenizer
-    target_dir, draft_dir = tiny_paths()
-    ensure_tiny_target()
-    if not os.path.isfile(os.path.join(draft_dir, "config.json")):
-        target = load_target(target_dir, dtype=torch.float32)
-        train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
-    return target_dir, draft_dir
-
-
 def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
     """Chat-format the prompts, let the target answer, mark the reply tokens."""
     prompt_ids = [tokenizer(chat_text(p)).input_ids for p in prompts]
@@ -2116,47 +2160,15 @@ def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False
     return draft, acc
 
 
-class DecodeStats(NamedTuple):
-    tau: float                # mean accept length (accepted drafts + 1) per round
-    accept_rate_by_depth: list  # P(depth d accepted | depth d-1 accepted), d = 1..
-    forwards_per_token: float  # target forward passes (prefill + rounds) per output token
-    spec_tokens_per_s: float
-    greedy_tokens_per_s: float
-    lossless: bool
-
-
-def best_time(run, repeats):
-    """(result, fastest wall time) of `repeats` calls: the minimum filters out machine noise
-    and is applied to every contender alike."""
-    best, result = math.inf, None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = run()
-        best = min(best, time.perf_counter() - t0)
-    return result, best
-
-
-def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
-                     repeats=2):
-    """Speculative vs plain greedy on the same prompts: speed, tau, and exactness."""
-    rounds, n_tokens, forwards, lossless = [], 0, 0, True
-    spec_s = greedy_s = 0.0
-    speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
-    for ids in prompts:
-        spec, seconds = best_time(lambda: speculative_generate(
-            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
-        spec_s += seconds
-        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos), repeats)
-        greedy_s += seconds
-        lossless &= spec.tokens.tolist() == plain.tolist()
-        rounds += spec.rounds
-        n_tokens += len(spec.tokens)
-        forwards += 1 + len(spec.rounds)
-    accepted = torch.tensor([r.accepted for r in rounds])
-    reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
-    rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
-    return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
-                       n_tokens / spec_s, n_tokens / greedy_s, lossless)
+def ensure_tiny_models():
+    """The tiny target and a drafter trained for it (built on first use)."""
+    from transformers import AutoTokenizer
+    target_dir, draft_dir = tiny_paths()
+    ensure_tiny_target()
+    if not os.path.isfile(os.path.join(draft_dir, "config.json")):
+        target = load_target(target_dir, dtype=torch.float32)
+        train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
+    return target_dir, draft_dir
 
 
 def main_demo():
@@ -2194,16 +2206,6 @@ def main_demo():
 
 # ----------------------------------------------------------------------------------------
 # command line
-
-
-def parse_dtype(name):
-    if name is None:
-        return None
-    dtypes = dict(float32=torch.float32, fp32=torch.float32, bfloat16=torch.bfloat16,
-                  bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
-    if name not in dtypes:
-        fail(f"--dtype {name!r} is not one of {', '.join(dtypes)}")
-    return dtypes[name]
 
 
 def encode_prompt(tokenizer, text, chat, device):
