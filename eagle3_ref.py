@@ -14,12 +14,12 @@ Symbols used in shapes and comments:
     K top-k per tree level, n accepted prefix length (tokens already in the KV cache).
 
 Launch lines:
-    python eagle3_ref.py                                    # tiny end-to-end demo on CPU
-    torchrun --nproc_per_node=2 eagle3_ref.py               # same, tensor parallel (gloo)
-    python eagle3_ref.py verify-tp --target DIR             # TP logits == 1-process logits
-    torchrun --nproc_per_node=8 eagle3_ref.py generate \\
-        --target meta-llama/Llama-3.1-8B-Instruct --draft yuhuili/EAGLE3-LLaMA3.1-Instruct-8B \\
-        --prompt "Hello" --chat                             # real checkpoints (local dirs), NCCL
+    python eagle3_ref.py                          # tiny end-to-end demo on a CPU
+    torchrun --nproc_per_node=2 eagle3_ref.py     # the same, tensor parallel (gloo on CPU)
+    python eagle3_ref.py bench                    # tokens/s against transformers
+    torchrun --nproc_per_node=8 eagle3_ref.py generate --chat --prompt "Hello" \\
+        --target ~/models/Llama-3.1-8B-Instruct \\
+        --draft ~/models/EAGLE3-LLaMA3.1-Instruct-8B      # real checkpoints, NCCL, bf16
 """
 import argparse
 import json
@@ -540,13 +540,13 @@ class Checkpoint:
 def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
     """Strict key-for-key load of a checkpoint dir into `module`, each rank reading only its
     slice. Missing or unexpected keys and wrong shapes are errors that name the key.
-    Tolerated extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored,
-    as transformers does)."""
+    `skip` names keys the caller fills itself (loaded from neither side). Tolerated extras:
+    old HF rotary buffers, and lm_head.weight of a tied model (ignored, as transformers)."""
     ckpt = Checkpoint(path)
     params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
-    ignorable = {k for k in ckpt.keys() if k.endswith("rotary_emb.inv_freq") or
+    ignorable = {k for k in ckpt.keys() if skip(k) or k.endswith("rotary_emb.inv_freq") or
                  (tied and k == "lm_head.weight")}
     missing = sorted(expected - set(ckpt.keys()))
     unexpected = sorted(set(ckpt.keys()) - expected - ignorable)
@@ -1802,7 +1802,7 @@ def next_token_accuracy(target, token_lists):
 
 def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
     """Plain next-token training of the tiny target (one process): AdamW, clip 1.0."""
-    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     for step in range(steps):
         for group in opt.param_groups:
@@ -2312,7 +2312,7 @@ def cmd_golden(args):
         ids, result = golden_run(cfg)
         diff = first_divergence(expected, golden_tensors(ids, result))
         print0("match" if diff is None else f"first divergence: {diff}")
-        sys.exit(0 if diff is None else 1)
+        return 0 if diff is None else 1
     if not args.out:
         fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
     target_dir, draft_dir, prompt_ids = args.target, args.draft, args.prompt_ids
@@ -2507,13 +2507,21 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        code = args.run(args) or 0
     except Eagle3Error as e:  # wrong input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        code = 2
+    if dist.is_available() and dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+        # torch 2.13 + gloo can abort a rank during interpreter teardown after autograd and
+        # collectives ("terminate called without an active exception"), turning a finished
+        # run into a failed one; everything is written, so leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

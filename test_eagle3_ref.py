@@ -13,9 +13,11 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -1693,6 +1695,633 @@ def test_unknown_scheme_rejected(vocab6_target, vocab6_drafts):
                                temperature=1.0, scheme="beam")
 
 # ----------------------------------------------------------------------------------------
+# training: vocab mapping, the TTT loss, data parallelism, resume, the train/generate CLI (SPEC §6)
+
+TRAIN_VOCAB = 32         # target vocab of the in-process training tests
+TRAIN_DRAFT_VOCAB = 16   # draft vocab < target vocab, so d2t/t2d and the position mask matter
+TRAIN_LAYERS = 8         # aux layers (2, L//2, L-3) = (2, 4, 5)
+TRAIN_AUX = (2, 4, 5)
+TRAIN_PAD = 0
+
+
+# ----------------------------------------------------------------------------------------
+# tiny models and data, built here
+
+
+def train_hf_llama(vocab_size, seed, std=0.25, **extra):
+    """A random transformers llama: weights ~ N(0, std), norm gains ~ 1 + N(0, std)."""
+    config = AutoConfig.for_model(
+        "llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=TRAIN_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, **{"eos_token_id": None, "pad_token_id": None, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            torch.nn.init.normal_(p, std=std)
+            if "norm" in name:
+                p.add_(1.0)
+    return model.eval()
+
+
+def train_draft_config(vocab_size, draft_vocab_size):
+    """A SpecForge-layout drafter config.json shaped like one layer of the tiny targets."""
+    return dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=32,
+                intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0,
+                vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
+                tie_word_embeddings=False)
+
+
+def train_new_draft(target, kept, seed, std=0.02):
+    """A seeded drafter whose draft vocab is `kept` (ascending target ids), map set by hand."""
+    kept = torch.tensor(sorted(kept))
+    raw = train_draft_config(target.cfg.vocab_size, len(kept))
+    draft = E.init_draft(E.new_draft(E.read_draft_config(raw, target.cfg), target), seed, std)
+    draft.d2t.copy_(kept - torch.arange(len(kept)))
+    draft.t2d.zero_()
+    draft.t2d[kept] = True
+    return draft
+
+
+def train_randomize(draft, seed, std=0.2):
+    """Weights large enough that attention is far from uniform (a wrong mask shows), and
+    norm gains != 1 (swapped norms show)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.startswith("embed_tokens"):
+                p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if p.dim() == 1 else 0.0))
+    return draft
+
+
+def train_top_ids(counts, n):
+    """The n most frequent ids, ties to the smaller id, as a sorted list (plain Python)."""
+    return sorted(sorted(range(len(counts)), key=lambda v: (-counts[v], v))[:n])
+
+
+def train_collate(examples, pad_id):
+    """Right-padded ids and the step-0 loss mask: loss_mask[t] = 1 iff x[t+2] is a reply
+    token (position t holds token t+1 and predicts token t+2)."""
+    T = max(len(ex.tokens) for ex in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), T)
+    for i, ex in enumerate(examples):
+        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
+        for t in range(len(ex.tokens) - 2):
+            mask[i, t] = ex.reply_mask[t + 2]
+    return ids, mask
+
+
+def train_hf_features(hf, ids):
+    """transformers' logits and the EAGLE-3 features (inputs of layers 2, L//2, L-3)."""
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+    return out.logits, torch.cat([out.hidden_states[i] for i in TRAIN_AUX], -1)
+
+
+def train_shift(x, n):
+    """x[:, t] <- x[:, t + n]; zeros enter at the end."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, :x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, decay=0.8):
+    """The training-time-test loss written out plainly from the official description:
+    per step k, the drafter layer from its weights, attention over an explicit key set
+    [step-0 keys | step-1 keys | ... | step-k keys] with mask [causal | diag | ... | diag],
+    the teacher restricted to t2d, and the position mask. Returns (total, losses, hits,
+    counts)."""
+    w = {k: v.detach().float() for k, v in draft.state_dict().items()}
+    t2d = draft.t2d.detach()
+    cfg = draft.cfg
+    B, T = input_ids.shape
+    H, Hkv, hs, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):  # x (B, T, heads, hs), non-interleaved rotate-half
+        angle = pos.float()[:, None] * cfg.inv_freq.float()[None, :]
+        cos = torch.cat([angle, angle], -1).cos()[None, :, None, :]
+        sin = torch.cat([angle, angle], -1).sin()[None, :, None, :]
+        rotated = torch.cat([-x[..., hs // 2:], x[..., :hs // 2]], -1)
+        return x * cos + rotated * sin
+
+    u = aux.float() @ w["fc.weight"].T
+    keys, values = [], []
+    total, losses, hits, counts = 0.0, [], [], []
+    for k in range(steps):
+        tokens = train_shift(input_ids, 1 + k)                 # position t holds x[t+1+k]
+        x = torch.cat([rms(w["embed_tokens.weight"][tokens], w["midlayer.input_layernorm.weight"]),
+                       rms(u, w["midlayer.hidden_norm.weight"])], -1)
+        pos = torch.arange(T) + k
+        q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(B, T, H, hs), pos)
+        keys.append(rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(B, T, Hkv, hs), pos))
+        values.append((x @ w["midlayer.self_attn.v_proj.weight"].T).view(B, T, Hkv, hs))
+        all_k, all_v = torch.cat(keys, 1), torch.cat(values, 1)        # (B, (k+1)T, Hkv, hs)
+        allowed = torch.cat([torch.ones(T, T).tril().bool()] + [torch.eye(T).bool()] * k, 1)
+        y = torch.zeros(B, T, H, hs)
+        for h in range(H):
+            g = h // (H // Hkv)
+            scores = torch.einsum("btd,bsd->bts", q[:, :, h], all_k[:, :, g]) / math.sqrt(hs)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            y[:, :, h] = torch.softmax(scores, -1) @ all_v[:, :, g]
+        hid = u + y.reshape(B, T, H * hs) @ w["midlayer.self_attn.o_proj.weight"].T
+        n = rms(hid, w["midlayer.post_attention_layernorm.weight"])
+        gate, up = n @ w["midlayer.mlp.gate_proj.weight"].T, n @ w["midlayer.mlp.up_proj.weight"].T
+        hid = hid + (F.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+        log_q = torch.log_softmax(rms(hid, w["norm.weight"]) @ w["lm_head.weight"].T, -1)
+        teacher = train_shift(target_logits.float(), 1 + k)   # target's dist. of x[t+2+k]
+        p = torch.softmax(teacher[..., t2d], -1)
+        lm = train_shift(loss_mask.float(), k)
+        position_mask = t2d[teacher.argmax(-1)].float() * lm
+        loss_k = -(position_mask * (p * log_q).sum(-1)).sum() / (B * T)
+        losses.append(float(loss_k))
+        hits.append(float(((log_q.argmax(-1) == p.argmax(-1)).float() * position_mask).sum()))
+        counts.append(float(lm.sum()))
+        total += decay ** k * float(loss_k)
+        u = hid                                                # next step's hidden
+    return total, losses, hits, counts
+
+
+@pytest.fixture(scope="module")
+def train_target(tmp_path_factory):
+    """A random 8-layer llama saved as an HF dir and loaded, its own greedy replies to a few
+    random prompts as training examples, and a draft vocab = the 16 most frequent reply
+    tokens."""
+    root = tmp_path_factory.mktemp("train_target")
+    hf = train_hf_llama(TRAIN_VOCAB, seed=7)
+    hf.save_pretrained(root / "target")
+    target = E.load_target(str(root / "target"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for i in range(8):
+        prompt = torch.randint(0, TRAIN_VOCAB, (1, 3 + i % 4), generator=g)
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                          max_new_tokens=10, pad_token_id=TRAIN_PAD)
+        tokens = out[0].tolist()
+        examples.append(E.Example(tokens, [0] * prompt.shape[1] + [1] * 10))
+    counts = Counter(t for ex in examples for t, m in zip(ex.tokens, ex.reply_mask) if m)
+    kept = train_top_ids([counts[v] for v in range(TRAIN_VOCAB)], TRAIN_DRAFT_VOCAB)
+    return SimpleNamespace(hf=hf, dir=str(root / "target"), target=target, examples=examples,
+                           kept=kept)
+
+
+def train_max_diff(dir_a, dir_b):
+    """Largest |difference| over every tensor of two saved drafters (same keys required)."""
+    a, b = load_file(os.path.join(dir_a, "model.safetensors")), load_file(
+        os.path.join(dir_b, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+# ----------------------------------------------------------------------------------------
+# 1. vocab mapping
+
+
+def test_vocab_mapping_keeps_most_frequent_ids_smaller_id_wins_ties():
+    #            id: 0  1  2  3  4  5  6  7  8  9
+    counts = torch.tensor([3, 0, 5, 3, 1, 0, 5, 2, 0, 0])
+    # by count: 2 (5), 6 (5), then 0 and 3 tie at 3: the smaller id, 0, takes the last slot
+    d2t, t2d = E.build_vocab_mapping(counts, 3)
+    assert d2t.tolist() == [0 - 0, 2 - 1, 6 - 2]          # used = [0, 2, 6]
+    assert t2d.tolist() == [True, False, True, False, False, False, True, False, False, False]
+
+
+def test_vocab_mapping_pads_with_unseen_ids_in_ascending_order():
+    #            id: 0  1  2  3  4  5  6  7
+    counts = torch.tensor([0, 0, 0, 0, 0, 2, 0, 7])
+    # seen: 7, 5; two more slots go to the smallest unseen ids 0, 1 -> used = [0, 1, 5, 7]
+    d2t, t2d = E.build_vocab_mapping(counts, 4)
+    assert d2t.tolist() == [0, 0, 3, 4]
+    assert t2d.tolist() == [True, True, False, False, False, True, False, True]
+
+
+def test_vocab_mapping_is_sorted_ascending_with_offsets_and_t2d_marking_exactly_used():
+    #            id: 0  1  2  3  4  5  6  7  8  9 10 11
+    counts = torch.tensor([1, 9, 0, 4, 4, 0, 8, 2, 4, 0, 6, 3])
+    # by count: 1 (9), 6 (8), 10 (6), then 3, 4, 8 tie at 4 -> 3, 4 -> used = [1, 3, 4, 6, 10]
+    d2t, t2d = E.build_vocab_mapping(counts, 5)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert d2t.tolist() == [1 - 0, 3 - 1, 4 - 2, 6 - 3, 10 - 4]
+    assert t2d.nonzero().flatten().tolist() == [1, 3, 4, 6, 10]
+
+
+@pytest.mark.parametrize("draft_vocab_size", [0, -1, 13])
+def test_vocab_mapping_refuses_draft_vocab_size_outside_1_to_V(draft_vocab_size):
+    with pytest.raises(E.Eagle3Error, match=f"draft_vocab_size={draft_vocab_size}"):
+        E.build_vocab_mapping(torch.ones(12, dtype=torch.long), draft_vocab_size)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. the training-time-test loss
+
+
+@pytest.fixture(scope="module")
+def train_ttt_case(train_target):
+    """B=2, T=7, random features/logits/loss mask, a drafter with a real 16-of-32 map."""
+    target = train_target.target
+    draft = train_randomize(train_new_draft(target, train_target.kept, seed=3), seed=4)
+    g = torch.Generator().manual_seed(5)
+    B, T = 2, 7
+    ids = torch.randint(0, TRAIN_VOCAB, (B, T), generator=g)
+    loss_mask = (torch.rand(B, T, generator=g) < 0.7).float()
+    logits = torch.randn(B, T, TRAIN_VOCAB, generator=g) * 3
+    aux = torch.randn(B, T, 3 * 32, generator=g)
+    with torch.no_grad():
+        result = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=7)
+    expected = train_reference_ttt(draft, aux, ids, loss_mask, logits, steps=7)
+    # the case exercises the position mask: at step 0 some loss-masked positions have their
+    # full-vocab teacher argmax inside the draft vocab (kept), some outside (dropped)
+    in_vocab = draft.t2d[train_shift(logits, 1).argmax(-1)]
+    assert 0 < int((in_vocab & loss_mask.bool()).sum()) < int(loss_mask.sum())
+    return SimpleNamespace(result=result, expected=expected)
+
+
+def test_ttt_total_loss_equals_stepwise_reference(train_ttt_case):
+    total, *_ = train_ttt_case.expected
+    assert abs(float(train_ttt_case.result.loss) - total) <= 1e-5
+
+
+def test_ttt_per_step_losses_equal_stepwise_reference(train_ttt_case):
+    _, losses, _, _ = train_ttt_case.expected
+    actual = [float(x) for x in train_ttt_case.result.losses]
+    assert len(actual) == 7
+    assert max(abs(a - b) for a, b in zip(actual, losses)) <= 1e-5, (actual, losses)
+
+
+def test_ttt_per_step_hits_and_counts_equal_stepwise_reference(train_ttt_case):
+    _, _, hits, counts = train_ttt_case.expected
+    assert [float(x) for x in train_ttt_case.result.hits] == hits
+    assert [float(x) for x in train_ttt_case.result.counts] == counts
+
+
+# ----------------------------------------------------------------------------------------
+# 3.-6. the training loop
+
+
+def train_config(**overrides):
+    return E.TrainConfig(**dict(dict(steps=4, batch=4, lr=1e-2, warmup=1, ttt_steps=3,
+                                     eval_every=1000, save_every=1000, seed=0), **overrides))
+
+
+def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
+    """The lowest TTT loss any drafter can reach: each step's cross-entropy of the
+    restricted teacher with itself (its entropy), masked and normalised like the loss."""
+    B, T = loss_mask.shape
+    floor = 0.0
+    for k in range(steps):
+        teacher = train_shift(target_logits.float(), 1 + k)
+        p = torch.softmax(teacher[..., t2d], -1)
+        position_mask = t2d[teacher.argmax(-1)].float() * train_shift(loss_mask, k)
+        floor += decay ** k * float(-(position_mask * (p * p.log()).sum(-1)).sum() / (B * T))
+    return floor
+
+
+def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
+    """20 AdamW steps on 8 of the target's own greedy replies close over a quarter of the
+    gap between the fresh drafter's TTT loss and the teacher's entropy."""
+    t = train_target
+    draft = train_new_draft(t.target, t.kept, seed=21)
+    ids, mask = train_collate(t.examples, TRAIN_PAD)
+    logits, aux = train_hf_features(t.hf, ids)
+    floor = train_teacher_floor(draft.t2d, mask, logits, steps=3)
+    before, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
+    E.train_draft(t.target, draft, t.examples, [], train_config(steps=20), str(tmp_path), TRAIN_PAD)
+    after, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
+    assert after - floor < 0.75 * (before - floor), (floor, before, after)
+
+
+def train_dp_worker(job_file, out_dir):
+    """Runs on every rank: the target tensor-parallel over the 2 ranks, the drafter trained
+    data-parallel from the job's initial drafter; rank 0 saves it (train_draft does)."""
+    E.init_distributed()
+    job = torch.load(job_file)
+    target = E.load_target(job["target_dir"], dtype=torch.float32)
+    draft = E.load_draft(job["draft_dir"], target)
+    examples = [E.Example(t, m) for t, m in job["examples"]]
+    E.train_draft(target, draft, examples, [], E.TrainConfig(**job["cfg"]), out_dir,
+                  job["pad_id"])
+    if E.is_rank0():
+        E.write_json(os.path.join(out_dir, "world.json"), dict(world=E.world_info()[1]))
+
+
+def train_optimizer_max_rel_diff(file_a, file_b):
+    """Largest |difference| / max |value| over the AdamW moments of two train_state.pt."""
+    a, b = (torch.load(f)["optimizer"]["state"] for f in (file_a, file_b))
+    assert sorted(a) == sorted(b)
+    return max(float((a[i][m] - b[i][m]).abs().max() / b[i][m].abs().max())
+               for i in a for m in ("exp_avg", "exp_avg_sq"))
+
+
+def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tmp_path):
+    """Two AdamW steps with the batch split over 2 ranks (the target tensor-parallel over
+    both) give the weights and optimizer moments of one process. Only the last token of
+    each reply is a training token, so the gradient norm stays under the 0.5 clip and the
+    moments show the gradient's scale (the global B*T normalisation), not only its
+    direction."""
+    t = train_target
+    examples = [E.Example(ex.tokens, [0] * (len(ex.tokens) - 1) + [1]) for ex in t.examples]
+    init_dir = str(tmp_path / "init")
+    E.save_draft(train_new_draft(t.target, t.kept, seed=31), init_dir)
+    cfg = dict(steps=2, batch=4, lr=2e-4, warmup=1, ttt_steps=3, eval_every=1000,
+               save_every=1000, seed=0)
+    job = dict(target_dir=t.dir, draft_dir=init_dir, cfg=cfg, pad_id=TRAIN_PAD,
+               examples=[(ex.tokens, ex.reply_mask) for ex in examples])
+    torch.save(job, tmp_path / "job.pt")
+    here = os.path.dirname(os.path.abspath(__file__))
+    python_path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.abspath(__file__), "train_worker", str(tmp_path / "job.pt"),
+         str(tmp_path / "w2")], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert json.load(open(tmp_path / "w2" / "world.json")) == dict(world=2)
+
+    draft = E.load_draft(init_dir, t.target)
+    E.train_draft(t.target, draft, examples, [], E.TrainConfig(**cfg), str(tmp_path / "w1"),
+                  TRAIN_PAD)
+    w1, w2 = str(tmp_path / "w1"), str(tmp_path / "w2")
+    assert train_max_diff(init_dir, w1) > 1e-4  # training moved the weights
+    assert train_max_diff(w1, w2) <= 1e-5
+    assert train_optimizer_max_rel_diff(os.path.join(w1, "train_state.pt"),
+                                        os.path.join(w2, "train_state.pt")) <= 1e-4
+
+
+class TrainInterrupted(Exception):
+    pass
+
+
+def train_interrupt_after(monkeypatch, n_steps):
+    """Make train_draft die at the start of step n_steps + 1, like a killed job."""
+    real, calls = E.ttt_batch, []
+
+    def ttt_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > n_steps:
+            raise TrainInterrupted
+        return real(*args, **kwargs)
+    monkeypatch.setattr(E, "ttt_batch", ttt_batch)
+
+
+def test_resumed_training_equals_uninterrupted_training(train_target, tmp_path, monkeypatch):
+    t = train_target
+    cfg = train_config(steps=4, save_every=2)
+    straight = train_new_draft(t.target, t.kept, seed=41)
+    E.train_draft(t.target, straight, t.examples, [], cfg, str(tmp_path / "straight"), TRAIN_PAD)
+
+    interrupted = train_new_draft(t.target, t.kept, seed=41)
+    with monkeypatch.context() as m:
+        train_interrupt_after(m, 2)
+        with pytest.raises(TrainInterrupted):
+            E.train_draft(t.target, interrupted, t.examples, [], cfg, str(tmp_path / "run"),
+                          TRAIN_PAD)
+    at_step_2 = str(tmp_path / "at_step_2")
+    shutil.copytree(tmp_path / "run", at_step_2)
+    # a new process would start from fresh weights: everything must come from the checkpoint
+    resumed = train_new_draft(t.target, t.kept, seed=999)
+    E.train_draft(t.target, resumed, t.examples, [], cfg, str(tmp_path / "run"), TRAIN_PAD,
+                  resume=True)
+    assert train_max_diff(at_step_2, str(tmp_path / "straight")) > 1e-4  # steps 3-4 did work
+    assert train_max_diff(str(tmp_path / "run"), str(tmp_path / "straight")) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def train_checkpoint(train_target, tmp_path_factory):
+    """A 2-step training run with its checkpoint (drafter dir + train_state.pt)."""
+    t = train_target
+    out = tmp_path_factory.mktemp("train_checkpoint")
+    E.train_draft(t.target, train_new_draft(t.target, t.kept, seed=51), t.examples, [],
+                  train_config(steps=2, save_every=2), str(out), TRAIN_PAD)
+    return str(out)
+
+
+def train_truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+def test_resume_from_truncated_train_state_is_refused(train_target, train_checkpoint, tmp_path):
+    t = train_target
+    out = str(tmp_path / "run")
+    shutil.copytree(train_checkpoint, out)
+    train_truncate(os.path.join(out, "train_state.pt"))
+    draft = train_new_draft(t.target, t.kept, seed=52)
+    with pytest.raises(E.Eagle3Error, match="truncated or corrupt"):
+        E.train_draft(t.target, draft, t.examples, [], train_config(steps=4), out, TRAIN_PAD,
+                      resume=True)
+
+
+def test_truncated_draft_safetensors_is_refused(train_target, train_checkpoint, tmp_path):
+    intact, broken = str(tmp_path / "intact"), str(tmp_path / "broken")
+    shutil.copytree(train_checkpoint, intact)
+    shutil.copytree(train_checkpoint, broken)
+    E.load_draft(intact, train_target.target)  # the untouched copy loads
+    train_truncate(os.path.join(broken, "model.safetensors"))
+    with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
+        E.load_draft(broken, train_target.target)
+
+
+# ----------------------------------------------------------------------------------------
+# 7.-8. the train and generate commands on a real-style target dir
+
+
+def train_cli(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, E.__file__, *args], cwd=cwd, env=env,
+                          capture_output=True, timeout=240)
+    return SimpleNamespace(returncode=proc.returncode, stdout=proc.stdout.decode("utf-8"),
+                           stderr=proc.stderr.decode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def train_chat_target(tmp_path_factory):
+    """A BPE tokenizer trained on synthetic chats, a random 8-layer llama over its vocab
+    (rounded up to a multiple of 64), both saved in one HF dir. The lm_head rows of the
+    special, single-byte and padding ids are scaled down, so greedy text is made of merged
+    tokens: readable, and each token decodes to a distinct string."""
+    root = tmp_path_factory.mktemp("chat_target")
+    texts = [E.chat_text(p, r) for p, r in E.synthetic_corpus(300, seed=11)]
+    tok = E.train_tokenizer(texts, 400)
+    vocab = -(-len(tok) // 64) * 64
+    hf = train_hf_llama(vocab, seed=12, std=0.25, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    quiet = [i for i in range(vocab) if i >= len(tok) or len(tok.convert_ids_to_tokens(i)) < 2
+             or tok.convert_ids_to_tokens(i) in (E.USER, E.ASSISTANT, E.END)]
+    with torch.no_grad():
+        hf.lm_head.weight[quiet] *= 0.01
+    hf.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    return SimpleNamespace(dir=str(root / "target"), hf=hf, tok=tok, vocab=vocab, root=root)
+
+
+def train_special(tok, text):
+    return tok.convert_tokens_to_ids(text)
+
+
+def train_render(tok, messages):
+    """Our own rendering of the tiny chat template: assistant turns are
+    <|assistant|>content<|end|>, every other turn <|user|>content. Returns the token ids
+    and a mask over the assistant content and its <|end|>."""
+    tokens, mask = [], []
+    for m in messages:
+        body = tok(m["content"], add_special_tokens=False).input_ids
+        if m["role"] == "assistant":
+            reply = body + [train_special(tok, E.END)]
+            tokens += [train_special(tok, E.ASSISTANT)] + reply
+            mask += [0] + [1] * len(reply)
+        else:
+            tokens += [train_special(tok, E.USER)] + body
+            mask += [0] * (1 + len(body))
+    return tokens, mask
+
+
+TRAIN_CHATS = [  # multi-turn, with a system turn, in both file formats
+    [dict(role="system", content="You are brief."), dict(role="user", content="Count to three."),
+     dict(role="assistant", content="one, two, three."), dict(role="user", content="Again?"),
+     dict(role="assistant", content="Sure: one, two, three.")],
+]
+
+
+def train_conversations():
+    """18 conversations: 16 synthetic single-turn ones, plus two multi-turn ones."""
+    chats = [[dict(role="user", content=p), dict(role="assistant", content=r)]
+             for p, r in E.synthetic_corpus(16, seed=13)]
+    return chats[:8] + TRAIN_CHATS + chats[8:] + TRAIN_CHATS
+
+
+def train_jsonl_line(i, messages):
+    """Even lines ShareGPT ({from, value}), odd lines OpenAI ({role, content})."""
+    if i % 2 == 0:
+        who = dict(user="human", assistant="gpt", system="system")
+        return json.dumps(dict(id=str(i), conversations=[
+            {"from": who[m["role"]], "value": m["content"]} for m in messages]))
+    return json.dumps(dict(messages=messages))
+
+
+def test_tokenize_conversation_marks_exactly_the_assistant_tokens(train_chat_target):
+    tok = train_chat_target.tok
+    for messages in TRAIN_CHATS + train_conversations()[:2]:
+        tokens, mask = train_render(tok, messages)
+        ex = E.tokenize_conversation(tok, messages)
+        assert ex.tokens == tokens
+        assert ex.reply_mask == mask
+
+
+@pytest.fixture(scope="module")
+def train_cli_run(train_chat_target):
+    c = train_chat_target
+    chats = train_conversations()
+    data = c.root / "chats.jsonl"
+    data.write_text("\n".join(train_jsonl_line(i, m) for i, m in enumerate(chats)) + "\n")
+    out = c.root / "trained"
+    proc = train_cli(["train", "--target", c.dir, "--data", str(data), "--out", str(out),
+                      "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"], cwd=c.root)
+    return SimpleNamespace(proc=proc, out=str(out), chats=chats)
+
+
+def test_train_cli_writes_a_loadable_drafter(train_chat_target, train_cli_run):
+    assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
+    target = E.load_target(train_chat_target.dir, dtype=torch.float32)
+    draft = E.load_draft(train_cli_run.out, target)
+    assert draft.cfg.draft_vocab_size == 64 and draft.lm_head.weight.shape == (64, 32)
+
+
+def test_train_cli_draft_vocab_is_the_64_most_frequent_reply_tokens(train_chat_target,
+                                                                      train_cli_run):
+    """The map is built from the assistant tokens of the training conversations: the CLI
+    holds out the first max(1, n // 50) conversations (here 1) for evaluation."""
+    c = train_chat_target
+    assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
+    counts = Counter()
+    for messages in train_cli_run.chats[1:]:
+        tokens, mask = train_render(c.tok, messages)
+        counts.update(t for t, m in zip(tokens, mask) if m)
+    assert len(counts) > 64  # a real choice: more distinct reply tokens than draft slots
+    expected = train_top_ids([counts[v] for v in range(c.vocab)], 64)
+    target = E.load_target(c.dir, dtype=torch.float32)
+    draft = E.load_draft(train_cli_run.out, target)
+    assert draft.t2d.nonzero().flatten().tolist() == expected
+    assert (torch.arange(64) + draft.d2t).tolist() == expected
+
+
+TRAIN_GEN_PROMPT = "What is the capital of peru?"
+
+
+def train_chat_prompt_ids(tok, prompt):
+    """Our rendering of the chat-templated prompt with the generation prompt appended."""
+    ids, _ = train_render(tok, [dict(role="user", content=prompt)])
+    return ids + [train_special(tok, E.ASSISTANT)]
+
+
+def train_hf_greedy(c, ids, max_new_tokens):
+    """transformers' greedy continuation (new tokens only), stopping at the tokenizer's EOS."""
+    ids = torch.tensor([ids])
+    out = c.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                        max_new_tokens=max_new_tokens, eos_token_id=c.tok.eos_token_id,
+                        pad_token_id=c.tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def train_generate_setup(train_chat_target):
+    """A drafter over 64 of the chat target's ids that has memorised the target's reply to
+    the test prompt (train_draft on that reply), so its drafts get accepted."""
+    c = train_chat_target
+    target = E.load_target(c.dir, dtype=torch.float32)
+    prompt = train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)
+    reply = train_hf_greedy(c, prompt, 24)
+    kept = sorted(set(reply))
+    kept += [v for v in range(c.vocab) if v not in kept][:64 - len(kept)]
+    draft = train_new_draft(target, kept, seed=61)
+    example = E.Example(prompt + reply, [0] * len(prompt) + [1] * len(reply))
+    E.train_draft(target, draft, [example] * 2, [], train_config(steps=40, batch=2),
+                  str(c.root / "spec_draft"), c.tok.pad_token_id)
+    return SimpleNamespace(draft_dir=str(c.root / "spec_draft"))
+
+
+def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
+    c = train_chat_target
+    proc = train_cli(["generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
+                      "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12",
+                      "--tree-top-k", "2", "--depth", "2", "--total-tokens", "6"], cwd=c.root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = train_hf_greedy(c, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12)
+    text = c.tok.decode(new)
+    assert proc.stdout.startswith(text + "\n"), (proc.stdout, text)
+    tau_line = proc.stdout[len(text) + 1:]
+    match = re.fullmatch(r"tau (\d+\.\d\d) \| rounds (\d+) \| tokens (\d+) \| [\d.]+ tokens/s\n",
+                         tau_line)
+    assert match, tau_line
+    # drafts were accepted (tau > 1), at most depth + 2 = 4 tokens per round
+    assert 1.0 < float(match[1]) <= 4.0 and int(match[3]) == len(new) == 12
+
+
+def test_generate_cli_bad_temperature_is_one_line_error_exit_2(train_chat_target,
+                                                               train_generate_setup):
+    c = train_chat_target
+    proc = train_cli(["generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
+                      "--prompt", "hi", "--max-new-tokens", "4", "--temperature", "-1"],
+                     cwd=c.root)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "temperature" in lines[0], \
+        proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------------------
 # torchrun worker: python -m torch.distributed.run --nproc_per_node=2 THIS worker TARGET OUT
 
 
@@ -1703,14 +2332,23 @@ def sampling_tp_worker(target_dir, out_dir):
     outputs = {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
                "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
     torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
 
+
+def finish_worker():
+    """Leave a torchrun worker once its results are on disk. Seen with torch 2.13 + gloo: a
+    rank sometimes aborts during interpreter teardown ("terminate called without an active
+    exception") although the group was destroyed cleanly, so the teardown is skipped."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+WORKERS = {"tp": tp_worker, "worker": sampling_tp_worker, "train_worker": train_dp_worker}
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["tp"]:
-        tp_worker(*sys.argv[2:4])
-    elif sys.argv[1:2] == ["worker"]:
-        sampling_tp_worker(*sys.argv[2:4])
-    else:
-        sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} tp JOB_FILE OUT_DIR")
-
+    if sys.argv[1:2] and sys.argv[1] in WORKERS:
+        WORKERS[sys.argv[1]](*sys.argv[2:4])
+        finish_worker()
+    sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")
