@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 from scipy.stats import chisquare
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 import eagle3_ref as E
 
@@ -2332,6 +2334,637 @@ def sampling_tp_worker(target_dir, out_dir):
     outputs = {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
                "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
     torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+# ----------------------------------------------------------------------------------------
+# golden traces, vocab-check and remap-draft
+
+GOLDEN_VOCAB = 24        # small vocab: varied greedy text, drafts accepted several levels deep
+GOLDEN_PROMPT = [3, 1, 4, 1, 5]
+GOLDEN_NEW_TOKENS = 24
+GOLDEN_TREE = [3, 2, 8]  # tree top_k, depth, total_tokens
+GOLDEN_KEPT = [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13, 15, 16, 18, 20, 21, 23]  # draft vocab
+GOLDEN_RUNS = {          # trace kind -> the sampling flags of `golden`
+    "greedy": [],
+    "sampled": ["--temperature", "0.8", "--top-p", "0.9", "--seed", "7"],
+}
+GOLDEN_ATOL = 1e-4       # fp32 round-off between world size 1 and 2 (all-reduce order)
+
+
+def golden_env():
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def golden_cli(*args, world=1):
+    """The command line `eagle3_ref.py ARGS` (under torchrun for world > 1), started now."""
+    script = os.path.abspath(E.__file__)
+    launcher = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return subprocess.Popen(launcher + [script] + [str(a) for a in args], env=golden_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def golden_finish(*procs):
+    """Wait for processes started together (2 cores run two at once) -> CompletedProcess."""
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def golden_read(path):
+    """(header dict, {name: tensor}) read with safetensors itself."""
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["eagle3_golden"]), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def golden_round(tensors, r, field):
+    return tensors[f"round{r:04d}.{field}"]
+
+
+def golden_path_to(parents, node):
+    """Root-to-node list of node indices, by walking parent links."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def golden_children(parents, node):
+    return [c for c in range(len(parents)) if int(parents[c]) == node]
+
+
+def golden_inverse_cdf(p, u):
+    """The first token whose cumulative probability exceeds u * total."""
+    cdf = p.cumsum(-1)
+    i = int((cdf <= u * cdf[-1]).sum())
+    return min(i, int(p.nonzero().max()))
+
+
+def golden_warped(logits, temperature=0.8, top_p=0.9):
+    """transformers' own temperature and top-p warpers, in float64."""
+    scores = logits.double()[None].clone()
+    scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, scores))
+    return scores.softmax(-1)[0]
+
+
+def golden_root_index(tensors, r):
+    """Index in `tokens` of round r's root: each round emits accept_length tokens."""
+    return int(tensors["accept_lengths"][:r].sum())
+
+
+# ----------------------------------------------------------------------------------------
+# fixtures: a tiny random target, a drafter taught its greedy text, and the traces
+
+
+@pytest.fixture(scope="module")
+def golden_models(tmp_path_factory):
+    """A random 8-layer target (4 query / 2 kv heads: divisible by W = 2) saved as an HF
+    dir, and a drafter over 18 of its 24 tokens, a few TTT steps sharpened on the target's
+    greedy text so acceptance paths go several levels deep (SPEC §9)."""
+    root = tmp_path_factory.mktemp("golden_models")
+    config = AutoConfig.for_model(
+        "llama", vocab_size=GOLDEN_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            torch.nn.init.normal_(p, std=0.25)
+            if "norm" in name:
+                p.add_(1.0)
+    hf.save_pretrained(root / "target")
+    target = E.load_target(str(root / "target"))
+    kept = torch.tensor(GOLDEN_KEPT)
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=64,
+               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0,
+               vocab_size=GOLDEN_VOCAB, draft_vocab_size=len(kept), tie_word_embeddings=False)
+    draft = E.init_draft(E.new_draft(E.read_draft_config(raw, target.cfg), target), 3, std=0.1)
+    with torch.no_grad():
+        draft.d2t.copy_(kept - torch.arange(len(kept)))
+        draft.t2d.zero_()
+        draft.t2d[kept] = True
+    prompt = torch.tensor([GOLDEN_PROMPT])
+    with torch.no_grad():  # prompt + 40 greedy tokens
+        text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           max_new_tokens=40)
+        logits, aux = target(text, aux_layers=draft.cfg.aux_layers)
+    params = E.trainable(draft)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for _ in range(40):
+        loss = E.ttt_loss(draft, aux, text, torch.ones_like(text), logits, steps=3).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.requires_grad_(False)
+    E.save_draft(draft, str(root / "draft"))
+    return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
+
+
+def golden_args(models, out, kind):
+    return (["golden", "--out", out, "--target", models["target"], "--draft", models["draft"],
+             "--prompt-ids", ",".join(map(str, GOLDEN_PROMPT)),
+             "--max-new-tokens", GOLDEN_NEW_TOKENS, "--tree-top-k", GOLDEN_TREE[0],
+             "--depth", GOLDEN_TREE[1], "--total-tokens", GOLDEN_TREE[2]] + GOLDEN_RUNS[kind])
+
+
+@pytest.fixture(scope="module")
+def golden_traces(golden_models):
+    """Each kind written twice at world size 1 (two processes) and once at world size 2.
+    -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
+    root = golden_models["root"]
+    runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
+            for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
+    procs = {}
+    for key in [k for k in runs if k[1] != "w2"]:  # four single processes, two cores
+        procs[key] = golden_cli(*golden_args(golden_models, runs[key], key[0]))
+    finished = dict(zip(procs, golden_finish(*procs.values())))
+    for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
+        key = (kind, "w2")
+        finished[key] = golden_finish(golden_cli(*golden_args(golden_models, runs[key], kind),
+                                                 world=2))[0]
+    traces = {kind: {} for kind in GOLDEN_RUNS}
+    for (kind, run), file in runs.items():  # a missing file fails only the tests that read it
+        header, tensors = golden_read(file) if os.path.isfile(file) else (None, None)
+        traces[kind][run] = dict(file=file, header=header, tensors=tensors,
+                                 proc=finished[(kind, run)])
+    return traces
+
+
+def golden_trace(traces, kind, run="w1a"):
+    """One written trace: dict(file, header, tensors, proc)."""
+    trace = traces[kind][run]
+    proc = trace["proc"]
+    assert trace["tensors"] is not None, \
+        f"{kind} {run} wrote no trace (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return trace
+
+
+# ----------------------------------------------------------------------------------------
+# a golden trace is reproducible
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_trace_is_bit_identical_across_two_runs(golden_traces, kind):
+    a, b = golden_trace(golden_traces, kind, "w1a"), golden_trace(golden_traces, kind, "w1b")
+    assert a["proc"].returncode == 0 and b["proc"].returncode == 0, a["proc"].stderr[-2000:]
+    assert a["header"] == b["header"]
+    assert sorted(a["tensors"]) == sorted(b["tensors"])
+    for name, x in a["tensors"].items():
+        y = b["tensors"][name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x, y), f"{name} differs between two identical runs"
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_trace_at_world_size_2_equals_world_size_1(golden_traces, kind):
+    """Integer fields and uniforms exactly; logits up to fp32 round-off (the all-reduce
+    sums partial products in another order)."""
+    one = golden_trace(golden_traces, kind)["tensors"]
+    two = golden_trace(golden_traces, kind, "w2")["tensors"]
+    assert sorted(one) == sorted(two)
+    for name, x in one.items():
+        y = two[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        if name.endswith(".logits"):
+            diff = float((x - y).abs().max())
+            assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
+        else:
+            assert torch.equal(x, y), f"{name} differs between world size 1 and 2"
+
+
+def test_golden_world_size_2_run_exits_cleanly(golden_traces):
+    for kind in GOLDEN_RUNS:
+        proc = golden_traces[kind]["w2"]["proc"]
+        assert proc.returncode == 0, f"{kind} at W=2 exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+
+
+def test_golden_header_records_format_version_config_world_size_and_versions(golden_traces,
+                                                                              golden_models):
+    for kind, flags in GOLDEN_RUNS.items():
+        sampling = dict(zip(flags[::2], flags[1::2]))
+        for run, world in (("w1a", 1), ("w2", 2)):
+            h = golden_trace(golden_traces, kind, run)["header"]
+            assert h["format"] == "eagle3-ref-golden" and h["version"] == 1
+            assert h["world_size"] == world
+            assert h["torch"] == torch.__version__
+            assert h["transformers"] == transformers.__version__
+            c = h["config"]
+            assert c["target"] == os.path.abspath(golden_models["target"])
+            assert c["draft"] == os.path.abspath(golden_models["draft"])
+            assert c["input_ids"] == GOLDEN_PROMPT
+            assert c["max_new_tokens"] == GOLDEN_NEW_TOKENS
+            assert c["tree"] == GOLDEN_TREE
+            assert c["temperature"] == float(sampling.get("--temperature", 0.0))
+            assert c["top_p"] == float(sampling.get("--top-p", 1.0))
+            assert c["top_k"] == 0
+            assert c["seed"] == int(sampling.get("--seed", 0))
+            assert c["scheme"] == "tree" and c["dtype"] == "float32"
+            assert c["eos_token_id"] is None
+
+
+# ----------------------------------------------------------------------------------------
+# a golden trace is what it claims to be
+
+
+def test_golden_greedy_tokens_equal_transformers_greedy_decoding(golden_traces, golden_models):
+    t = golden_trace(golden_traces, "greedy")["tensors"]
+    prompt = torch.tensor([GOLDEN_PROMPT])
+    with torch.no_grad():
+        expected = golden_models["hf"].generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                do_sample=False, max_new_tokens=GOLDEN_NEW_TOKENS)
+    assert t["input_ids"].tolist() == GOLDEN_PROMPT
+    assert t["tokens"].tolist() == expected[0, len(GOLDEN_PROMPT):].tolist()
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
+    """Round r's root is the last token emitted so far; its accepted nodes and bonus are
+    the next output tokens; the last round is cut at max_new_tokens."""
+    t = golden_trace(golden_traces, kind)["tensors"]
+    out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
+    for r in range(len(t["accept_lengths"])):
+        assert len(out) < GOLDEN_NEW_TOKENS, f"round {r} runs after the output was complete"
+        tree_tokens, path = golden_round(t, r, "tree_tokens"), golden_round(t, r, "path")
+        assert int(tree_tokens[0]) == out[-1], f"round {r} root"
+        out += tree_tokens[path[1:]].tolist() + golden_round(t, r, "bonus").tolist()
+    assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
+    assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_accept_length_is_path_length(golden_traces, kind):
+    t = golden_trace(golden_traces, kind)["tensors"]
+    for r, length in enumerate(t["accept_lengths"].tolist()):
+        path = golden_round(t, r, "path")
+        assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
+    """positions, mask and retrieve_indices rebuilt by walking parents; the accepted path
+    is a root-first chain of parent links."""
+    t = golden_trace(golden_traces, kind)["tensors"]
+    for r in range(len(t["accept_lengths"])):
+        parents = golden_round(t, r, "parents").tolist()
+        N = len(parents)
+        assert N == GOLDEN_TREE[2] and parents[0] == -1
+        assert all(0 <= parents[i] < i for i in range(1, N))
+        chains = [golden_path_to(parents, i) for i in range(N)]
+        assert golden_round(t, r, "positions").tolist() == [len(c) - 1 for c in chains]
+        mask = [[j in chains[i] for j in range(N)] for i in range(N)]
+        assert golden_round(t, r, "mask").tolist() == mask
+        leaves = [i for i in range(N) if i not in parents]
+        width = max(len(c) for c in chains)
+        rows = [chains[i] + [-1] * (width - len(chains[i])) for i in leaves]
+        assert golden_round(t, r, "retrieve_indices").tolist() == rows
+        path = golden_round(t, r, "path").tolist()
+        assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
+
+
+def test_golden_greedy_path_is_the_longest_argmax_match_and_bonus_the_argmax(golden_traces):
+    t = golden_trace(golden_traces, "greedy")["tensors"]
+    depths = []
+    for r in range(len(t["accept_lengths"])):
+        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents")
+        argmax = golden_round(t, r, "logits").argmax(-1)
+        path = golden_round(t, r, "path").tolist()
+        for node, child in zip(path, path[1:]):
+            assert int(tokens[child]) == int(argmax[node]), f"round {r}: node {child} accepted"
+        last = path[-1]
+        assert all(int(tokens[c]) != int(argmax[last]) for c in golden_children(parents, last)), \
+            f"round {r}: a child of node {last} matches the argmax but was not accepted"
+        assert golden_round(t, r, "bonus").tolist() == [int(argmax[last])]
+        depths.append(len(path) - 1)
+    assert max(depths) >= 2, f"accepted depths {depths}: the trace never goes below level 1"
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, golden_models,
+                                                               kind):
+    """Node i of round r is scored after prompt + output before the root + its ancestors."""
+    t = golden_trace(golden_traces, kind)["tensors"]
+    hf = golden_models["hf"]
+    for r in range(len(t["accept_lengths"])):
+        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
+        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents").tolist()
+        logits = golden_round(t, r, "logits")
+        assert logits.shape == (len(tokens), GOLDEN_VOCAB) and logits.dtype == torch.float32
+        for i in range(len(tokens)):
+            ids = torch.tensor([prefix + tokens[golden_path_to(parents, i)].tolist()])
+            with torch.no_grad():
+                expected = hf(ids).logits[0, -1]
+            diff = float((logits[i] - expected).abs().max())
+            assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
+
+
+def test_golden_greedy_trace_records_no_uniforms(golden_traces):
+    t = golden_trace(golden_traces, "greedy")["tensors"]
+    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
+    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
+
+
+def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_traces):
+    """first_uniforms, then each round's uniforms: one seeded generator (seed 7), one
+    float64 draw at a time; a round draws one per tried sibling plus one for the bonus."""
+    t = golden_trace(golden_traces, "sampled")["tensors"]
+    rounds = range(len(t["accept_lengths"]))
+    used = [t["first_uniforms"]] + [golden_round(t, r, "uniforms") for r in rounds]
+    g = torch.Generator().manual_seed(7)
+    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
+                          for _ in range(sum(len(u) for u in used))])
+    assert torch.equal(torch.cat(used), stream)
+    assert len(t["first_uniforms"]) == 1
+    for r in rounds:
+        parents, path = golden_round(t, r, "parents").tolist(), golden_round(t, r, "path").tolist()
+        tried = sum(golden_children(parents, node).index(child) + 1
+                    for node, child in zip(path, path[1:]))
+        tried += len(golden_children(parents, path[-1]))  # every child of the last node failed
+        assert len(golden_round(t, r, "uniforms")) == tried + 1, f"round {r}"
+
+
+def test_golden_sampled_acceptance_replays_from_stored_logits_and_uniforms(golden_traces,
+                                                                          golden_models):
+    """Replays the documented coins with transformers' warpers: try children in node order,
+    accept x iff u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF."""
+    t = golden_trace(golden_traces, "sampled")["tensors"]
+    with torch.no_grad():
+        prefill = golden_models["hf"](torch.tensor([GOLDEN_PROMPT])).logits[0, -1]
+    assert int(t["tokens"][0]) == golden_inverse_cdf(golden_warped(prefill),
+                                                     float(t["first_uniforms"][0]))
+    rejected = 0
+    for r in range(len(t["accept_lengths"])):
+        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents").tolist()
+        logits, coins = golden_round(t, r, "logits"), iter(golden_round(t, r, "uniforms").tolist())
+        node, path, p = 0, [0], golden_warped(logits[0])
+        while True:
+            for child in golden_children(parents, node):
+                x = int(tokens[child])
+                if next(coins) < p[x]:
+                    node, p = child, golden_warped(logits[child])
+                    path.append(node)
+                    break
+                rejected += 1
+                p[x] = 0
+                p = p / p.sum()
+            else:
+                break
+        assert golden_round(t, r, "path").tolist() == path, f"round {r}"
+        assert golden_round(t, r, "bonus").tolist() == [golden_inverse_cdf(p, next(coins))]
+        assert next(coins, None) is None, f"round {r} recorded unused uniforms"
+    assert rejected > 0 and max(t["accept_lengths"].tolist()) >= 2  # both branches replayed
+
+
+# ----------------------------------------------------------------------------------------
+# golden --check
+
+
+@pytest.fixture(scope="module")
+def golden_checks(golden_traces, golden_models):
+    """`golden --check` on both untouched traces, on one with a flipped tree token, and on
+    one whose header claims version 2 -- four processes, two at a time."""
+    root = golden_models["root"]
+    header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
+    meta = {"eagle3_golden": json.dumps(header)}
+    old = int(tensors["round0002.tree_tokens"][3])
+    new = (old + 1) % GOLDEN_VOCAB
+    flipped = dict(tensors)
+    flipped["round0002.tree_tokens"] = tensors["round0002.tree_tokens"].clone()
+    flipped["round0002.tree_tokens"][3] = new
+    save_file(flipped, str(root / "flipped.safetensors"), metadata=meta)
+    v2 = {"eagle3_golden": json.dumps(dict(header, version=2))}
+    save_file(tensors, str(root / "version2.safetensors"), metadata=v2)
+    files = dict(greedy=golden_trace(golden_traces, "greedy")["file"],
+                 sampled=golden_trace(golden_traces, "sampled")["file"],
+                 flipped=str(root / "flipped.safetensors"),
+                 version2=str(root / "version2.safetensors"))
+    procs = [golden_cli("golden", "--check", f) for f in files.values()]
+    return dict(zip(files, golden_finish(*procs)), old=old, new=new)
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
+def test_golden_check_prints_match_for_an_untouched_trace(golden_checks, kind):
+    proc = golden_checks[kind]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines() == ["match"]
+
+
+def test_golden_check_names_round_field_index_and_both_values_of_a_flipped_token(golden_checks):
+    proc, old, new = golden_checks["flipped"], golden_checks["old"], golden_checks["new"]
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("first divergence:"), lines
+    assert re.search(r"\bround 2\b", lines[0]) and "tree_tokens" in lines[0], lines[0]
+    assert re.search(r"\bindex 3\b", lines[0]), lines[0]
+    assert f"file {new}, re-run {old}" in lines[0], lines[0]
+
+
+def test_golden_check_refuses_another_format_version_in_one_line(golden_checks):
+    proc = golden_checks["version2"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert re.search(r"version\W{0,3}2\b", lines[0]), lines[0]
+    assert "match" not in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# drafter diagnostics: vocab-check and remap-draft
+
+
+def golden_reversed(text):
+    """Another language: every word spelled backwards (so BPE learns other merges)."""
+    return " ".join(w[::-1] for w in text.split(" "))
+
+
+def golden_tiny_hf_target(path, tokenizer, seed):
+    """A random 8-layer llama over exactly the tokenizer's vocabulary, with it saved."""
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def golden_write_jsonl(path, pairs, sharegpt=False):
+    with open(path, "w") as f:
+        for prompt, reply in pairs:
+            if sharegpt:
+                row = dict(conversations=[dict(value=prompt, **{"from": "human"}),
+                                          dict(value=reply, **{"from": "gpt"})])
+            else:
+                row = dict(messages=[dict(role="user", content=prompt),
+                                     dict(role="assistant", content=reply)])
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture(scope="module")
+def golden_vocab(tmp_path_factory):
+    """Two tokenizers trained on different corpora (synthetic chat vs the same chat with
+    words reversed), a random target for each, and a drafter for target 1 whose draft
+    vocab is the 96 most frequent reply tokens of corpus 1. Then, as a user would:
+    vocab-check (same tokenizer; other tokenizer) and remap-draft onto target 2."""
+    root = tmp_path_factory.mktemp("golden_vocab")
+    corpus1 = E.synthetic_corpus(300, 0)
+    corpus2 = [(golden_reversed(p), golden_reversed(r)) for p, r in E.synthetic_corpus(300, 1)]
+    tok1 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus1], 400)
+    tok2 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus2], 360)
+    golden_tiny_hf_target(root / "target1", tok1, seed=1)
+    golden_tiny_hf_target(root / "target2", tok2, seed=2)
+    target1 = E.load_target(str(root / "target1"))
+    counts = torch.zeros(len(tok1), dtype=torch.long)
+    for p, r in corpus1:
+        counts += torch.bincount(torch.tensor(tok1(r).input_ids), minlength=len(tok1))
+    kept = counts.argsort(descending=True, stable=True)[:96].sort().values
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=64,
+               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               rms_norm_eps=1e-6, max_position_embeddings=256, rope_theta=10000.0,
+               vocab_size=len(tok1), draft_vocab_size=len(kept), tie_word_embeddings=False)
+    draft = E.init_draft(E.new_draft(E.read_draft_config(raw, target1.cfg), target1), 5, std=0.1)
+    with torch.no_grad():
+        draft.d2t.copy_(kept - torch.arange(len(kept)))
+        draft.t2d.zero_()
+        draft.t2d[kept] = True
+    E.save_draft(draft, str(root / "draft1"))
+    data1, data2 = root / "data1.jsonl", root / "data2.jsonl"
+    pairs1 = E.synthetic_corpus(40, 3)
+    pairs2 = [(golden_reversed(p), golden_reversed(r)) for p, r in E.synthetic_corpus(40, 4)]
+    golden_write_jsonl(data1, pairs1)
+    golden_write_jsonl(data2, pairs2, sharegpt=True)
+    d1, t1, t2 = str(root / "draft1"), str(root / "target1"), str(root / "target2")
+    procs = [golden_cli("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
+                        "--data", data1),
+             golden_cli("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
+                        "--data", data2),
+             golden_cli("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
+                        "--out", root / "draft2", "--draft-tokenizer", t1)]
+    same, other, remap = golden_finish(*procs)
+    return dict(tok1=tok1, tok2=tok2, kept=kept, pairs1=pairs1, pairs2=pairs2, draft1=d1,
+                draft2=str(root / "draft2"), target1=t1, target2=t2, same=same, other=other,
+                remap=remap)
+
+
+def golden_fit_json(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def golden_strings(tokenizer, ids):
+    """Token strings of ids, None outside the tokenizer's vocabulary."""
+    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
+            for i in ids]
+
+
+def golden_coverage(tokenizer, pairs, kept):
+    """Share of all chat-template tokens of the data that are in the draft vocab."""
+    ids = [i for p, r in pairs for i in tokenizer(E.chat_text(p, r)).input_ids]
+    inside = set(kept.tolist())
+    return sum(i in inside for i in ids) / len(ids)
+
+
+def test_vocab_check_same_tokenizer_reports_every_d2t_entry_matching(golden_vocab):
+    fit = golden_fit_json(golden_vocab["same"])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (96, 96, 0)
+    assert fit["fits"] is True
+    assert "WARNING" not in golden_vocab["same"].stderr
+
+
+def test_vocab_check_other_tokenizer_reports_low_agreement_and_warns(golden_vocab):
+    kept, tok1, tok2 = golden_vocab["kept"], golden_vocab["tok1"], golden_vocab["tok2"]
+    old, new = golden_strings(tok1, kept), golden_strings(tok2, kept)
+    matching = sum(a == b for a, b in zip(old, new) if b is not None)
+    outside = sum(int(i) >= len(tok2) for i in kept)
+    assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
+    fit = golden_fit_json(golden_vocab["other"])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
+    assert fit["fits"] is False
+    assert "WARNING" in golden_vocab["other"].stderr
+    assert f"{matching} of 96" in golden_vocab["other"].stdout
+
+
+@pytest.mark.parametrize("case, tokenizer, pairs", [("same", "tok1", "pairs1"),
+                                                    ("other", "tok2", "pairs2")])
+def test_vocab_check_reports_t2d_coverage_of_the_data(golden_vocab, case, tokenizer, pairs):
+    expected = golden_coverage(golden_vocab[tokenizer], golden_vocab[pairs], golden_vocab["kept"])
+    assert 0 < expected < 1
+    assert golden_fit_json(golden_vocab[case])["coverage"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def golden_remapped(golden_vocab):
+    """Both drafters loaded for their targets, and draft-id pairs (old i, new j) that name
+    the same token string under the drafter's and the new target's tokenizer."""
+    assert golden_vocab["remap"].returncode == 0, golden_vocab["remap"].stderr[-3000:]
+    old = E.load_draft(golden_vocab["draft1"], E.load_target(golden_vocab["target1"]))
+    new = E.load_draft(golden_vocab["draft2"], E.load_target(golden_vocab["target2"]))
+    old_strings = golden_strings(golden_vocab["tok1"], torch.arange(96) + old.d2t)
+    new_strings = golden_strings(golden_vocab["tok2"], torch.arange(96) + new.d2t)
+    shared = [(old_strings.index(s), j) for j, s in enumerate(new_strings) if s in old_strings]
+    return old, new, shared
+
+
+def test_remap_draft_keeps_logits_of_tokens_shared_by_both_vocabularies(golden_vocab,
+                                                                       golden_remapped):
+    old, new, shared = golden_remapped
+    assert 0 < len(shared) < 96  # some tokens carried, some new
+    i, j = (torch.tensor(x) for x in zip(*shared))
+    assert torch.equal(new.lm_head.weight[j], old.lm_head.weight[i])
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(new.logits(h)[:, j], old.logits(h)[:, i], rtol=0, atol=1e-6)
+    assert f"{len(shared)} of 96 lm_head rows carried over" in golden_vocab["remap"].stdout
+
+
+def test_remap_draft_initialises_rows_of_tokens_new_to_the_drafter(golden_remapped):
+    old, new, shared = golden_remapped
+    fresh = sorted(set(range(96)) - {j for _, j in shared})
+    rows = new.lm_head.weight[fresh]
+    assert rows.abs().sum(-1).min() > 0
+    nearest = torch.cdist(rows, old.lm_head.weight).min()
+    assert nearest > 0, "a new token's row is a copy of an old row"
+
+
+def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target(golden_vocab,
+                                                                                golden_remapped):
+    """load_draft validates d2t/t2d for target 2; the kept ids are the 96 most frequent
+    reply tokens of the data under the new tokenizer (ties: smaller id), ascending."""
+    _, new, _ = golden_remapped
+    tok2 = golden_vocab["tok2"]
+    counts = [0] * len(tok2)
+    for p, r in golden_vocab["pairs2"]:
+        prompt_ids = tok2(E.chat_text(p)).input_ids
+        for i in tok2(E.chat_text(p, r)).input_ids[len(prompt_ids):]:
+            counts[i] += 1
+    kept = sorted(sorted(range(len(tok2)), key=lambda v: (-counts[v], v))[:96])
+    assert (torch.arange(96) + new.d2t).tolist() == kept
+    assert new.t2d.nonzero().flatten().tolist() == kept
+    config = json.load(open(os.path.join(golden_vocab["draft2"], "config.json")))
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (len(tok2), 96)
+
+
+def test_remap_draft_carries_over_the_drafter_body_unchanged(golden_vocab):
+    assert golden_vocab["remap"].returncode == 0, golden_vocab["remap"].stderr[-3000:]
+    tensors = []
+    for d in ("draft1", "draft2"):
+        with safe_open(os.path.join(golden_vocab[d], "model.safetensors"), framework="pt") as f:
+            tensors.append({k: f.get_tensor(k) for k in f.keys()})
+    old, new = tensors
+    assert sorted(old) == sorted(new)
+    body = [k for k in old if k not in ("lm_head.weight", "d2t", "t2d")]
+    assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
+    for k in body:
+        assert torch.equal(old[k], new[k]), f"{k} changed"
 
 
 def finish_worker():
