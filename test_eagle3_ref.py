@@ -78,12 +78,18 @@ def random_hf_model(name, seed=0, layers=LAYERS, std=0.25):
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=MAX_POS, eos_token_id=None, bos_token_id=None,
         pad_token_id=None, **overrides)
+    return randomized(config, seed, std)
+
+
+def randomized(config, seed, std):
+    """A transformers model from `config`: weights ~ N(0, std), norm gains ~ 1 + N(0, std)
+    (SPEC §9: std 0.2-0.3 over small vocabularies gives varied greedy text)."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for name, p in model.named_parameters():
             torch.nn.init.normal_(p, std=std)
-            if "norm" in pname:
+            if "norm" in name:
                 p.add_(1.0)
     return model.eval()
 
@@ -1717,14 +1723,7 @@ def train_hf_llama(vocab_size, seed, std=0.25, **extra):
         num_hidden_layers=TRAIN_LAYERS, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=None, **{"eos_token_id": None, "pad_token_id": None, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            torch.nn.init.normal_(p, std=std)
-            if "norm" in name:
-                p.add_(1.0)
-    return model.eval()
+    return randomized(config, seed, std)
 
 
 def train_draft_config(vocab_size, draft_vocab_size):
@@ -2433,13 +2432,7 @@ def golden_models(tmp_path_factory):
         "llama", vocab_size=GOLDEN_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            torch.nn.init.normal_(p, std=0.25)
-            if "norm" in name:
-                p.add_(1.0)
+    hf = randomized(config, seed=0, std=0.25)
     hf.save_pretrained(root / "target")
     target = E.load_target(str(root / "target"))
     kept = torch.tensor(GOLDEN_KEPT)
