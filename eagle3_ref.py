@@ -108,10 +108,12 @@ def rope_inv_freq(hf_config):
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = hf_config.head_dim
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
         return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        fail(f"rope_type={rope_type!r} is not supported; valid: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        fail(f"rope_type={rope_type!r} is not supported; valid: default, "
+             f"{', '.join(ROPE_INIT_FUNCTIONS)}")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
     return inv_freq.float(), float(scale)
 
@@ -121,7 +123,8 @@ def target_config(c):
     family = c.model_type
     if getattr(c, "hidden_act", "silu") != "silu":
         fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
-    if getattr(c, "mlp_bias", False) or (family != "qwen2" and getattr(c, "attention_bias", False)):
+    attention_bias = family != "qwen2" and getattr(c, "attention_bias", False)
+    if getattr(c, "mlp_bias", False) or attention_bias:
         fail("attention_bias/mlp_bias=True is not supported; these families ship without them")
     # Sliding-window attention equals full attention while the cache fits in the window,
     # so we keep the cache inside the window instead of implementing the window.
@@ -695,7 +698,8 @@ class Draft(nn.Module):
         ids. Returns the pre-norm output (B, T, D), which is also the next step's hidden."""
         kv = None if cache is None else (cache.k[0], cache.v[0])
         bias = attention_bias(mask, h.dtype)
-        return self.layer(h, tokens, positions, lambda q, k, v: attend_cached(q, k, v, bias, kv, start))
+        return self.layer(h, tokens, positions,
+                          lambda q, k, v: attend_cached(q, k, v, bias, kv, start))
 
     def layer(self, h, tokens, positions, attention):
         """The decoder layer with a pluggable attention(q, k, v) -> y: cached attention at
@@ -758,14 +762,15 @@ def init_weights(module, seed, std=0.02, skip=lambda name: False):
     with torch.no_grad():
         for name, p in module.named_parameters():
             if not skip(name):
-                p.copy_(torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.ones(p.shape))
+                matrix = p.dim() > 1
+                p.copy_(torch.randn(p.shape, generator=g) * std if matrix else torch.ones(p.shape))
     return module
 
 
 def init_draft(draft, seed, std=0.02):
     """A fresh drafter; the shared (target's) embedding is left alone."""
-    return init_weights(draft, seed, std,
-                        skip=lambda name: name.startswith("embed_tokens") and not draft.own_embedding)
+    shared = not draft.own_embedding
+    return init_weights(draft, seed, std, skip=lambda n: shared and n.startswith("embed_tokens"))
 
 
 def load_draft(path, target, dtype=None):
@@ -1148,7 +1153,8 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
         q_rows.append(q)
         if i < length - 1:  # pair (output that drafted it, token) at position n+i
             positions = torch.tensor([n + i], device=device)
-            h = draft(h[:, -1:], token[None], positions, causal_mask(1, n + i, device), cache, n + i)
+            mask = causal_mask(1, n + i, device)
+            h = draft(h[:, -1:], token[None], positions, mask, cache, n + i)
     chain = torch.cat([root.reshape(1)] + tokens)
     tree = tree_from_parents(chain, torch.arange(-1, length))
     return tree, torch.stack(q_rows), used
@@ -1662,7 +1668,8 @@ def draft_config_for(target, draft_vocab_size):
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + ASSISTANT +
                  "{{ m['content'] }}" + END + "{% else %}" + USER + "{{ m['content'] }}"
-                 "{% endif %}{% endfor %}{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
+                 "{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 CAPITALS = dict(france="paris", spain="madrid", italy="rome", japan="tokyo", egypt="cairo",
                 peru="lima", kenya="nairobi", norway="oslo", chile="santiago", cuba="havana",
                 greece="athens", poland="warsaw", india="delhi", canada="ottawa",
@@ -1720,13 +1727,15 @@ def corpus_example(g):
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
         return (f"Count from {NUMBERS[a]} to {NUMBERS[b]}.",
-                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: {', '.join(NUMBERS[a:b + 1])}. "
+                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: "
+                f"{', '.join(NUMBERS[a:b + 1])}. "
                 f"That is {NUMBERS[b - a + 1]} numbers.")
     if kind == 2:
         a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
         x, y, z = NUMBERS[a], NUMBERS[b], NUMBERS[a + b]
         return (f"What is {x} plus {y}?",
-                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
+                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
+                f"you have {z} apples.")
     if kind == 3:
         thing = pick(list(COLORS))
         return (f"What color is the {thing}?",
@@ -1905,7 +1914,8 @@ def first_divergence(expected, actual):
     """The first field (in round order) where two traces differ, as a readable line, or
     None. Logits compare within LOGITS_ATOL; everything else exactly."""
     for name in sorted(set(expected) | set(actual)):
-        where = f"round {int(name[5:9])}, field {name[10:]}" if name.startswith("round") else f"field {name}"
+        in_round = name.startswith("round")
+        where = f"round {int(name[5:9])}, field {name[10:]}" if in_round else f"field {name}"
         if name not in expected or name not in actual:
             return f"{where}: present only in the {'re-run' if name in actual else 'file'}"
         e, a = expected[name], actual[name]
@@ -1953,7 +1963,8 @@ def token_strings(tokenizer, ids):
 
 def data_tokens(tokenizer, path):
     """Token ids of a JSONL chat file through the tokenizer's chat template."""
-    return [t for m in read_conversations(path) for t in tokenize_conversation(tokenizer, m).tokens]
+    conversations = read_conversations(path)
+    return [t for m in conversations for t in tokenize_conversation(tokenizer, m).tokens]
 
 
 class VocabFit(NamedTuple):
@@ -1999,7 +2010,8 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
                                    draft_vocab_size)
     old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
     raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
-    draft = init_draft(new_draft(read_draft_config(raw, target.cfg), target, dtype=torch.float32), seed)
+    cfg = read_draft_config(raw, target.cfg)
+    draft = init_draft(new_draft(cfg, target, dtype=torch.float32), seed)
     skip = {"lm_head.weight", "d2t", "t2d"}
     load_state(draft, draft_dir, 0, 1, skip=lambda n: n in skip or n.startswith("embed_tokens"))
     new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
@@ -2055,7 +2067,8 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
         spec, seconds = best_time(lambda: speculative_generate(
             target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
         spec_s += seconds
-        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos), repeats)
+        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos),
+                                   repeats)
         greedy_s += seconds
         lossless &= spec.tokens.tolist() == plain.tolist()
         rounds += spec.rounds
@@ -2086,8 +2099,9 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     for ids in prompts:
         counter, handle = count_calls(model)
         out, s = best_time(lambda: model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-            eos_token_id=eos, pad_token_id=eos, **generate_kwargs), repeats)
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+            **generate_kwargs), repeats)
         handle.remove()
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
@@ -2192,15 +2206,18 @@ def main_demo():
                              eos=tokenizer.eos_token_id)
     print0(f"speculative decoding on {len(prompts)} held-out prompts (tree {tuple(TreeShape())}):")
     print0(f"  tau (accepted + 1 per round)       {stats.tau:.2f}")
-    print0(f"  acceptance rate by depth           {' '.join(f'{r:.2f}' for r in stats.accept_rate_by_depth)}")
+    rates = " ".join(f"{r:.2f}" for r in stats.accept_rate_by_depth)
+    print0(f"  acceptance rate by depth           {rates}")
     print0(f"  target forwards per token          {stats.forwards_per_token:.3f} (greedy: 1.000)")
-    print0(f"  tokens/s speculative / greedy      {stats.spec_tokens_per_s:.0f} / {stats.greedy_tokens_per_s:.0f}")
+    print0(f"  tokens/s speculative / greedy      {stats.spec_tokens_per_s:.0f} / "
+           f"{stats.greedy_tokens_per_s:.0f}")
     print0(f"  output equals greedy_generate      {stats.lossless}")
     print0(f"  draft accuracy per TTT step        {' '.join(f'{a:.3f}' for a in draft_acc)}")
     print0(json.dumps(dict(
         tau=round(stats.tau, 3), lossless=stats.lossless,
         speedup_vs_greedy=round(stats.spec_tokens_per_s / stats.greedy_tokens_per_s, 3),
-        train_acc_step0=round(draft_acc[0], 3), draft_acc_per_step=[round(a, 3) for a in draft_acc],
+        train_acc_step0=round(draft_acc[0], 3),
+        draft_acc_per_step=[round(a, 3) for a in draft_acc],
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
 
@@ -2342,9 +2359,11 @@ def cmd_vocab_check(args):
     draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
     fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
     print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: {fit.out_of_range}")
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
+          f"{fit.out_of_range}")
     if fit.coverage is not None:
-        print(f"share of the data's target tokens inside the draft vocab (t2d): {fit.coverage:.1%}")
+        print(f"share of the data's target tokens inside the draft vocab (t2d): "
+              f"{fit.coverage:.1%}")
     if not fit.fits:
         print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
               f"draft tokens decode to other strings under the target tokenizer. Drafting with "
@@ -2361,7 +2380,8 @@ def cmd_remap_draft(args):
     draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
     size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
         "draft_vocab_size", target.cfg.vocab_size)
-    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size, args.seed)
+    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
+                                 args.seed)
     save_draft(draft, args.out)
     print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
            f"{size - carried} freshly initialised")
@@ -2387,7 +2407,8 @@ def cmd_bench(args):
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     draft = load_draft(draft_dir, target)
     device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
-    prompts = [encode_prompt(tokenizer, t, args.target is None or args.chat, device) for t in texts]
+    chat = args.target is None or args.chat
+    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
     n = args.max_new_tokens
     ours = measure_decoding(target, draft, prompts, n, eos=eos)
     hf_dtype = target.lm_head.weight.dtype
@@ -2395,7 +2416,8 @@ def cmd_bench(args):
     hf_plain = time_hf(hf, prompts, n, eos)
     hf_assisted = None
     if assistant_dir:
-        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype).to(device).eval()
+        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype)
+        small = small.to(device).eval()
         hf_assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
     rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
             ("transformers generate", hf_plain.tokens_per_s, hf_plain.forwards_per_token)]
@@ -2422,7 +2444,7 @@ def build_parser():
     p = argparse.ArgumentParser(description="EAGLE-3 reference: with no command, run the tiny "
                                             "end-to-end demo (train a drafter, decode, report).")
     sub = p.add_subparsers(dest="command")
-    g = sub.add_parser("generate", help="speculative decoding with a target and an EAGLE-3 drafter")
+    g = sub.add_parser("generate", help="speculative decoding: a target and an EAGLE-3 drafter")
     g.add_argument("--target", required=True, help="Hugging Face model dir")
     g.add_argument("--draft", required=True, help="EAGLE-3 drafter dir (official or SpecForge)")
     g.add_argument("--prompt", required=True)
@@ -2485,7 +2507,7 @@ def build_parser():
     vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?")
     vc.add_argument("--draft", required=True)
     vc.add_argument("--target", required=True)
-    vc.add_argument("--draft-tokenizer", help="the drafter's original tokenizer (default: --draft)")
+    vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
     vc.add_argument("--data", help="JSONL chat data for t2d coverage")
     vc.set_defaults(run=cmd_vocab_check)
     rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target")
