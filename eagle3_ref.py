@@ -1259,6 +1259,7 @@ class Round(NamedTuple):
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (sampling only)
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
+    draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
 
 
 class SpecResult(NamedTuple):
@@ -1274,6 +1275,7 @@ def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, samp
     Returns the Round and the target's aux features at the verified nodes."""
     target_cache, draft_cache = caches
     root = torch.tensor(root, device=h_last.device)
+    q = None
     if scheme == "tree":
         t, drafting_uniforms = grow_tree(draft, draft_cache, n, h_last, root, *tree), []
     else:
@@ -1287,8 +1289,11 @@ def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, samp
     else:
         acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
     acc = decide(acc, len(t.tokens), h_last.device)
+    if not record_logits:
+        logits = q = None
     return Round(t, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
-                 logits.float().cpu() if record_logits else None), aux
+                 logits if logits is None else logits.float().cpu(),
+                 q if q is None else q.cpu()), aux
 
 
 @torch.inference_mode()
@@ -1868,7 +1873,8 @@ def build_tiny_target(path, seed=0):
 GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
 FULL_LOGITS_MAX_VOCAB = 4096   # larger vocabularies store top-20 values/ids + a checksum
 GOLDEN_TOP = 20
-LOGITS_ATOL = 1e-4             # --check: logits may differ by fp32 round-off, nothing else
+SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may differ by
+                               # fp32 round-off; uniforms and integers must match exactly
 
 
 def golden_tensors(input_ids, result):
@@ -1883,13 +1889,21 @@ def golden_tensors(input_ids, result):
                   p + "accept_length": torch.tensor([r.accepted + 1]),
                   p + "bonus": torch.tensor([r.bonus]),
                   p + "uniforms": torch.tensor(r.uniforms, dtype=torch.float64)})
-        if r.logits.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
-            t[p + "logits"] = r.logits
-        else:
-            top = r.logits.topk(GOLDEN_TOP, dim=-1)
-            t.update({p + "logits_top20_values": top.values, p + "logits_top20_ids": top.indices,
-                      p + "logits_checksum": r.logits.double().sum(-1)})
+        golden_rows(t, p + "logits", r.logits)
+        if r.draft_probs is not None:
+            golden_rows(t, p + "draft_probs", r.draft_probs)
     return {k: v.contiguous() for k, v in t.items()}
+
+
+def golden_rows(t, name, x):
+    """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
+    ids plus a float64 row checksum."""
+    if x.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
+        t[name] = x
+    else:
+        top = x.topk(GOLDEN_TOP, dim=-1)
+        t.update({name + "_top20_values": top.values, name + "_top20_ids": top.indices,
+                  name + "_checksum": x.double().sum(-1)})
 
 
 def write_golden(path, header, tensors):
@@ -1912,7 +1926,8 @@ def read_golden(path):
 
 def first_divergence(expected, actual):
     """The first field (in round order) where two traces differ, as a readable line, or
-    None. Logits compare within LOGITS_ATOL; everything else exactly."""
+    None. Logits and draft probabilities compare within SCORES_ATOL; everything else
+    exactly."""
     for name in sorted(set(expected) | set(actual)):
         in_round = name.startswith("round")
         where = f"round {int(name[5:9])}, field {name[10:]}" if in_round else f"field {name}"
@@ -1921,7 +1936,7 @@ def first_divergence(expected, actual):
         e, a = expected[name], actual[name]
         if e.shape != a.shape:
             return f"{where}: shape {tuple(e.shape)} in the file, {tuple(a.shape)} re-run"
-        tol = LOGITS_ATOL if "logits" in name and e.is_floating_point() else 0
+        tol = SCORES_ATOL if e.is_floating_point() and "uniforms" not in name else 0
         bad = ((e.double() - a.double()).abs() > tol).nonzero()
         if len(bad):
             index = tuple(bad[0].tolist())

@@ -2346,6 +2346,7 @@ GOLDEN_KEPT = [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13, 15, 16, 18, 20, 21, 23]  #
 GOLDEN_RUNS = {          # trace kind -> the sampling flags of `golden`
     "greedy": [],
     "sampled": ["--temperature", "0.8", "--top-p", "0.9", "--seed", "7"],
+    "chain": ["--scheme", "chain", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7"],
 }
 GOLDEN_ATOL = 1e-4       # fp32 round-off between world size 1 and 2 (all-reduce order)
 
@@ -2529,7 +2530,7 @@ def test_golden_trace_at_world_size_2_equals_world_size_1(golden_traces, kind):
     for name, x in one.items():
         y = two[name]
         assert x.dtype == y.dtype and x.shape == y.shape, name
-        if name.endswith(".logits"):
+        if name.endswith((".logits", ".draft_probs")):
             diff = float((x - y).abs().max())
             assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
         else:
@@ -2562,7 +2563,7 @@ def test_golden_header_records_format_version_config_world_size_and_versions(gol
             assert c["top_p"] == float(sampling.get("--top-p", 1.0))
             assert c["top_k"] == 0
             assert c["seed"] == int(sampling.get("--seed", 0))
-            assert c["scheme"] == "tree" and c["dtype"] == "float32"
+            assert c["scheme"] == sampling.get("--scheme", "tree") and c["dtype"] == "float32"
             assert c["eos_token_id"] is None
 
 
@@ -2608,10 +2609,11 @@ def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
     """positions, mask and retrieve_indices rebuilt by walking parents; the accepted path
     is a root-first chain of parent links."""
     t = golden_trace(golden_traces, kind)["tensors"]
+    nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
     for r in range(len(t["accept_lengths"])):
         parents = golden_round(t, r, "parents").tolist()
         N = len(parents)
-        assert N == GOLDEN_TREE[2] and parents[0] == -1
+        assert N == nodes and parents[0] == -1
         assert all(0 <= parents[i] < i for i in range(1, N))
         chains = [golden_path_to(parents, i) for i in range(N)]
         assert golden_round(t, r, "positions").tolist() == [len(c) - 1 for c in chains]
@@ -2718,6 +2720,44 @@ def test_golden_sampled_acceptance_replays_from_stored_logits_and_uniforms(golde
     assert rejected > 0 and max(t["accept_lengths"].tolist()) >= 2  # both branches replayed
 
 
+def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden_traces):
+    """Chain scheme: one seeded stream; per round each draft is the inverse CDF of its
+    stored q row, then per draft accept iff u * q(x) < p(x); at the first rejection the
+    token comes from norm(max(0, p - q)), after the last draft from p."""
+    t = golden_trace(golden_traces, "chain")["tensors"]
+    rounds = range(len(t["accept_lengths"]))
+    used = [t["first_uniforms"]] + [golden_round(t, r, "uniforms") for r in rounds]
+    g = torch.Generator().manual_seed(7)
+    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
+                          for _ in range(sum(len(u) for u in used))])
+    assert torch.equal(torch.cat(used), stream)
+    outside = sorted(set(range(GOLDEN_VOCAB)) - set(GOLDEN_KEPT))
+    rejected = 0
+    for r in rounds:
+        tokens, logits = golden_round(t, r, "tree_tokens"), golden_round(t, r, "logits")
+        q = golden_round(t, r, "draft_probs")
+        coins = iter(golden_round(t, r, "uniforms").tolist())
+        k = GOLDEN_TREE[1] + 1
+        assert q.shape == (k, GOLDEN_VOCAB) and q.dtype == torch.float64
+        assert torch.allclose(q.sum(-1), torch.ones(k, dtype=q.dtype)), f"round {r}: q rows"
+        assert not q[:, outside].any(), f"round {r}: q outside the draft vocab"
+        drafts = [golden_inverse_cdf(q[i], next(coins)) for i in range(k)]
+        assert tokens[1:].tolist() == drafts, f"round {r}: drafts are not q's inverse CDF"
+        for i, x in enumerate(drafts):
+            p = golden_warped(logits[i])
+            if next(coins) * q[i, x] < p[x]:
+                continue
+            rejected += 1
+            path, p = list(range(i + 1)), (p - q[i]).clamp(min=0)
+            break
+        else:
+            path, p = list(range(k + 1)), golden_warped(logits[k])
+        assert golden_round(t, r, "path").tolist() == path, f"round {r}"
+        assert golden_round(t, r, "bonus").tolist() == [golden_inverse_cdf(p, next(coins))]
+        assert next(coins, None) is None, f"round {r} recorded unused uniforms"
+    assert rejected > 0 and max(t["accept_lengths"].tolist()) >= 2  # both branches replayed
+
+
 # ----------------------------------------------------------------------------------------
 # golden --check
 
@@ -2737,9 +2777,8 @@ def golden_checks(golden_traces, golden_models):
     save_file(flipped, str(root / "flipped.safetensors"), metadata=meta)
     v2 = {"eagle3_golden": json.dumps(dict(header, version=2))}
     save_file(tensors, str(root / "version2.safetensors"), metadata=v2)
-    files = dict(greedy=golden_trace(golden_traces, "greedy")["file"],
-                 sampled=golden_trace(golden_traces, "sampled")["file"],
-                 flipped=str(root / "flipped.safetensors"),
+    files = {kind: golden_trace(golden_traces, kind)["file"] for kind in GOLDEN_RUNS}
+    files.update(flipped=str(root / "flipped.safetensors"),
                  version2=str(root / "version2.safetensors"))
     procs = [golden_cli("golden", "--check", f) for f in files.values()]
     return dict(zip(files, golden_finish(*procs)), old=old, new=new)
