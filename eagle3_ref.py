@@ -1356,9 +1356,10 @@ class Example(NamedTuple):
 
 
 @torch.inference_mode()
-def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=64):
+def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
     """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
-    of prompt token ids, batched over prompts of equal length; cut after the first EOS."""
+    of prompt token ids, batched over prompts of equal length; cut after the first EOS
+    (a batch stops once every row has produced one)."""
     device = target.lm_head.weight.device
     by_length = {}
     for i, p in enumerate(prompts):
@@ -1370,10 +1371,13 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=64):
             x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
             cache = target.new_cache(length + max_new_tokens, batch=len(rows))
             logits, _ = target(x, cache=cache, aux_layers=())
-            out = []
+            out, ended = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
             for n in range(length, length + max_new_tokens):
                 token = logits[:, -1].argmax(-1)                           # (B,)
                 out.append(token)
+                ended |= token == eos_token_id
+                if ended.all() or n + 1 == length + max_new_tokens:
+                    break
                 logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
             for i, reply in zip(rows, torch.stack(out, 1).tolist()):
                 cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
@@ -1462,23 +1466,26 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
     B, T = input_ids.shape
     denominator = denominator or B * T
     teacher = shift_left(target_logits.float())        # teacher[t] = target dist. of x[t+2]
+    if draft.cfg.has_vocab_map:
+        p = torch.softmax(teacher[..., draft.t2d], -1)                   # (B, T, Vd)
+        in_vocab = draft.t2d[teacher.argmax(-1)].float()                 # (B, T)
+    else:
+        p, in_vocab = torch.softmax(teacher, -1), torch.ones_like(teacher[..., 0])
+    p_top = p.argmax(-1)
     ids, mask = shift_left(input_ids), loss_mask.float()
     positions = torch.arange(T, device=input_ids.device)
     h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []
     result = TTTResult(0.0, [], [], [])
-    for k in range(steps):
+    for k in range(steps):  # step k: the teacher, its argmax and the masks shifted k times
         h = draft.layer(h, ids, positions + k, lambda q, k_, v: ttt_attention(q, k_, v, past))
         log_q = torch.log_softmax(draft.logits(h).float(), -1)          # (B, T, Vd)
-        if draft.cfg.has_vocab_map:
-            p = torch.softmax(teacher[..., draft.t2d], -1)               # (B, T, Vd)
-            position_mask = draft.t2d[teacher.argmax(-1)].float() * mask
-        else:
-            p, position_mask = torch.softmax(teacher, -1), mask
+        position_mask = in_vocab * mask
         loss_k = -(position_mask * (p * log_q).sum(-1)).sum() / denominator
-        hits = ((log_q.argmax(-1) == p.argmax(-1)).float() * position_mask).sum()
+        hits = ((log_q.argmax(-1) == p_top).float() * position_mask).sum()
         result = TTTResult(result.loss + decay ** k * loss_k, result.losses + [loss_k],
                            result.hits + [hits.detach()], result.counts + [mask.sum()])
-        ids, teacher, mask = shift_left(ids), shift_left(teacher), shift_left(mask)
+        ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
+        in_vocab, mask = shift_left(in_vocab), shift_left(mask)
     return result
 
 
@@ -1491,7 +1498,7 @@ def lr_at(step, steps, lr, warmup):
 
 
 class TrainConfig(NamedTuple):
-    steps: int = 400
+    steps: int = 300
     batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
     lr: float = 3e-3
     warmup: int = 20
@@ -1793,7 +1800,7 @@ def train_tokenizer(texts, vocab_size):
 
 TINY_DIR = os.path.join(RUNS_DIR, "tiny")
 TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
-PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=300, lr=3e-3, warmup=30)
+PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=240, lr=3e-3, warmup=30)
 
 
 def pack_rows(token_lists, row_len):

@@ -1983,6 +1983,19 @@ def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
     return floor
 
 
+def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
+    """Batched over prompts of equal length, stopped once every row has its EOS: each reply
+    is transformers' greedy continuation up to and including its first EOS."""
+    hf, target = zoo.hf("llama"), zoo.target("llama")
+    prompts = [random_prompt(seed, length).tolist()[0]
+               for seed, length in [(1, 5), (2, 7), (3, 5), (4, 9), (5, 5), (6, 7)]]
+    expected = [hf_greedy(hf, torch.tensor([p]), 12).tolist() for p in prompts]
+    eos = Counter(t for e in expected for t in e[2:]).most_common(1)[0][0]
+    cut = [e[:e.index(eos) + 1] if eos in e else e for e in expected]
+    assert any(len(c) < 12 for c in cut) and any(len(c) == 12 for c in cut), cut
+    assert E.regenerate_replies(target, prompts, 12, eos, batch=2) == cut
+
+
 def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
     """20 AdamW steps on 8 of the target's own greedy replies close over a quarter of the
     gap between the fresh drafter's TTT loss and the teacher's entropy."""
