@@ -200,16 +200,26 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
+last_progress_line = [-math.inf]
+
+
 def progress(label, **metrics):
-    """A one-line progress bar (rank 0, overwritten in place)."""
-    if is_rank0():
-        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                         for k, v in metrics.items())
+    """A one-line progress bar on rank 0: redrawn in place on a terminal, one line every
+    PROGRESS_LOG_SECONDS when stderr goes to a log file."""
+    if not is_rank0():
+        return
+    shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in metrics.items())
+    if sys.stderr.isatty():
         print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
+    elif time.time() - last_progress_line[0] >= PROGRESS_LOG_SECONDS:
+        last_progress_line[0] = time.time()
+        print(f"{label} {shown}", file=sys.stderr, flush=True)
 
 
 def progress_done():
-    if is_rank0():
+    if is_rank0() and sys.stderr.isatty():
         print(file=sys.stderr, flush=True)
 
 

@@ -2427,6 +2427,17 @@ def golden_warped(logits, temperature=0.8, top_p=0.9):
     return scores.softmax(-1)[0]
 
 
+def assert_uniforms_are_the_seeded_stream(tensors, seed):
+    """first_uniforms then every round's uniforms are one torch.Generator's float64 draws,
+    in order, with nothing skipped."""
+    rounds = range(len(tensors["accept_lengths"]))
+    used = [tensors["first_uniforms"]] + [golden_round(tensors, r, "uniforms") for r in rounds]
+    g = torch.Generator().manual_seed(seed)
+    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
+                          for _ in range(sum(len(u) for u in used))])
+    assert torch.equal(torch.cat(used), stream)
+
+
 def golden_root_index(tensors, r):
     """Index in `tokens` of round r's root: each round emits accept_length tokens."""
     return int(tensors["accept_lengths"][:r].sum())
@@ -2687,11 +2698,7 @@ def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_trac
     float64 draw at a time; a round draws one per tried sibling plus one for the bonus."""
     t = golden_trace(golden_traces, "sampled")["tensors"]
     rounds = range(len(t["accept_lengths"]))
-    used = [t["first_uniforms"]] + [golden_round(t, r, "uniforms") for r in rounds]
-    g = torch.Generator().manual_seed(7)
-    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
-                          for _ in range(sum(len(u) for u in used))])
-    assert torch.equal(torch.cat(used), stream)
+    assert_uniforms_are_the_seeded_stream(t, seed=7)
     assert len(t["first_uniforms"]) == 1
     for r in rounds:
         parents, path = golden_round(t, r, "parents").tolist(), golden_round(t, r, "path").tolist()
@@ -2739,11 +2746,7 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
     token comes from norm(max(0, p - q)), after the last draft from p."""
     t = golden_trace(golden_traces, "chain")["tensors"]
     rounds = range(len(t["accept_lengths"]))
-    used = [t["first_uniforms"]] + [golden_round(t, r, "uniforms") for r in rounds]
-    g = torch.Generator().manual_seed(7)
-    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
-                          for _ in range(sum(len(u) for u in used))])
-    assert torch.equal(torch.cat(used), stream)
+    assert_uniforms_are_the_seeded_stream(t, seed=7)
     outside = sorted(set(range(GOLDEN_VOCAB)) - set(GOLDEN_KEPT))
     rejected = 0
     for r in rounds:
