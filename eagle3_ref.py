@@ -1810,7 +1810,7 @@ def train_tokenizer(texts, vocab_size):
 
 TINY_DIR = os.path.join(RUNS_DIR, "tiny")
 TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
-PRETRAIN = dict(conversations=40000, row_len=128, batch=32, steps=240, lr=3e-3, warmup=30)
+PRETRAIN = dict(conversations=40000, row_len=128, batch=16, steps=240, lr=3e-3, warmup=30)
 
 
 def pack_rows(token_lists, row_len):
