@@ -1285,9 +1285,8 @@ def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, samp
     Returns the Round and the target's aux features at the verified nodes."""
     target_cache, draft_cache = caches
     root = torch.tensor(root, device=h_last.device)
-    q = None
     if scheme == "tree":
-        t, drafting_uniforms = grow_tree(draft, draft_cache, n, h_last, root, *tree), []
+        t, q, drafting_uniforms = grow_tree(draft, draft_cache, n, h_last, root, *tree), None, []
     else:
         t, q, drafting_uniforms = draft_chain(draft, draft_cache, n, h_last, root,
                                               tree.depth + 1, uniforms, sampling)
@@ -1299,11 +1298,9 @@ def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, samp
     else:
         acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
     acc = decide(acc, len(t.tokens), h_last.device)
-    if not record_logits:
-        logits = q = None
+    recorded = (logits.float().cpu(), q if q is None else q.cpu()) if record_logits else ()
     return Round(t, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
-                 logits if logits is None else logits.float().cpu(),
-                 q if q is None else q.cpu()), aux
+                 *recorded), aux
 
 
 @torch.inference_mode()
