@@ -3,9 +3,20 @@ eagle3_ref.py: a single-file reference implementation of EAGLE-3 speculative dec
 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test").
 
-The file reads top to bottom like the method: target model (with tensor parallelism) ->
-draft head -> dynamic draft tree -> tree verification and acceptance -> generation ->
-training-time test -> golden traces -> command line.
+Part I, the method, reads top to bottom in the order of the paper; Part II holds the tools
+around it. Nothing in Part I calls anything in Part II.
+
+    Part I: the method                      Part II: tools
+      1. constants and configs                10. config and checkpoint IO
+      2. distributed helpers                  11. drafter IO
+      3. target model                         12. training data and the training loop
+      4. tensor parallelism                   13. tiny models (corpus, tokenizer, target)
+      5. draft head                           14. golden traces
+      6. draft tree                           15. drafter diagnostics
+      7. verify and accept                    16. benchmark
+         (variant: a sampled chain)           17. the main job (the tiny demo)
+      8. generation                           18. command line
+      9. training-time test
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -35,9 +46,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# ========================================================================================
+#
+#   PART I: THE METHOD
+#
+# ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# constants
+# 1. constants and configs
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type
 MIN_LAYERS_FOR_AUX = 7      # aux layers (2, L//2, L-3) are distinct only for L >= 7
@@ -52,8 +68,6 @@ TTT_STEPS = 7               # unrolled draft steps per position
 TTT_DECAY = 0.8             # step k weighs 0.8**k: the first drafted tokens matter most
 GRAD_CLIP = 0.5             # max gradient norm
 ADAM_BETAS = (0.9, 0.95)    # AdamW betas; weight decay 0
-RUNS_DIR = "runs"           # every generated file lives under here (git-ignored)
-TINY_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_configs")
 
 
 class Eagle3Error(ValueError):
@@ -62,15 +76,6 @@ class Eagle3Error(ValueError):
 
 def fail(message):
     raise Eagle3Error(message)
-
-
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-# ----------------------------------------------------------------------------------------
-# config
 
 
 @dataclass
@@ -99,65 +104,26 @@ class TargetConfig:
         return (2, L // 2, L - 3)
 
 
-def rope_inv_freq(hf_config):
-    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them.
-    The scaled types (llama3, yarn, linear, dynamic, ...) come from transformers' own table,
-    so we never re-derive a scaling rule; only the unscaled default is written here."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    params = hf_config.rope_parameters
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        dim = hf_config.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
-        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
-        return inv_freq, 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        fail(f"rope_type={rope_type!r} is not supported; valid: default, "
-             f"{', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
-    return inv_freq.float(), float(scale)
-
-
-def target_config(c):
-    """A transformers config object -> TargetConfig."""
-    family = c.model_type
-    if getattr(c, "hidden_act", "silu") != "silu":
-        fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
-    attention_bias = family != "qwen2" and getattr(c, "attention_bias", False)
-    if getattr(c, "mlp_bias", False) or attention_bias:
-        fail("attention_bias/mlp_bias=True is not supported; these families ship without them")
-    # Sliding-window attention equals full attention while the cache fits in the window,
-    # so we keep the cache inside the window instead of implementing the window.
-    window = getattr(c, "sliding_window", None) if family == "mistral" else (
-        c.sliding_window if getattr(c, "use_sliding_window", False) else None)
-    max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    c.head_dim = head_dim
-    inv_freq, rope_scale = rope_inv_freq(c)
-    return TargetConfig(
-        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
-        inv_freq=inv_freq, rope_scale=rope_scale)
-
-
-def read_target_config(path):
-    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' AutoConfig)."""
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
-    family = read_json(os.path.join(path, "config.json")).get("model_type")
-    if family not in SUPPORTED_FAMILIES:
-        fail(f"model_type={family!r} in {path}/config.json is not supported; "
-             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
-    return target_config(AutoConfig.from_pretrained(path))
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    vocab_size: int            # the target's vocab V: the drafter embeds target ids
+    draft_vocab_size: int      # Vd: rows of the draft lm_head
+    target_hidden_size: int    # fc maps 3 * target_hidden_size -> hidden_size
+    aux_layers: tuple          # target layers whose *input* residual is fused (input ids)
+    has_vocab_map: bool        # d2t/t2d buffers present (else draft ids are target ids)
+    inv_freq: torch.Tensor
+    rope_scale: float
+    raw: dict                  # config.json as read, rewritten on save
 
 
 # ----------------------------------------------------------------------------------------
-# distributed helpers
+# 2. distributed helpers
 #
 # Tensor parallelism (TP) runs one process per device under torchrun. Every rank holds a
 # slice of every big weight; the only communication of the forward pass is one all_reduce
@@ -200,29 +166,6 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
-last_progress_line = [-math.inf]
-
-
-def progress(label, **metrics):
-    """A one-line progress bar on rank 0: redrawn in place on a terminal, one line every
-    PROGRESS_LOG_SECONDS when stderr goes to a log file."""
-    if not is_rank0():
-        return
-    shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in metrics.items())
-    if sys.stderr.isatty():
-        print(f"\r{label} {shown}", end="", file=sys.stderr, flush=True)
-    elif time.time() - last_progress_line[0] >= PROGRESS_LOG_SECONDS:
-        last_progress_line[0] = time.time()
-        print(f"{label} {shown}", file=sys.stderr, flush=True)
-
-
-def progress_done():
-    if is_rank0() and sys.stderr.isatty():
-        print(file=sys.stderr, flush=True)
-
-
 def all_reduce(x, world):
     """Sum the partial results of a row-parallel matmul over the W ranks holding slices."""
     if world > 1:
@@ -238,14 +181,10 @@ def broadcast0(x):
 
 
 # ----------------------------------------------------------------------------------------
-# target model
+# 3. target model
 #
 # A plain Llama-style decoder written for one process. TP only changes the *local* sizes
 # (H/W heads, Hkv/W kv heads, I/W MLP width) and adds the two all_reduce lines.
-
-
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_aux_layers(aux_layers, n_layers):
@@ -281,8 +220,20 @@ def rope_cos_sin(inv_freq, positions, scale, dtype):
 def apply_rope(x, cos, sin):
     # Non-interleaved "rotate half" convention: pairs (i, i + hs/2) rotate together.
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)                  # (.., hs)
     return x * cos + rotated * sin
+
+
+def prefix_mask(n, local):
+    """(T, n + T') bool: the n cached prefix slots are fully visible, then `local` (T, T')
+    says which of the new slots each new token sees (causal, or tree ancestors)."""
+    visible = torch.ones(local.shape[0], n, dtype=torch.bool, device=local.device)
+    return torch.cat([visible, local], dim=1)                                     # (T, n+T')
+
+
+def causal_mask(T, start, device):
+    """(T, start + T) bool: the cached prefix is fully visible, new tokens are causal."""
+    return prefix_mask(start, torch.ones(T, T, dtype=torch.bool, device=device).tril())
 
 
 def attention_bias(mask, dtype):
@@ -308,12 +259,6 @@ def attend_cached(q, k, v, bias, kv=None, start=0):
     return attend(q, k, v, bias)
 
 
-def causal_mask(T, start, device):
-    """(T, start + T) bool: the cached prefix is fully visible, new tokens are causal."""
-    new = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), new], dim=1)
-
-
 class KVCache(NamedTuple):
     """Preallocated keys and values, one slab per layer, written at explicit positions.
     The number of valid entries is not stored here: callers pass it explicitly (`start`)."""
@@ -331,24 +276,9 @@ def new_kv_cache(n_layers, n_kv_heads, head_dim, length, dtype, device, batch=1)
                    torch.zeros(shape, dtype=dtype, device=device))
 
 
-def commit(cache, start, path):
-    """Keep the accepted tree nodes: move the K/V of `path` (node indices, root first, in
-    the N entries written after `start`) to start, start+1, ... . The official
-    `data[..., n:n+a+1] = data[..., path + n]`; indexing copies first, so overlapping
-    ranges are safe. Returns the new valid length."""
-    src = start + path
-    for slab in (cache.k, cache.v):
-        slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
-    return start + len(path)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg, world, in_dim=None, qkv_bias=False, qk_norm=False):
         super().__init__()
-        if cfg.n_heads % world or cfg.n_kv_heads % world:
-            fail(f"num_attention_heads={cfg.n_heads} and num_key_value_heads={cfg.n_kv_heads} "
-                 f"must both be divisible by the world size {world}; "
-                 f"use --nproc_per_node in {divisors(math.gcd(cfg.n_heads, cfg.n_kv_heads))}")
         self.world = world  # 1 for the replicated drafter, even under torchrun
         self.H, self.Hkv, self.hs = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim
         in_dim = in_dim or cfg.hidden_size
@@ -366,8 +296,8 @@ class Attention(nn.Module):
     def project(self, x, cos, sin):
         """x (B, T, in) -> q (B, H, T, hs), k and v (B, Hkv, T, hs), RoPE applied."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hs)
-        k = self.k_proj(x).view(B, T, self.Hkv, self.hs)
+        q = self.q_proj(x).view(B, T, self.H, self.hs)                   # (B, T, H, hs)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.hs)                 # (B, T, Hkv, hs)
         v = self.v_proj(x).view(B, T, self.Hkv, self.hs).transpose(1, 2)  # (B, Hkv, T, hs)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -377,7 +307,7 @@ class Attention(nn.Module):
 
     def output(self, y):
         B, _, T, _ = y.shape
-        y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)
+        y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)          # (B, T, H*hs)
         return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
@@ -388,9 +318,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden_size, intermediate_size, world):
         super().__init__()
-        if intermediate_size % world:
-            fail(f"intermediate_size={intermediate_size} is not divisible by the world size "
-                 f"{world}; use --nproc_per_node in {divisors(intermediate_size)[:8]}")
         I = intermediate_size // world
         self.world = world
         self.gate_proj = nn.Linear(hidden_size, I, bias=False)  # column-parallel
@@ -462,16 +389,19 @@ class Target(nn.Module):
             x = layer(x, cos, sin, bias, kv, start)
         captured[self.cfg.n_layers] = x
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.lm_head(self.model.norm(x)), aux
+        return self.lm_head(self.model.norm(x)), aux                        # (B, T, V)
 
 
 # ----------------------------------------------------------------------------------------
-# tensor parallel loading
+# 4. tensor parallelism: which dimension of a checkpoint tensor each rank slices
 #
-# Which dimension of a checkpoint tensor each rank slices:
 #   column-parallel (dim 0, output rows): q/k/v_proj, gate/up_proj (weights and biases)
 #   row-parallel    (dim 1, input cols):  o_proj, down_proj
 #   replicated:                           embeddings, norms, lm_head
+#
+# The loader reads only this rank's slice of each tensor; the model above then
+# runs unchanged on the local sizes, and the all_reduce after o_proj and down_proj sums the
+# partial outputs. Sizes must divide by W; they are checked once, at load.
 
 
 def shard_dim(name):
@@ -480,6 +410,994 @@ def shard_dim(name):
     if any(p in name for p in ("o_proj", "down_proj")):
         return 1
     return None
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_sizes(cfg, world):
+    if cfg.n_heads % world or cfg.n_kv_heads % world:
+        fail(f"num_attention_heads={cfg.n_heads} and num_key_value_heads={cfg.n_kv_heads} "
+             f"must both be divisible by the world size {world}; "
+             f"use --nproc_per_node in {divisors(math.gcd(cfg.n_heads, cfg.n_kv_heads))}")
+    if cfg.intermediate_size % world:
+        fail(f"intermediate_size={cfg.intermediate_size} is not divisible by the world size "
+             f"{world}; use --nproc_per_node in {divisors(cfg.intermediate_size)[:8]}")
+
+
+# ----------------------------------------------------------------------------------------
+# 5. draft head
+#
+# One Llama decoder layer whose attention reads the concatenation [embedding ; hidden]
+# (2D wide). Its hidden input is either fc(target aux features) for real tokens or its own
+# previous pre-norm output for drafted tokens. Pair convention: draft position p holds
+# (feature of token p, token p+1) and predicts token p+2. The layer runs in three steps,
+# project -> attend -> finish, so that inference (cached attention) and training-time test
+# (its own attention pattern) share the two ends and differ only in the middle.
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        D = cfg.hidden_size
+        self.hidden_norm = RMSNorm(D, cfg.rms_eps)
+        self.input_layernorm = RMSNorm(D, cfg.rms_eps)
+        self.self_attn = Attention(cfg, world=1, in_dim=2 * D)  # replicated on every rank
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_eps)
+        self.mlp = MLP(D, cfg.intermediate_size, world=1)
+
+
+class Draft(nn.Module):
+    """The EAGLE-3 draft head. Parameter and buffer names are the official checkpoint keys."""
+
+    def __init__(self, cfg, shared_embedding=None):
+        super().__init__()
+        self.cfg = cfg
+        D, Vd = cfg.hidden_size, cfg.draft_vocab_size
+        # The target's frozen embedding (shared, never saved) unless the drafter has its own.
+        self.own_embedding = shared_embedding is None
+        self.embed_tokens = shared_embedding or nn.Embedding(cfg.vocab_size, D)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, D, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(D, cfg.rms_eps)
+        self.lm_head = nn.Linear(D, Vd, bias=False)
+        if cfg.has_vocab_map:  # target id of draft id i = i + d2t[i]; t2d marks kept target ids
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def owns(self, name):
+        """Is parameter/buffer `name` the drafter's own (initialised, saved, loaded)? All but
+        a shared embedding, which belongs to the target."""
+        return self.own_embedding or not name.startswith("embed_tokens")
+
+    def project(self, h, tokens, positions):
+        """Step 1: x = [input_layernorm(embed(tokens)) ; hidden_norm(h)] (B, T, 2D) ->
+        q (B, H, T, hs), k, v (B, Hkv, T, hs), RoPE applied at `positions`."""
+        layer = self.midlayer
+        e = self.embed_tokens(tokens).to(h.dtype)
+        x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], dim=-1)  # (B, T, 2D)
+        cos, sin = rope_cos_sin(self.cfg.inv_freq, positions, self.cfg.rope_scale, h.dtype)
+        return layer.self_attn.project(x, cos, sin)
+
+    def finish(self, h, y):
+        """Step 3: attention output y (B, H, T, hs) -> the pre-norm output (B, T, D), which is
+        also the next step's hidden. The residual is h, not x."""
+        layer = self.midlayer
+        h = h + layer.self_attn.output(y)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def forward(self, h, tokens, positions, mask, cache=None, start=0):
+        """h (B, T, D): fc(target features) or the previous draft output; tokens (B, T) target
+        ids; mask (T, start+T). Project, attend over the cache (slots start.. written), finish."""
+        q, k, v = self.project(h, tokens, positions)
+        kv = None if cache is None else (cache.k[0], cache.v[0])
+        return self.finish(h, attend_cached(q, k, v, attention_bias(mask, h.dtype), kv, start))
+
+    def logits(self, h):
+        return self.lm_head(self.norm(h))  # (.., Vd)
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids] if self.cfg.has_vocab_map else draft_ids
+
+    def new_cache(self, length):
+        p = self.fc.weight
+        return new_kv_cache(1, self.cfg.n_kv_heads, self.cfg.head_dim, length, p.dtype, p.device)
+
+
+# ----------------------------------------------------------------------------------------
+# 6. draft tree (the official dynamic tree of EAGLE-2/3)
+#
+# From the root (the token the target just chose) the drafter grows depth+1 levels. Each
+# level keeps its K best nodes by cumulative log-probability and expands each into K
+# children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
+# the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
+# Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
+# drafter's cache, then grow_tree builds the tree on top. draft_tree is the from-scratch
+# form of the official `topK_genrate` (prefix and tree in one call).
+
+
+class TreeShape(NamedTuple):
+    top_k: int = TOP_K
+    depth: int = DEPTH
+    total_tokens: int = TOTAL_TOKENS
+
+
+class Tree(NamedTuple):
+    tokens: torch.Tensor            # (N,) target ids; node 0 is the root
+    parents: torch.Tensor           # (N,) parent node index; -1 for the root
+    positions: torch.Tensor         # (N,) depth below the root (root 0)
+    mask: torch.Tensor              # (N, N) bool: mask[i, j] = j is i or an ancestor of i
+    retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
+
+
+def check_tree_shape(shape, draft_vocab_size):
+    for name, value in zip(shape._fields, shape):
+        if not isinstance(value, int) or value < 1:
+            fail(f"{name}={value!r} must be a positive integer")
+    top_k, depth, total_tokens = shape
+    if top_k > draft_vocab_size:
+        fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "
+             f"use top_k <= {draft_vocab_size}")
+    pool = top_k + depth * top_k ** 2
+    if total_tokens - 1 > pool:
+        fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
+             f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
+    if total_tokens < 2:
+        fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
+
+
+def topk_first_index(x, k):
+    """torch.topk along the last dim with ties broken toward the lower index. It equals
+    torch.topk whenever values are distinct; on ties it is reproducible across devices and
+    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def tree_from_parents(tokens, parents):
+    """Mask, depths and root-to-leaf paths of a tree whose parents precede their children.
+    Worked example, a 5-node tree  0 -> {1, 2}, 1 -> {3}, 3 -> {4}:
+        parents   = [-1, 0, 0, 1, 3]
+        mask rows = 0:{0} 1:{0,1} 2:{0,2} 3:{0,1,3} 4:{0,1,3,4}   (ancestors-or-self)
+        positions = row sums - 1 = [0, 1, 1, 2, 3]
+        leaves    = nodes that are nobody's parent = [2, 4]
+        retrieve_indices = [[0, 2, -1, -1], [0, 1, 3, 4]]   (rows by leaf index)"""
+    tokens, parents = tokens.cpu(), parents.cpu()
+    N = len(tokens)
+    mask = torch.eye(N, dtype=torch.bool)                                        # (N, N)
+    nodes, ancestor = torch.arange(N), parents.clone()
+    while (ancestor >= 0).any():  # climb one level per pass: depth+1 passes reach the root
+        up = ancestor >= 0
+        mask[nodes[up], ancestor[up]] = True
+        ancestor[up] = parents[ancestor[up]]
+    positions = mask.sum(1) - 1                                                  # (N,)
+    is_parent = torch.zeros(N, dtype=torch.bool)
+    is_parent[parents[1:]] = True
+    leaves = (~is_parent).nonzero().flatten()
+    retrieve = torch.full((len(leaves), int(positions.max()) + 1), -1, dtype=torch.long)
+    row, node = mask[leaves].nonzero(as_tuple=True)  # each leaf's ancestors-or-self ...
+    retrieve[row, positions[node]] = node            # ... placed by depth: root..leaf
+    return Tree(tokens, parents, positions, mask, retrieve)
+
+
+def draft_log_probs(draft, h):
+    # log-softmax in fp32 whatever the model dtype: fewer exact ties than fp16/bf16 scores
+    return torch.log_softmax(draft.logits(h).float(), dim=-1)
+
+
+def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
+    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries and link them.
+    Pool layout (flat index s): level 1 at s = 0..K-1; iteration `it` stores child c of its
+    r-th input at s = K + it*K^2 + r*K + c. Each run of K siblings is one group g = s // K,
+    and group_parent[g] is the pool index of the node they hang under (-1 = the root).
+    Example K=2, depth=1: pool = [a, b | a0, a1, b0, b1], group_parent = [-1, 0, 1]
+    (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
+    [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1."""
+    # 4) select the best; order the tree by flat index (level, parent rank, child rank)
+    chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values   # (N-1,)
+    # 5) link: each chosen node's parent pool index -> its node index (root = 0)
+    parent_pool = group_parent[chosen // K]                                      # (N-1,)
+    parents = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
+    parents[parent_pool < 0] = 0
+    assert bool((chosen[(parents - 1).clamp(min=0)] == parent_pool)[parent_pool >= 0].all()), \
+        "a selected node's parent was not selected"  # impossible with first-index ties
+    tokens = torch.cat([root.reshape(1), pool_tokens[chosen]])                   # (N,)
+    return tree_from_parents(tokens, torch.cat([torch.tensor([-1]), parents.cpu()]))
+
+
+def draft_prefix(draft, cache, start, aux, next_tokens):
+    """Run the drafter over real tokens: position start+p gets (target feature of token
+    start+p, token start+p+1). Writes cache slots start.. and returns the last output
+    (1, D), which predicts the children of the root."""
+    m = aux.shape[1]
+    positions = torch.arange(start, start + m, device=aux.device)
+    h = draft(draft.fc(aux), next_tokens, positions, causal_mask(m, start, aux.device),
+              cache, start)                                                      # (1, m, D)
+    return h[:, -1]
+
+
+# The index spaces of grow_tree, worked for K = 2, depth = 2 over a drafter cache holding
+# n real positions (slots 0..n-1):
+#   level 1   the root's children a, b (pool 0, 1), scored from h_last; nothing is written.
+#   it = 0    one draft pass over [a, b], both at RoPE position n + 0, written to cache
+#             slots n + it*K + r = n, n+1. Tree-mask columns = those slots: a sees the
+#             prefix and slot n (itself), b the prefix and slot n+1.
+#             Their children a0 a1 b0 b1 are pool 2..5 (group_parent [0, 1]). Rerank keeps
+#             the best K of the four, say a1, b0: rows [0, 1], pool inputs [3, 4].
+#   it = 1    one pass over [a1, b0] at RoPE position n + 1, slots n+2, n+3. The tree mask
+#             grows by K columns: rows = [the parent's row ; eye], so
+#                 a1: slots n, n+1, n+2, n+3 = 1 0 1 0   (a, itself)
+#                 b0:                          0 1 0 1   (b, itself)
+#             Children pool 6..9 (group_parent [3, 4]).
+#   pool      K + depth*K^2 = 10 candidates; select_tree takes the best total_tokens - 1.
+# Positions are depths (all nodes of a level share one position) and the cache slots are
+# scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
+
+
+def grow_tree(draft, cache, n, h_last, root, shape):
+    """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
+    draft K/V go to slots n.. and are discarded by the next draft_prefix."""
+    K, device = shape.top_k, h_last.device
+    # 1) level 1: the K best children of the root
+    scores, ids = topk_first_index(draft_log_probs(draft, h_last)[0], K)    # (K,)
+    tokens = draft.to_target_ids(ids)
+    pool_scores, pool_tokens = [scores], [tokens]
+    group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
+    inputs = torch.arange(K, device=device)          # pool indices of this level's nodes
+    h = h_last.expand(K, -1)                         # (K, D) the output that drafted them
+    tree_mask = torch.eye(K, dtype=torch.bool, device=device)  # (K, K) over tree slots
+    for it in range(shape.depth):
+        # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
+        #    each seeing the real prefix, its own ancestors and itself
+        positions = torch.full((K,), n + it, device=device)
+        out = draft(h[None], tokens[None], positions, prefix_mask(n, tree_mask), cache,
+                    n + it * K)[0]                                           # (K, D)
+        child_logp, child_ids = topk_first_index(draft_log_probs(draft, out), K)  # (K, K)
+        cum = scores[:, None] + child_logp           # (K, K) cumulative log-prob per child
+        pool_scores.append(cum.flatten())                                    # (K*K,)
+        pool_tokens.append(draft.to_target_ids(child_ids).flatten())         # (K*K,)
+        group_parent.append(inputs)                  # input r's K children form a group
+        if it == shape.depth - 1:
+            break
+        # 3) rerank: the K best of the K*K children become the next level's nodes
+        scores, best = topk_first_index(cum.flatten(), K)                    # (K,)
+        rows = best // K                             # which input each one hangs under
+        inputs = K + it * K * K + best
+        tokens, h = pool_tokens[-1][best], out[rows]                         # (K,), (K, D)
+        eye = torch.eye(K, dtype=torch.bool, device=device)
+        tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
+    return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),
+                       torch.cat(group_parent), root, shape.total_tokens, K)
+
+
+@torch.inference_mode()
+def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
+    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
+    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
+    shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    T = aux.shape[1]
+    if input_ids.shape != (1, T + 1):
+        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
+             f"be (1, {T + 1}): the {T} featured tokens plus the root")
+    cache = draft.new_cache(T + top_k * depth)
+    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
+    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
+
+
+# ----------------------------------------------------------------------------------------
+# 7. verify and accept
+#
+# The target scores the whole tree in one forward pass: node i sits at position n + depth(i)
+# and attends to the accepted prefix plus its own ancestors. Acceptance walks down from the
+# root; everything random is drawn from one seeded generator in a documented order, and the
+# uniforms are returned so another implementation can replay the same coins.
+
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+
+def check_sampling(s):
+    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
+        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
+    if not isinstance(s.top_k, int) or s.top_k < 0:
+        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
+
+
+def warped_probs(logits, s):
+    """Warped distribution with transformers' semantics, in float64: temperature, then
+    top-k (keep every token >= the k-th largest logit), then top-p (drop the low tokens
+    whose cumulative probability stays <= 1 - top_p; the top token always survives).
+    Both the target's p and, in the chain scheme, the drafter's q go through it."""
+    x = logits.double() / s.temperature
+    if s.top_k > 0:
+        kth = torch.topk(x, min(s.top_k, x.shape[-1])).values[..., -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    if s.top_p < 1:
+        sorted_x, order = torch.sort(x, stable=True)                    # ascending
+        drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - s.top_p
+        drop[..., -1] = False
+        x = x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return x.softmax(-1)
+
+
+def sample_inverse_cdf(p, u):
+    """The token whose CDF interval [cdf(i-1), cdf(i)) contains u * sum(p): one uniform per
+    token, so replaying the uniform replays the token. Zero-probability tokens never win."""
+    cdf = p.double().cumsum(-1)
+    i = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
+    return min(i, int(p.nonzero().max()))  # u * sum rounding up to the total: last live token
+
+
+def uniform_stream(generator):
+    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator."""
+    while True:
+        yield float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+class Recorder:
+    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
+    exactly the coins it used."""
+
+    def __init__(self, stream):
+        self.stream, self.used = stream, []
+
+    def draw(self):
+        u = next(self.stream)
+        self.used.append(u)
+        return u
+
+
+class Acceptance(NamedTuple):
+    path: torch.Tensor   # (a+1,) node indices, root first
+    accepted: int        # a = drafted tokens accepted
+    bonus: int           # the target's own next token after the path
+    uniforms: list       # the uniforms this round used, in order (empty when greedy)
+
+
+@torch.inference_mode()
+def verify_tree(target, cache, n, tree, aux_layers):
+    """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
+    device = cache.k.device
+    mask = prefix_mask(n, tree.mask.to(device))                                  # (N, n+N)
+    logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device), mask,
+                         cache, n, aux_layers)
+    return logits[0], aux[0]
+
+
+def commit(cache, start, path):
+    """Keep the accepted tree nodes: move the K/V of `path` (node indices, root first, in
+    the N entries written after `start`) to start, start+1, ... . The official
+    `data[..., n:n+a+1] = data[..., path + n]`; indexing copies first, so overlapping
+    ranges are safe. Returns the new valid length."""
+    src = start + path
+    for slab in (cache.k, cache.v):
+        slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
+    return start + len(path)
+
+
+def accept_greedy(logits, tree):
+    """Longest root-to-leaf prefix whose every drafted token equals the target's argmax at
+    its parent; the first maximal row of retrieve_indices wins; bonus = the argmax after the
+    last accepted node."""
+    R = tree.retrieve_indices                              # (leaves, depth+1)
+    predicted = logits.argmax(-1).cpu()                    # (N,) first maximal index
+    node, child = R[:, :-1].clamp(min=0), R[:, 1:].clamp(min=0)
+    match = (tree.tokens[child] == predicted[node]) & (R[:, 1:] >= 0)            # (leaves, depth)
+    # cumprod keeps the 1s up to a row's first mismatch and zeroes everything after it,
+    # so the row sum is the length of that path's matching prefix
+    accepted = match.long().cumprod(1).sum(1)              # (leaves,)
+    best = int(accepted.argmax())                          # first maximal row
+    a = int(accepted[best])
+    path = R[best, :a + 1]
+    return Acceptance(path, a, int(predicted[path[-1]]), [])
+
+
+def children_of(parents):
+    kids = [[] for _ in parents]
+    for child, parent in enumerate(parents.tolist()[1:], start=1):
+        kids[parent].append(child)  # ascending node index = descending draft rank
+    return kids
+
+
+def accept_sampled(logits, tree, uniforms, sampling):
+    """The official recursive scheme for deterministic (top-k) drafts, i.e. q = 1.
+    Order of the random draws (the replay contract):
+      at the current node, for each child in ascending node index: one uniform u;
+        accept the child's token x iff u < p(x), and move to it (p = its target dist.);
+        otherwise set p(x) = 0, renormalise p, and try the next child;
+      when no child is accepted (or the node is a leaf): one uniform for the bonus token,
+        drawn from p by inverse CDF (the residual if children were rejected here).
+    Lossless: each step emits x with probability p(x) and otherwise samples the rest of p."""
+    coins, kids = Recorder(uniforms), children_of(tree.parents)
+    node, path = 0, [0]
+    p = warped_probs(logits[0], sampling)
+    while True:
+        for child in kids[node]:
+            x = int(tree.tokens[child])
+            if coins.draw() < p[x]:  # strict: a token warped to p = 0 is never accepted
+                break
+            p[x] = 0
+            p = p / p.sum()
+        else:
+            break                         # every child rejected, or a leaf
+        node = child
+        path.append(node)
+        p = warped_probs(logits[node], sampling)
+    bonus = sample_inverse_cdf(p, coins.draw())
+    return Acceptance(torch.tensor(path), len(path) - 1, bonus, coins.used)
+
+
+def broadcast_acceptance(acceptance, max_nodes, device):
+    """Rank 0's acceptance on every rank, so all ranks commit the same path (ranks
+    deciding independently is how TP engines have deadlocked or diverged)."""
+    packed = torch.full((max_nodes + 2,), -1, dtype=torch.long, device=device)
+    packed[0], packed[1] = acceptance.accepted, acceptance.bonus
+    packed[2:3 + acceptance.accepted] = acceptance.path
+    packed = broadcast0(packed).cpu()
+    a = int(packed[0])
+    return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
+
+
+# ---- variant: standard speculative sampling over a sampled chain ----
+#
+# The official tree drafts deterministically (top-k), so its acceptance uses q = 1. The
+# classic alternative samples a chain of drafts from the drafter's own warped q and accepts
+# with min(1, p/q). Generation selects it with scheme="chain".
+
+
+def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
+    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
+    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
+    and the uniforms used."""
+    device, V = h_last.device, draft.cfg.vocab_size
+    coins, tokens, q_rows = Recorder(uniforms), [], []
+    h = h_last[None]                                                # (1, 1, D)
+    for i in range(length):
+        q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
+        sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, coins.draw())],
+                                          device=device))
+        token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
+        q = torch.zeros(V, dtype=torch.float64, device=device)
+        q[draft.to_target_ids(torch.arange(len(q_draft), device=device))] = q_draft  # (V,)
+        tokens.append(token)
+        q_rows.append(q)
+        if i < length - 1:  # pair (output that drafted it, token) at position n+i
+            positions = torch.tensor([n + i], device=device)
+            h = draft(h[:, -1:], token[None], positions, causal_mask(1, n + i, device),
+                      cache, n + i)                                 # (1, 1, D)
+    chain = torch.cat([root.reshape(1)] + tokens)                   # (length+1,)
+    tree = tree_from_parents(chain, torch.arange(-1, length))
+    return tree, torch.stack(q_rows), coins.used                    # q: (length, V)
+
+
+def accept_chain(logits, drafts, q, uniforms, sampling):
+    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
+    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
+    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
+    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
+    from p_k."""
+    coins, k = Recorder(uniforms), len(drafts)
+    for i, x in enumerate(drafts.tolist()):
+        p = warped_probs(logits[i], sampling)
+        if coins.draw() * q[i, x] < p[x]:
+            continue
+        residual = (p - q[i]).clamp(min=0)
+        bonus = sample_inverse_cdf(residual if residual.sum() > 0 else p, coins.draw())
+        return Acceptance(torch.arange(i + 1), i, bonus, coins.used)
+    bonus = sample_inverse_cdf(warped_probs(logits[k], sampling), coins.draw())
+    return Acceptance(torch.arange(k + 1), k, bonus, coins.used)
+
+
+# ----------------------------------------------------------------------------------------
+# 8. generation
+#
+# Output contract (deliberately stricter than the official loop): never more than
+# max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
+
+SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
+
+
+def check_generation_args(input_ids, max_new_tokens, capacity, reserve=0):
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        fail("the prompt is empty: input_ids has shape (1, 0); give at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    need = input_ids.shape[1] + max_new_tokens + reserve
+    if need > capacity:
+        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
+             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
+             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
+
+
+def check_speculative_args(target, draft, input_ids, max_new_tokens, sampling, tree, scheme):
+    """Every argument of speculative_generate checked before any work -> the TreeShape to
+    run (a chain of depth+1 sampled drafts keeps only the depth)."""
+    check_sampling(sampling)
+    if scheme not in SCHEMES:
+        fail(f"scheme={scheme!r} must be one of {SCHEMES}")
+    if scheme == "chain" and sampling.greedy:
+        fail(f"scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
+             f"use scheme='tree' (a greedy chain is a tree with top_k=1)")
+    shape = TreeShape(*tree)
+    if scheme == "chain":
+        shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
+                          reserve=shape.total_tokens)
+    return shape
+
+
+def is_eos(token, eos_token_id):
+    if eos_token_id is None:
+        return False
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+    return int(token) in ids
+
+
+def emit(out, tokens, max_new_tokens, eos_token_id):
+    """Append tokens to out up to the budget or the first EOS; True when generation ends."""
+    for t in tokens:
+        out.append(int(t))
+        if len(out) == max_new_tokens or is_eos(t, eos_token_id):
+            return True
+    return False
+
+
+def next_token(logits, sampling, uniforms):
+    """Greedy argmax, or one uniform -> inverse CDF of the warped distribution. The token
+    is rank 0's on every rank. Returns (token, uniforms used)."""
+    coins = Recorder(uniforms)
+    if sampling.greedy:
+        token = int(logits.argmax())
+    else:
+        token = sample_inverse_cdf(warped_probs(logits, sampling), coins.draw())
+    return int(broadcast0(torch.tensor([token], device=logits.device))), coins.used
+
+
+@torch.inference_mode()
+def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
+    """Plain decoding with a KV cache: one target forward per token."""
+    check_sampling(sampling)
+    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions)
+    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
+    n = input_ids.shape[1]
+    cache = target.new_cache(n + max_new_tokens)
+    logits, _ = target(input_ids, cache=cache, aux_layers=())
+    out = []
+    while True:
+        token, _ = next_token(logits[0, -1], sampling, uniforms)
+        if emit(out, [token], max_new_tokens, eos_token_id):
+            return torch.tensor(out)
+        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
+                           start=n, aux_layers=())
+        n += 1
+
+
+def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None):
+    """Argmax decoding: the baseline, and the reference greedy speculation must equal."""
+    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id)
+
+
+def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+                    seed=0, eos_token_id=None):
+    """Plain sampling: one uniform per token, inverse CDF of the warped distribution."""
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
+                                   eos_token_id)
+
+
+class Round(NamedTuple):
+    tree: Tree            # what the target verified (a chain is a tree with one branch)
+    path: torch.Tensor    # accepted node indices, root first
+    accepted: int         # drafted tokens accepted
+    bonus: int            # the target's token after the path (next round's root)
+    uniforms: list        # this round's uniforms in draw order (sampling only)
+    logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
+    draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
+
+
+class SpecResult(NamedTuple):
+    tokens: torch.Tensor  # (new tokens,) the output, root of round 1 first
+    accept_lengths: list  # per round: accepted + 1 (the bonus); tau = their mean
+    rounds: list          # list[Round], the per-round trace
+    first_uniforms: list  # the uniform that sampled the first token (sampling only)
+
+
+class Caches(NamedTuple):
+    target: KVCache       # the target's K/V: n valid slots, then room for one tree
+    draft: KVCache        # the drafter's K/V: n valid positions, then tree scratch slots
+
+
+class RoundState(NamedTuple):
+    """Where a round starts. The target's cache holds n tokens; the drafter's holds all but
+    the last m of them, whose features arrived with the last verify (the prompt's with the
+    prefill) and are encoded at the start of the next round, as the official code does."""
+    n: int                   # tokens in the target's cache (the accepted prefix)
+    root: int                # the target's last token: the next tree's root
+    features: torch.Tensor   # (1, m, 3*D_t) target features of the last m cached tokens
+    next_tokens: torch.Tensor  # (1, m) the token after each of them (pair convention)
+
+
+def speculation_round(target, draft, caches, state, shape, scheme, sampling, uniforms,
+                      record_logits=False):
+    """One round: encode the newly accepted tokens in the drafter, draft a tree (or sample a
+    chain), verify it in one target pass, accept, and keep the accepted nodes' target K/V
+    (commit). Returns the Round and the state the next round starts from."""
+    device, m = state.features.device, state.features.shape[1]
+    # 1) drafter: pair (feature of token i, token i+1) for the m new tokens
+    h_last = draft_prefix(draft, caches.draft, state.n - m, state.features, state.next_tokens)
+    root = torch.tensor(state.root, device=device)
+    # 2) draft, 3) verify, 4) accept
+    if scheme == "chain":
+        tree, q, drafting_uniforms = draft_chain(draft, caches.draft, state.n, h_last, root,
+                                                 shape.depth + 1, uniforms, sampling)
+        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers)
+        acc = accept_chain(logits, tree.tokens[1:], q, uniforms, sampling)
+    else:
+        tree, q, drafting_uniforms = grow_tree(draft, caches.draft, state.n, h_last, root,
+                                               shape), None, []
+        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers)
+        acc = (accept_greedy(logits, tree) if sampling.greedy else
+               accept_sampled(logits, tree, uniforms, sampling))
+    acc = broadcast_acceptance(acc, len(tree.tokens), device)
+    # 5) commit: the accepted nodes' K/V move to the front of the target's free slots
+    path = acc.path.to(device)
+    new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
+    state = RoundState(commit(caches.target, state.n, path), acc.bonus, aux[path][None],
+                       new_tokens[None].to(device))
+    recorded = (logits.float().cpu(), None if q is None else q.cpu()) if record_logits else ()
+    return Round(tree, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
+                 *recorded), state
+
+
+@torch.inference_mode()
+def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
+                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
+                         record_logits=False):
+    """EAGLE-3 speculative decoding. Greedy output equals greedy_generate token for token;
+    sampled output has exactly the distribution of sample_generate. `tree` is the
+    TreeShape (tree top-k, depth, total tokens); top_k is the *sampling* top-k."""
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    shape = check_speculative_args(target, draft, input_ids, max_new_tokens, sampling, tree,
+                                   scheme)
+    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
+    n = input_ids.shape[1]
+    caches = Caches(target=target.new_cache(n + max_new_tokens + shape.total_tokens),
+                    draft=draft.new_cache(n + max_new_tokens + shape.top_k * shape.depth))
+    # prefill: the target's first token is the root of round 1
+    logits, aux = target(input_ids, cache=caches.target, aux_layers=draft.cfg.aux_layers)
+    root, first_uniforms = next_token(logits[0, -1], sampling, uniforms)
+    next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
+    state = RoundState(n, root, aux, next_tokens[None])
+    out, rounds = [], []
+    done = emit(out, [root], max_new_tokens, eos_token_id)
+    while not done:
+        r, state = speculation_round(target, draft, caches, state, shape, scheme, sampling,
+                                     uniforms, record_logits)
+        rounds.append(r)
+        done = emit(out, r.tree.tokens[r.path[1:]].tolist() + [r.bonus], max_new_tokens,
+                    eos_token_id)
+    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
+
+
+# ----------------------------------------------------------------------------------------
+# 9. training-time test (TTT)
+#
+# The drafter is trained on the target's own replies, with features and logits computed
+# online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
+# its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
+# its own (imperfect) hidden states.
+
+
+class Example(NamedTuple):
+    tokens: list       # prompt + reply token ids
+    reply_mask: list   # 1 where the token belongs to an assistant reply
+
+
+def build_vocab_mapping(token_counts, draft_vocab_size):
+    """Keep the draft_vocab_size most frequent target tokens (ties: smaller id first; ids
+    never seen fill up in ascending order), sorted ascending: draft id i <-> used[i].
+    Returns d2t (offsets: target id = i + d2t[i]) and t2d (bool over the target vocab)."""
+    counts = torch.as_tensor(token_counts)
+    V = len(counts)
+    if not 0 < draft_vocab_size <= V:
+        fail(f"draft_vocab_size={draft_vocab_size} must be in 1..{V} (the target vocab size)")
+    # a stable sort keeps equal counts in id order, so unseen ids (count 0) come ascending
+    used = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab_size), t2d
+
+
+def count_reply_tokens(examples, vocab_size):
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        tokens = torch.tensor(ex.tokens)[torch.tensor(ex.reply_mask, dtype=torch.bool)]
+        counts += torch.bincount(tokens, minlength=vocab_size)
+    return counts
+
+
+def shift_left(x):
+    """x[:, t] <- x[:, t+1], zeros entering at the end (the official padding)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+def collate(examples, pad_id):
+    """Right-pad to the longest example. loss_mask[t] = 1 when the token that position t
+    predicts at TTT step 0, x[t+2], is a reply token (the alignment the official code
+    reaches with its hard-coded offsets; later steps shift it along)."""
+    T = max(len(ex.tokens) for ex in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)               # (B, T)
+    reply = torch.zeros(len(examples), T)
+    for i, ex in enumerate(examples):
+        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
+        reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
+    return ids, shift_left(shift_left(reply))
+
+
+def ttt_attention(q, past):
+    """Attention of TTT step k = len(past) - 1, whose (k, v) is past[-1]: the query at
+    position t sees the step-0 keys at positions <= t (causal) plus, for each later step
+    j = 1..k, only the key of step j at its own position t, as a depth-k tree node sees the
+    real prefix plus its own ancestors. One fp32 softmax over the T + k scores."""
+    B, H, T, hs = q.shape
+    (k0, v0), later = past[0], past[1:]
+    group = H // k0.shape[1]                                  # GQA: head h reads h // group
+    k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)  # (B, H, T, hs)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ k0.transpose(-1, -2)).masked_fill(~causal, -math.inf)]    # (B, H, T, T)
+    scores += [(q * kj.repeat_interleave(group, 1)).sum(-1, keepdim=True)   # (B, H, T, 1)
+               for kj, _ in later]
+    w = torch.softmax(torch.cat(scores, -1).float() / math.sqrt(hs), -1).to(q.dtype)
+    y = w[..., :T] @ v0                                                       # (B, H, T, hs)
+    for j, (_, vj) in enumerate(later):
+        y = y + w[..., T + j:T + j + 1] * vj.repeat_interleave(group, 1)
+    return y
+
+
+class TTTResult(NamedTuple):
+    loss: torch.Tensor   # sum_k 0.8**k * loss_k
+    losses: list         # per step
+    hits: list           # per step: correct top-1 drafts at loss-masked positions
+    counts: list         # per step: loss-masked positions
+
+
+def ttt_teacher(draft, target_logits):
+    """The TTT teacher for step 0: teacher[t] = the target's distribution of x[t+2],
+    restricted to the draft vocab (B, T, Vd), and whether its full-vocab argmax lies
+    inside the draft vocab (B, T): positions where it does not get no loss."""
+    teacher = shift_left(target_logits.float())                          # (B, T, V)
+    if not draft.cfg.has_vocab_map:
+        return torch.softmax(teacher, -1), torch.ones_like(teacher[..., 0])
+    return torch.softmax(teacher[..., draft.t2d], -1), draft.t2d[teacher.argmax(-1)].float()
+
+
+def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
+             decay=TTT_DECAY, denominator=None):
+    """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
+    (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
+    token x[t+1+k] and predicts x[t+2+k]. loss_k is summed over the vocab and divided by
+    all B*T positions (masked ones included, as the official code and SpecForge do);
+    `denominator` overrides B*T for data-parallel shards of a global batch."""
+    B, T = input_ids.shape
+    p, in_vocab = ttt_teacher(draft, target_logits)
+    p_top, ids, mask = p.argmax(-1), shift_left(input_ids), loss_mask.float()
+    positions = torch.arange(T, device=input_ids.device)
+    h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []                # (B, T, D)
+    losses, hits, counts = [], [], []
+    for step in range(steps):  # the teacher, its argmax and the masks shift once per step
+        q, k, v = draft.project(h, ids, positions + step)
+        past.append((k, v))
+        h = draft.finish(h, ttt_attention(q, past))
+        log_q = torch.log_softmax(draft.logits(h).float(), -1)           # (B, T, Vd)
+        position_mask = in_vocab * mask
+        losses.append(-(position_mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
+        hits.append(((log_q.argmax(-1) == p_top).float() * position_mask).sum().detach())
+        counts.append(mask.sum())
+        ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
+        in_vocab, mask = shift_left(in_vocab), shift_left(mask)
+    loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
+    return TTTResult(loss, losses, hits, counts)
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class TrainConfig(NamedTuple):
+    steps: int = 300
+    batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
+    lr: float = 3e-3
+    warmup: int = 20
+    ttt_steps: int = TTT_STEPS
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+
+def batch_indices(n, batch, step, seed):
+    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
+    run sees exactly the batches the uninterrupted run would have seen."""
+    per_epoch = max(1, n // batch)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[i * batch:(i + 1) * batch].tolist()
+
+
+def trainable(draft):
+    """Everything but the embedding, shared or the drafter's own: it stays frozen."""
+    return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
+
+
+def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS):
+    """Target forward over the whole batch (tensor-parallel: every rank sees it all), then
+    the TTT loss on this rank's slice of the rows, normalised by the *global* B*T so the
+    all-reduced gradient is the gradient of the global loss."""
+    device = target.lm_head.weight.device
+    ids, mask = (t.to(device) for t in collate(examples, pad_id))
+    with torch.no_grad():
+        logits, aux = target(ids, aux_layers=draft.cfg.aux_layers)
+    rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
+    return ttt_loss(draft, aux[rows], ids[rows], mask[rows], logits[rows], steps,
+                    denominator=ids.numel())
+
+
+def new_optimizer(draft, cfg):
+    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (now requiring
+    grad; everything else frozen)."""
+    params = trainable(draft)
+    draft.train().requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
+
+
+def train_step(target, draft, opt, examples, pad_id, step, cfg, rank=0, world=1):
+    """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
+    rank's rows, gradients summed over the ranks (one all_reduce each), clip 0.5,
+    warmup + cosine learning rate, AdamW. Returns the TTTResult."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    result = ttt_batch(target, draft, examples, pad_id, rank, world, cfg.ttt_steps)
+    result.loss.backward()
+    for p in params:  # data parallel: sum the shards' gradients
+        all_reduce(p.grad, world)
+    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return result
+
+
+def step_accuracy(result, world):
+    """Per-step top-1 accuracy summed over the data-parallel ranks."""
+    hits = all_reduce(torch.stack(result.hits).detach().clone(), world)
+    counts = all_reduce(torch.stack(result.counts).detach().clone(), world)
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+@torch.inference_mode()
+def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32):
+    """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
+    hits, counts = torch.zeros(steps), torch.zeros(steps)
+    for i in range(0, len(examples), batch):
+        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
+        hits += torch.stack(r.hits).cpu()
+        counts += torch.stack(r.counts).cpu()
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+# ========================================================================================
+#
+#   PART II: TOOLS
+#
+#   Checkpoint and config IO, tiny models, golden traces, diagnostics, benchmark, demo and
+#   the command line. Everything below uses Part I; nothing above calls anything below.
+#
+# ========================================================================================
+
+RUNS_DIR = "runs"           # every generated file lives under here (git-ignored)
+TINY_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_configs")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def atomic_write(path, write):
+    """Write via a temporary name, then rename: an interrupted run never leaves a
+    half-written file under the real name."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------------------
+# 10. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
+
+
+def rope_inv_freq(hf_config):
+    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them.
+    The scaled types (llama3, yarn, linear, dynamic, ...) come from transformers' own table,
+    so we never re-derive a scaling rule; only the unscaled default is written here."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = hf_config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = hf_config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+        inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        fail(f"rope_type={rope_type!r} is not supported; valid: default, "
+             f"{', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    return inv_freq.float(), float(scale)
+
+
+def target_config(c):
+    """A transformers config object -> TargetConfig."""
+    family = c.model_type
+    if getattr(c, "hidden_act", "silu") != "silu":
+        fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
+    attention_bias = family != "qwen2" and getattr(c, "attention_bias", False)
+    if getattr(c, "mlp_bias", False) or attention_bias:
+        fail("attention_bias/mlp_bias=True is not supported; these families ship without them")
+    # Sliding-window attention equals full attention while the cache fits in the window,
+    # so we keep the cache inside the window instead of implementing the window.
+    window = getattr(c, "sliding_window", None) if family == "mistral" else (
+        c.sliding_window if getattr(c, "use_sliding_window", False) else None)
+    max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    c.head_dim = head_dim
+    inv_freq, rope_scale = rope_inv_freq(c)
+    return TargetConfig(
+        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
+        inv_freq=inv_freq, rope_scale=rope_scale)
+
+
+def read_target_config(path):
+    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' AutoConfig)."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
+    family = read_json(os.path.join(path, "config.json")).get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        fail(f"model_type={family!r} in {path}/config.json is not supported; "
+             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return target_config(AutoConfig.from_pretrained(path))
 
 
 class BinWeights(NamedTuple):
@@ -550,12 +1468,12 @@ class Checkpoint:
                  f"the file is corrupt or truncated")
 
 
-def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
-    """Strict key-for-key load of a checkpoint dir into `module`, each rank reading only its
-    slice. Missing or unexpected keys and wrong shapes are errors that name the key.
-    `skip` names keys the caller fills itself (loaded from neither side). Tolerated extras:
-    old HF rotary buffers, and lm_head.weight of a tied model (ignored, as transformers)."""
-    ckpt = Checkpoint(path)
+def load_state(module, ckpt, rank, world, skip=lambda name: False, tied=False):
+    """Strict key-for-key load of a Checkpoint into `module`, each rank reading only its
+    slice (shard_dim). Missing or unexpected keys and wrong shapes are errors that name the
+    key. `skip` names keys the caller fills itself (loaded from neither side). Tolerated
+    extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored, as
+    transformers)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
@@ -564,14 +1482,14 @@ def load_state(module, path, rank, world, skip=lambda name: False, tied=False):
     missing = sorted(expected - set(ckpt.keys()))
     unexpected = sorted(set(ckpt.keys()) - expected - ignorable)
     if missing or unexpected:
-        fail(f"checkpoint {path!r} does not match the model: missing keys {missing[:5]}"
+        fail(f"checkpoint {ckpt.path!r} does not match the model: missing keys {missing[:5]}"
              f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
              f"{' ...' if len(unexpected) > 5 else ''}")
     for name in sorted(expected):
         p = params[name]
         t = ckpt.read(name, shard_dim(name), rank, world)
         if tuple(t.shape) != tuple(p.shape):
-            fail(f"{name!r} in {path!r} has shape {tuple(t.shape)} (this rank's slice), "
+            fail(f"{name!r} in {ckpt.path!r} has shape {tuple(t.shape)} (this rank's slice), "
                  f"the model expects {tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(t.to(p.dtype) if p.is_floating_point() else t)
@@ -595,52 +1513,31 @@ def load_target(path, dtype=None, device=None):
     """HF model dir -> Target, sharded over the current TP group (W = 1 without torchrun)."""
     rank, world = world_info()
     cfg = read_target_config(path)
+    check_tp_sizes(cfg, world)
     device = torch.device(device) if device else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"))
     dtype = dtype or default_dtype(device)
-    cfg.inv_freq = cfg.inv_freq.to(device)
     with torch.device("meta"):
         target = Target(cfg, world)
     target = target.to_empty(device=device).to(dtype)
     if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
         target.lm_head.weight = target.model.embed_tokens.weight
-    load_state(target, path, rank, world, tied=cfg.tie_embeddings)
+    load_state(target, Checkpoint(path), rank, world, tied=cfg.tie_embeddings)
     return target.eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------
-# draft head
-#
-# One Llama decoder layer whose attention reads the concatenation [embedding ; hidden]
-# (2D wide). Its hidden input is either fc(target aux features) for real tokens or its own
-# previous pre-norm output for drafted tokens. Pair convention: draft position p holds
-# (feature of token p, token p+1) and predicts token p+2.
+# 11. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 
 
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_eps: float
-    vocab_size: int            # the target's vocab V: the drafter embeds target ids
-    draft_vocab_size: int      # Vd: rows of the draft lm_head
-    target_hidden_size: int    # fc maps 3 * target_hidden_size -> hidden_size
-    aux_layers: tuple          # target layers whose *input* residual is fused (input ids)
-    has_vocab_map: bool        # d2t/t2d buffers present (config has draft_vocab_size)
-    inv_freq: torch.Tensor
-    rope_scale: float
-    raw: dict                  # config.json as read, rewritten on save
-
-
-def read_draft_config(path_or_dict, target_cfg):
+def read_draft_config(path_or_dict, target_cfg, weight_keys=None):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
-    target it will run with."""
+    target it will run with. With `weight_keys` (a checkpoint's), a drafter whose draft vocab
+    is the whole target vocab and whose weights carry no d2t/t2d has the identity map, as
+    the official loader reads it."""
     from transformers import LlamaConfig
     raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(
         os.path.join(path_or_dict, "config.json"))
@@ -662,75 +1559,18 @@ def read_draft_config(path_or_dict, target_cfg):
     # SpecForge writes these as "output of layer k" = input of layer k+1 (our convention)
     aux_layers = tuple(k + 1 for k in ids) if ids else target_cfg.default_aux_layers
     check_aux_layers(aux_layers, target_cfg.n_layers)
+    draft_vocab_size = raw.get("draft_vocab_size", c.vocab_size)
+    stored_map = weight_keys is None or bool({"d2t", "t2d"} & set(weight_keys))
+    has_vocab_map = "draft_vocab_size" in raw and (draft_vocab_size != c.vocab_size or stored_map)
     inv_freq, rope_scale = rope_inv_freq(c)
     return DraftConfig(
         hidden_size=c.hidden_size, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        head_dim=c.hidden_size // c.num_attention_heads,  # as the official drafter
+        head_dim=raw.get("head_dim") or c.hidden_size // c.num_attention_heads,
         intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size, draft_vocab_size=raw.get("draft_vocab_size", c.vocab_size),
+        vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden, aux_layers=aux_layers,
-        has_vocab_map="draft_vocab_size" in raw, inv_freq=inv_freq, rope_scale=rope_scale,
-        raw=raw)
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        D = cfg.hidden_size
-        self.hidden_norm = RMSNorm(D, cfg.rms_eps)
-        self.input_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.self_attn = Attention(cfg, world=1, in_dim=2 * D)  # replicated on every rank
-        self.post_attention_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.mlp = MLP(D, cfg.intermediate_size, world=1)
-
-
-class Draft(nn.Module):
-    """The EAGLE-3 draft head. Parameter and buffer names are the official checkpoint keys."""
-
-    def __init__(self, cfg, shared_embedding=None):
-        super().__init__()
-        self.cfg = cfg
-        D, Vd = cfg.hidden_size, cfg.draft_vocab_size
-        # The target's frozen embedding (shared, never saved) unless the drafter has its own.
-        self.own_embedding = shared_embedding is None
-        self.embed_tokens = shared_embedding or nn.Embedding(cfg.vocab_size, D)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, D, bias=False)
-        self.midlayer = DraftLayer(cfg)
-        self.norm = RMSNorm(D, cfg.rms_eps)
-        self.lm_head = nn.Linear(D, Vd, bias=False)
-        if cfg.has_vocab_map:  # target id of draft id i = i + d2t[i]; t2d marks kept target ids
-            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-
-    def forward(self, h, tokens, positions, mask, cache=None, start=0):
-        """h (B, T, D): fc(target features) or the previous draft output; tokens (B, T) target
-        ids. Returns the pre-norm output (B, T, D), which is also the next step's hidden."""
-        kv = None if cache is None else (cache.k[0], cache.v[0])
-        bias = attention_bias(mask, h.dtype)
-        return self.layer(h, tokens, positions,
-                          lambda q, k, v: attend_cached(q, k, v, bias, kv, start))
-
-    def layer(self, h, tokens, positions, attention):
-        """The decoder layer with a pluggable attention(q, k, v) -> y: cached attention at
-        inference, the training-time-test pattern in training."""
-        layer = self.midlayer
-        e = self.embed_tokens(tokens).to(h.dtype)
-        x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], dim=-1)  # (B, T, 2D)
-        cos, sin = rope_cos_sin(self.cfg.inv_freq, positions, self.cfg.rope_scale, h.dtype)
-        q, k, v = layer.self_attn.project(x, cos, sin)
-        h = h + layer.self_attn.output(attention(q, k, v))  # residual is h, not x
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def logits(self, h):
-        return self.lm_head(self.norm(h))  # (.., Vd)
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids] if self.cfg.has_vocab_map else draft_ids
-
-    def new_cache(self, length):
-        p = self.fc.weight
-        return new_kv_cache(1, self.cfg.n_kv_heads, self.cfg.head_dim, length, p.dtype, p.device)
+        has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
 
 
 def check_vocab_map(d2t, t2d, V, where):
@@ -754,11 +1594,10 @@ def check_vocab_map(d2t, t2d, V, where):
 def new_draft(cfg, target, own_embedding=False, dtype=None):
     """An (uninitialised) drafter on the target's device, sharing its embedding."""
     device = target.lm_head.weight.device
-    cfg.inv_freq = cfg.inv_freq.to(device)
     with torch.device("meta"):
         draft = Draft(cfg, shared_embedding=None if own_embedding else target.model.embed_tokens)
     for name, child in draft.named_children():   # allocate all but the shared embedding
-        if own_embedding or name != "embed_tokens":
+        if draft.owns(name):
             child.to_empty(device=device).to(dtype or target.lm_head.weight.dtype)
     for name, buf in draft.named_buffers(recurse=False):
         setattr(draft, name, torch.empty_like(buf, device=device))
@@ -779,40 +1618,33 @@ def init_weights(module, seed, std=0.02, skip=lambda name: False):
 
 def init_draft(draft, seed, std=0.02):
     """A fresh drafter; the shared (target's) embedding is left alone."""
-    shared = not draft.own_embedding
-    return init_weights(draft, seed, std, skip=lambda n: shared and n.startswith("embed_tokens"))
+    return init_weights(draft, seed, std, skip=lambda name: not draft.owns(name))
+
+
+def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None):
+    """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in."""
+    draft = init_draft(new_draft(cfg, target, dtype=dtype), seed)
+    if vocab_map is not None:
+        with torch.no_grad():
+            draft.d2t.copy_(vocab_map[0].to(draft.d2t.device))
+            draft.t2d.copy_(vocab_map[1].to(draft.t2d.device))
+    return draft
 
 
 def load_draft(path, target, dtype=None):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
     Strict: every key present, nothing extra, right shapes, a valid d2t/t2d."""
-    cfg = read_draft_config(path, target.cfg)
-    own = "embed_tokens.weight" in Checkpoint(path).keys()
+    ckpt = Checkpoint(path)
+    cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys())
+    own = "embed_tokens.weight" in ckpt.keys()
     if not own and cfg.hidden_size != target.cfg.hidden_size:
         fail(f"draft hidden_size={cfg.hidden_size} differs from the target's "
              f"{target.cfg.hidden_size}, so it needs its own embed_tokens.weight in {path!r}")
     draft = new_draft(cfg, target, own_embedding=own, dtype=dtype)
-    load_state(draft, path, 0, 1, skip=lambda name: not own and name.startswith("embed_tokens"))
+    load_state(draft, ckpt, 0, 1, skip=lambda name: not draft.owns(name))
     if cfg.has_vocab_map:
         check_vocab_map(draft.d2t, draft.t2d, cfg.vocab_size, path)
     return draft.eval().requires_grad_(False)
-
-
-def atomic_write(path, write):
-    """Write via a temporary name, then rename: an interrupted run never leaves a
-    half-written file under the real name."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_json(path, obj):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
 
 
 def save_draft(draft, path):
@@ -823,7 +1655,7 @@ def save_draft(draft, path):
     os.makedirs(path, exist_ok=True)
     cfg = draft.cfg
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
-             if draft.own_embedding or not k.startswith("embed_tokens")}
+             if draft.owns(k)}
     raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], vocab_size=cfg.vocab_size,
                eagle_config=dict(cfg.raw.get("eagle_config") or {}, use_aux_hidden_state=True,
                                  eagle_aux_hidden_state_layer_ids=[i - 1 for i in cfg.aux_layers]))
@@ -833,796 +1665,48 @@ def save_draft(draft, path):
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, raw))
 
 
-# ----------------------------------------------------------------------------------------
-# draft tree (the official dynamic tree of EAGLE-2/3)
-#
-# From the root (the token the target just chose) the drafter grows depth+1 levels. Each
-# level keeps its K best nodes by cumulative log-probability and expands each into K
-# children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
-# the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
-
-
-class TreeShape(NamedTuple):
-    top_k: int = TOP_K
-    depth: int = DEPTH
-    total_tokens: int = TOTAL_TOKENS
-
-
-class Tree(NamedTuple):
-    tokens: torch.Tensor            # (N,) target ids; node 0 is the root
-    parents: torch.Tensor           # (N,) parent node index; -1 for the root
-    positions: torch.Tensor         # (N,) depth below the root (root 0)
-    mask: torch.Tensor              # (N, N) bool: mask[i, j] = j is i or an ancestor of i
-    retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
-
-
-def check_tree_shape(top_k, depth, total_tokens, draft_vocab_size):
-    for name, value in (("top_k", top_k), ("depth", depth), ("total_tokens", total_tokens)):
-        if not isinstance(value, int) or value < 1:
-            fail(f"{name}={value!r} must be a positive integer")
-    if top_k > draft_vocab_size:
-        fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "
-             f"use top_k <= {draft_vocab_size}")
-    pool = top_k + depth * top_k ** 2
-    if total_tokens - 1 > pool:
-        fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
-             f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
-    if total_tokens < 2:
-        fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
-
-
-def topk_first_index(x, k):
-    """torch.topk along the last dim with ties broken toward the lower index. It equals
-    torch.topk whenever values are distinct; on ties it is reproducible across devices and
-    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices)."""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
-
-
-def tree_from_parents(tokens, parents):
-    """Mask, depths and root-to-leaf paths of a tree whose parents precede their children.
-    Worked example, a 5-node tree  0 -> {1, 2}, 1 -> {3}, 3 -> {4}:
-        parents   = [-1, 0, 0, 1, 3]
-        mask rows = 0:{0} 1:{0,1} 2:{0,2} 3:{0,1,3} 4:{0,1,3,4}   (ancestors-or-self)
-        positions = row sums - 1 = [0, 1, 1, 2, 3]
-        leaves    = nodes that are nobody's parent = [2, 4]
-        retrieve_indices = [[0, 2, -1, -1], [0, 1, 3, 4]]   (rows by leaf index)"""
-    tokens, parents = tokens.cpu(), parents.cpu()
-    N = len(tokens)
-    mask = torch.eye(N, dtype=torch.bool)
-    nodes, ancestor = torch.arange(N), parents.clone()
-    while (ancestor >= 0).any():  # climb one level per pass: depth+1 passes reach the root
-        up = ancestor >= 0
-        mask[nodes[up], ancestor[up]] = True
-        ancestor[up] = parents[ancestor[up]]
-    positions = mask.sum(1) - 1
-    is_parent = torch.zeros(N, dtype=torch.bool)
-    is_parent[parents[1:]] = True
-    leaves = (~is_parent).nonzero().flatten()
-    retrieve = torch.full((len(leaves), int(positions.max()) + 1), -1, dtype=torch.long)
-    row, node = mask[leaves].nonzero(as_tuple=True)  # each leaf's ancestors-or-self ...
-    retrieve[row, positions[node]] = node            # ... placed by depth: root..leaf
-    return Tree(tokens, parents, positions, mask, retrieve)
-
-
-def draft_log_probs(draft, h):
-    # log-softmax in fp32 whatever the model dtype: fewer exact ties than fp16/bf16 scores
-    return torch.log_softmax(draft.logits(h).float(), dim=-1)
-
-
-def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
-    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries and link them.
-    Pool layout (flat index s): level 1 at s = 0..K-1; iteration `it` stores child c of its
-    r-th input at s = K + it*K^2 + r*K + c. Each run of K siblings is one group g = s // K,
-    and group_parent[g] is the pool index of the node they hang under (-1 = the root).
-    Example K=2, depth=1: pool = [a, b | a0, a1, b0, b1], group_parent = [-1, 0, 1]
-    (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
-    [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1."""
-    # 4) select the best; order the tree by flat index (level, parent rank, child rank)
-    chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values
-    # 5) link: each chosen node's parent pool index -> its node index (root = 0)
-    parent_pool = group_parent[chosen // K]
-    parents = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
-    parents[parent_pool < 0] = 0
-    assert bool((chosen[(parents - 1).clamp(min=0)] == parent_pool)[parent_pool >= 0].all()), \
-        "a selected node's parent was not selected"  # impossible with first-index ties
-    tokens = torch.cat([root.reshape(1), pool_tokens[chosen]])
-    return tree_from_parents(tokens, torch.cat([torch.tensor([-1]), parents.cpu()]))
-
-
-def draft_prefix(draft, cache, start, aux, next_tokens):
-    """Run the drafter over real tokens: position start+p gets (target feature of token
-    start+p, token start+p+1). Writes cache slots start.. and returns the last output
-    (1, D), which predicts the children of the root."""
-    m = aux.shape[1]
-    positions = torch.arange(start, start + m, device=aux.device)
-    h = draft(draft.fc(aux), next_tokens, positions, causal_mask(m, start, aux.device),
-              cache, start)
-    return h[:, -1]
-
-
-def grow_tree(draft, cache, n, h_last, root, top_k, depth, total_tokens):
-    """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
-    draft K/V go to slots n.. and are discarded by the next draft_prefix."""
-    K, device = top_k, h_last.device
-    # 1) level 1: the K best children of the root
-    scores, ids = topk_first_index(draft_log_probs(draft, h_last)[0], K)    # (K,)
-    tokens = draft.to_target_ids(ids)
-    pool_scores, pool_tokens = [scores], [tokens]
-    group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
-    inputs = torch.arange(K, device=device)          # pool indices of this level's nodes
-    h = h_last.expand(K, -1)                         # (K, D) the output that drafted them
-    tree_mask = torch.eye(K, dtype=torch.bool, device=device)  # ancestors among tree slots
-    for it in range(depth):
-        # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
-        #    each seeing the real prefix, its own ancestors and itself
-        mask = torch.cat([torch.ones(K, n, dtype=torch.bool, device=device), tree_mask], 1)
-        positions = torch.full((K,), n + it, device=device)
-        out = draft(h[None], tokens[None], positions, mask, cache, n + it * K)[0]  # (K, D)
-        child_logp, child_ids = topk_first_index(draft_log_probs(draft, out), K)  # (K, K)
-        cum = scores[:, None] + child_logp           # cumulative log-prob of each child
-        pool_scores.append(cum.flatten())
-        pool_tokens.append(draft.to_target_ids(child_ids).flatten())
-        group_parent.append(inputs)                  # input r's K children form a group
-        if it == depth - 1:
-            break
-        # 3) rerank: the K best of the K*K children become the next level's nodes
-        scores, best = topk_first_index(cum.flatten(), K)
-        rows = best // K                             # which input each one hangs under
-        inputs = K + it * K * K + best
-        tokens, h = pool_tokens[-1][best], out[rows]
-        tree_mask = torch.cat([tree_mask[rows], torch.eye(K, dtype=torch.bool, device=device)], 1)
-    return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),
-                       torch.cat(group_parent), root, total_tokens, K)
-
-
-@torch.inference_mode()
-def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
-    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
-    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
-    check_tree_shape(top_k, depth, total_tokens, draft.cfg.draft_vocab_size)
-    T = aux.shape[1]
-    if input_ids.shape != (1, T + 1):
-        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
-             f"be (1, {T + 1}): the {T} featured tokens plus the root")
-    cache = draft.new_cache(T + top_k * depth)
-    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
-    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], top_k, depth, total_tokens)
+def draft_config_for(target, draft_vocab_size):
+    """A new drafter shaped like one target layer (as the released drafters are)."""
+    c = target.cfg
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+               num_hidden_layers=1, hidden_size=c.hidden_size,
+               intermediate_size=c.intermediate_size, num_attention_heads=c.n_heads,
+               num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.rms_eps,
+               rope_theta=DRAFT_ROPE_BASE, max_position_embeddings=c.max_positions,
+               vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
+               tie_word_embeddings=False)
+    return read_draft_config(raw, c)
 
 
 # ----------------------------------------------------------------------------------------
-# verify and accept
-#
-# The target scores the whole tree in one forward pass: node i sits at position n + depth(i)
-# and attends to the accepted prefix plus its own ancestors. Acceptance walks down from the
-# root; everything random is drawn from one seeded generator in a documented order, and the
-# uniforms are returned so another implementation can replay the same coins.
-
-
-class Sampling(NamedTuple):
-    temperature: float = 0.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
-
-    @property
-    def greedy(self):
-        return self.temperature == 0
-
-
-def check_sampling(s):
-    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
-        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
-    if not 0 < s.top_p <= 1:
-        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
-    if not isinstance(s.top_k, int) or s.top_k < 0:
-        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
-
-
-def target_probs(logits, s):
-    """Warped distribution with transformers' semantics, in float64: temperature, then
-    top-k (keep every token >= the k-th largest logit), then top-p (drop the low tokens
-    whose cumulative probability stays <= 1 - top_p; the top token always survives)."""
-    x = logits.double() / s.temperature
-    if s.top_k > 0:
-        kth = torch.topk(x, min(s.top_k, x.shape[-1])).values[..., -1:]
-        x = x.masked_fill(x < kth, -math.inf)
-    if s.top_p < 1:
-        sorted_x, order = torch.sort(x, stable=True)                    # ascending
-        drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - s.top_p
-        drop[..., -1] = False
-        x = x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return x.softmax(-1)
-
-
-def sample_inverse_cdf(p, u):
-    """The token whose CDF interval [cdf(i-1), cdf(i)) contains u * sum(p): one uniform per
-    token, so replaying the uniform replays the token. Zero-probability tokens never win."""
-    cdf = p.double().cumsum(-1)
-    i = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
-    return min(i, int(p.nonzero().max()))  # u * sum rounding up to the total: last live token
-
-
-def uniform_stream(generator):
-    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator."""
-    while True:
-        yield float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
-class Acceptance(NamedTuple):
-    path: torch.Tensor   # (a+1,) node indices, root first
-    accepted: int        # a = drafted tokens accepted
-    bonus: int           # the target's own next token after the path
-    uniforms: list       # the uniforms this round used, in order (empty when greedy)
-
-
-@torch.inference_mode()
-def verify_tree(target, cache, n, tree, aux_layers):
-    """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
-    device = cache.k.device
-    N = len(tree.tokens)
-    mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=device), tree.mask.to(device)], 1)
-    logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device), mask,
-                         cache, n, aux_layers)
-    return logits[0], aux[0]
-
-
-def accept_greedy(logits, tree):
-    """Longest root-to-leaf prefix whose every drafted token equals the target's argmax at
-    its parent; the first maximal row of retrieve_indices wins; bonus = the argmax after the
-    last accepted node."""
-    R = tree.retrieve_indices                              # (leaves, depth+1)
-    predicted = logits.argmax(-1).cpu()                    # (N,) first maximal index
-    node, child = R[:, :-1].clamp(min=0), R[:, 1:].clamp(min=0)
-    match = (tree.tokens[child] == predicted[node]) & (R[:, 1:] >= 0)
-    accepted = match.long().cumprod(1).sum(1)              # (leaves,)
-    best = int(accepted.argmax())
-    a = int(accepted[best])
-    path = R[best, :a + 1]
-    return Acceptance(path, a, int(predicted[path[-1]]), [])
-
-
-def children_of(parents):
-    kids = [[] for _ in parents]
-    for child, parent in enumerate(parents.tolist()[1:], start=1):
-        kids[parent].append(child)  # ascending node index = descending draft rank
-    return kids
-
-
-def accept_sampled(logits, tree, uniforms, sampling):
-    """The official recursive scheme for deterministic (top-k) drafts, i.e. q = 1.
-    Order of the random draws (the replay contract):
-      at the current node, for each child in ascending node index: one uniform u;
-        accept the child's token x iff u < p(x), and move to it (p = its target dist.);
-        otherwise set p(x) = 0, renormalise p, and try the next child;
-      when no child is accepted (or the node is a leaf): one uniform for the bonus token,
-        drawn from p by inverse CDF (the residual if children were rejected here).
-    Lossless: each step emits x with probability p(x) and otherwise samples the rest of p."""
-    kids = children_of(tree.parents)
-    node, path, used = 0, [0], []
-    p = target_probs(logits[0], sampling)
-    while True:
-        for child in kids[node]:
-            u = next(uniforms)
-            used.append(u)
-            x = int(tree.tokens[child])
-            if u < p[x]:  # strict: a token warped to p = 0 is never accepted, even at u = 0
-                break
-            p[x] = 0
-            p = p / p.sum()
-        else:
-            break                         # every child rejected, or a leaf
-        node = child
-        path.append(node)
-        p = target_probs(logits[node], sampling)
-    u = next(uniforms)
-    used.append(u)
-    return Acceptance(torch.tensor(path), len(path) - 1, sample_inverse_cdf(p, u), used)
-
-
-def accept_chain(logits, drafts, q, uniforms, sampling):
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
-    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
-    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
-    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
-    from p_k."""
-    used = []
-    for i, x in enumerate(drafts.tolist()):
-        p = target_probs(logits[i], sampling)
-        u = next(uniforms)
-        used.append(u)
-        if u * q[i, x] < p[x]:
-            continue
-        residual = (p - q[i]).clamp(min=0)
-        u = next(uniforms)
-        used.append(u)
-        bonus = sample_inverse_cdf(residual if residual.sum() > 0 else p, u)
-        return Acceptance(torch.arange(i + 1), i, bonus, used)
-    u = next(uniforms)
-    used.append(u)
-    k = len(drafts)
-    return Acceptance(torch.arange(k + 1), k, sample_inverse_cdf(
-        target_probs(logits[k], sampling), u), used)
-
-
-def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
-    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
-    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
-    and the uniforms used."""
-    device, V = h_last.device, draft.cfg.vocab_size
-    tokens, q_rows, used = [], [], []
-    h = h_last[None]                                                # (1, 1, D)
-    for i in range(length):
-        q_draft = target_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
-        u = next(uniforms)
-        used.append(u)
-        sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, u)], device=device))
-        token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
-        q = torch.zeros(V, dtype=torch.float64, device=device)
-        q[draft.to_target_ids(torch.arange(len(q_draft), device=device))] = q_draft
-        tokens.append(token)
-        q_rows.append(q)
-        if i < length - 1:  # pair (output that drafted it, token) at position n+i
-            positions = torch.tensor([n + i], device=device)
-            mask = causal_mask(1, n + i, device)
-            h = draft(h[:, -1:], token[None], positions, mask, cache, n + i)
-    chain = torch.cat([root.reshape(1)] + tokens)
-    tree = tree_from_parents(chain, torch.arange(-1, length))
-    return tree, torch.stack(q_rows), used
-
-
-def decide(acceptance, max_nodes, device):
-    """Rank 0's acceptance on every rank, so all ranks commit the same path (ranks
-    deciding independently is how TP engines have deadlocked or diverged)."""
-    packed = torch.full((max_nodes + 2,), -1, dtype=torch.long, device=device)
-    packed[0], packed[1] = acceptance.accepted, acceptance.bonus
-    packed[2:3 + acceptance.accepted] = acceptance.path
-    packed = broadcast0(packed).cpu()
-    a = int(packed[0])
-    return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
-
-
-# ----------------------------------------------------------------------------------------
-# generate
-#
-# Output contract (deliberately stricter than the official loop): never more than
-# max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
-
-SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
-
-
-def check_generation_args(input_ids, max_new_tokens, capacity, reserve=0):
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        fail("the prompt is empty: input_ids has shape (1, 0); give at least one token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    need = input_ids.shape[1] + max_new_tokens + reserve
-    if need > capacity:
-        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
-             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
-             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
-
-
-def is_eos(token, eos_token_id):
-    if eos_token_id is None:
-        return False
-    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-    return int(token) in ids
-
-
-def emit(out, tokens, max_new_tokens, eos_token_id):
-    """Append tokens to out up to the budget or the first EOS; True when generation ends."""
-    for t in tokens:
-        out.append(int(t))
-        if len(out) == max_new_tokens or is_eos(t, eos_token_id):
-            return True
-    return False
-
-
-def next_token(logits, sampling, uniforms):
-    """Greedy argmax, or one uniform -> inverse CDF of the warped distribution. The token
-    is rank 0's on every rank. Returns (token, uniforms used)."""
-    if sampling.greedy:
-        token, used = int(logits.argmax()), []
-    else:
-        used = [next(uniforms)]
-        token = sample_inverse_cdf(target_probs(logits, sampling), used[0])
-    return int(broadcast0(torch.tensor([token], device=logits.device))), used
-
-
-@torch.inference_mode()
-def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
-    """Plain decoding with a KV cache: one target forward per token."""
-    check_sampling(sampling)
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions)
-    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
-    n = input_ids.shape[1]
-    cache = target.new_cache(n + max_new_tokens)
-    logits, _ = target(input_ids, cache=cache, aux_layers=())
-    out = []
-    while True:
-        token, _ = next_token(logits[0, -1], sampling, uniforms)
-        if emit(out, [token], max_new_tokens, eos_token_id):
-            return torch.tensor(out)
-        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
-                           start=n, aux_layers=())
-        n += 1
-
-
-def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None):
-    """Argmax decoding: the baseline, and the reference greedy speculation must equal."""
-    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id)
-
-
-def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None):
-    """Plain sampling: one uniform per token, inverse CDF of the warped distribution."""
-    return autoregressive_generate(target, input_ids, max_new_tokens,
-                                   Sampling(temperature, top_k, top_p), seed, eos_token_id)
-
-
-class Round(NamedTuple):
-    tree: Tree            # what the target verified (a chain is a tree with one branch)
-    path: torch.Tensor    # accepted node indices, root first
-    accepted: int         # drafted tokens accepted
-    bonus: int            # the target's token after the path (next round's root)
-    uniforms: list        # this round's uniforms in draw order (sampling only)
-    logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
-    draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
-
-
-class SpecResult(NamedTuple):
-    tokens: torch.Tensor  # (new tokens,) the output, root of round 1 first
-    accept_lengths: list  # per round: accepted + 1 (the bonus); tau = their mean
-    rounds: list          # list[Round], the per-round trace
-    first_uniforms: list  # the uniform that sampled the first token (sampling only)
-
-
-def speculation_round(target, draft, caches, n, h_last, root, tree, scheme, sampling,
-                      uniforms, record_logits):
-    """One round: draft a tree (or sample a chain), verify it in one target pass, accept.
-    Returns the Round and the target's aux features at the verified nodes."""
-    target_cache, draft_cache = caches
-    root = torch.tensor(root, device=h_last.device)
-    if scheme == "tree":
-        t, q, drafting_uniforms = grow_tree(draft, draft_cache, n, h_last, root, *tree), None, []
-    else:
-        t, q, drafting_uniforms = draft_chain(draft, draft_cache, n, h_last, root,
-                                              tree.depth + 1, uniforms, sampling)
-    logits, aux = verify_tree(target, target_cache, n, t, draft.cfg.aux_layers)
-    if sampling.greedy:
-        acc = accept_greedy(logits, t)
-    elif scheme == "tree":
-        acc = accept_sampled(logits, t, uniforms, sampling)
-    else:
-        acc = accept_chain(logits, t.tokens[1:], q, uniforms, sampling)
-    acc = decide(acc, len(t.tokens), h_last.device)
-    recorded = (logits.float().cpu(), q if q is None else q.cpu()) if record_logits else ()
-    return Round(t, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
-                 *recorded), aux
-
-
-@torch.inference_mode()
-def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
-                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
-                         record_logits=False):
-    """EAGLE-3 speculative decoding. Greedy output equals greedy_generate token for token;
-    sampled output has exactly the distribution of sample_generate."""
-    sampling = Sampling(temperature, top_k, top_p)
-    check_sampling(sampling)
-    if scheme not in SCHEMES or (scheme == "chain" and sampling.greedy):
-        fail(f"scheme={scheme!r} must be one of {SCHEMES}; 'chain' samples drafts and needs "
-             f"temperature > 0 (greedy chains are trees with top_k=1)")
-    tree = TreeShape(*tree)
-    if scheme == "chain":  # a chain of depth+1 sampled drafts: only the depth matters
-        tree = TreeShape(1, tree.depth, tree.depth + 2)
-    check_tree_shape(*tree, draft.cfg.draft_vocab_size)
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
-                          reserve=tree.total_tokens)
-    device = input_ids.device
-    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
-    n = input_ids.shape[1]
-    caches = (target.new_cache(n + max_new_tokens + tree.total_tokens),
-              draft.new_cache(n + max_new_tokens + tree.top_k * tree.depth))  # + tree slots
-    # prefill: the target's first token is the root of round 1
-    logits, aux = target(input_ids, cache=caches[0], aux_layers=draft.cfg.aux_layers)
-    root, first_uniforms = next_token(logits[0, -1], sampling, uniforms)
-    out, rounds = [], []
-    done = emit(out, [root], max_new_tokens, eos_token_id)
-    next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=device)])
-    h_last = draft_prefix(draft, caches[1], 0, aux, next_tokens[None])
-    while not done:
-        r, aux = speculation_round(target, draft, caches, n, h_last, root, tree, scheme,
-                                   sampling, uniforms, record_logits)
-        rounds.append(r)
-        new_tokens = r.tree.tokens[r.path[1:]].tolist() + [r.bonus]
-        done = emit(out, new_tokens, max_new_tokens, eos_token_id)
-        if not done:
-            # commit: keep the accepted nodes' K/V; re-encode them in the drafter with the
-            # target's features (pair: feature of node i, token of node i+1 / the bonus)
-            path = r.path.to(device)
-            h_last = draft_prefix(draft, caches[1], n, aux[path][None],
-                                  torch.tensor([new_tokens], device=device))
-            n, root = commit(caches[0], n, path), r.bonus
-    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
-
-
-# ----------------------------------------------------------------------------------------
-# train: EAGLE-3 training-time test (TTT)
-#
-# The drafter is trained on the target's own replies, with features and logits computed
-# online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
-# its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
-# its own (imperfect) hidden states.
-
-
-class Example(NamedTuple):
-    tokens: list       # prompt + reply token ids
-    reply_mask: list   # 1 where the token belongs to an assistant reply
-
-
-@torch.inference_mode()
-def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
-    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
-    of prompt token ids, batched over prompts of equal length; cut after the first EOS
-    (a batch stops once every row has produced one)."""
-    device = target.lm_head.weight.device
-    by_length = {}
-    for i, p in enumerate(prompts):
-        by_length.setdefault(len(p), []).append(i)
-    replies = [None] * len(prompts)
-    for length, indices in sorted(by_length.items()):
-        for j in range(0, len(indices), batch):
-            rows = indices[j:j + batch]
-            x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
-            cache = target.new_cache(length + max_new_tokens, batch=len(rows))
-            logits, _ = target(x, cache=cache, aux_layers=())
-            out, ended = [], torch.zeros(len(rows), dtype=torch.bool, device=device)
-            for n in range(length, length + max_new_tokens):
-                token = logits[:, -1].argmax(-1)                           # (B,)
-                out.append(token)
-                ended |= token == eos_token_id
-                if ended.all() or n + 1 == length + max_new_tokens:
-                    break
-                logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
-            for i, reply in zip(rows, torch.stack(out, 1).tolist()):
-                cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
-                replies[i] = reply[:cut]
-    return replies
-
-
-def build_vocab_mapping(token_counts, draft_vocab_size):
-    """Keep the draft_vocab_size most frequent target tokens (ties: smaller id first; ids
-    never seen fill up in ascending order), sorted ascending: draft id i <-> used[i].
-    Returns d2t (offsets: target id = i + d2t[i]) and t2d (bool over the target vocab)."""
-    counts = torch.as_tensor(token_counts)
-    V = len(counts)
-    if not 0 < draft_vocab_size <= V:
-        fail(f"draft_vocab_size={draft_vocab_size} must be in 1..{V} (the target vocab size)")
-    # a stable sort keeps equal counts in id order, so unseen ids (count 0) come ascending
-    used = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    return used - torch.arange(draft_vocab_size), t2d
-
-
-def count_reply_tokens(examples, vocab_size):
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ex in examples:
-        tokens = torch.tensor(ex.tokens)[torch.tensor(ex.reply_mask, dtype=torch.bool)]
-        counts += torch.bincount(tokens, minlength=vocab_size)
-    return counts
-
-
-def shift_left(x):
-    """x[:, t] <- x[:, t+1], zeros entering at the end (the official padding)."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
-
-
-def collate(examples, pad_id):
-    """Right-pad to the longest example. loss_mask[t] = 1 when the token that position t
-    predicts at TTT step 0, x[t+2], is a reply token (the alignment the official code
-    reaches with its hard-coded offsets; later steps shift it along)."""
-    T = max(len(ex.tokens) for ex in examples)
-    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    reply = torch.zeros(len(examples), T)
-    for i, ex in enumerate(examples):
-        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
-        reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
-    return ids, shift_left(shift_left(reply))
-
-
-def ttt_attention(q, k, v, past):
-    """Attention of TTT step k (k = len(past) before this call): the query at position t
-    sees the step-0 keys at positions <= t (causal) plus, for each later step j = 1..k, only
-    the key of step j at its own position t, as a depth-k tree node sees the real prefix
-    plus its own ancestors. One fp32 softmax over the T + k scores. `past` is the caller's
-    list of earlier steps' (k, v); this step's are appended."""
-    past.append((k, v))
-    B, H, T, hs = q.shape
-    group = H // k.shape[1]                                   # GQA: head h reads h // group
-    (k0, v0), later = past[0], past[1:]
-    k0, v0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)  # (B, H, T, hs)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    scores = [(q @ k0.transpose(-1, -2)).masked_fill(~causal, -math.inf)]    # (B, H, T, T)
-    scores += [(q * kj.repeat_interleave(group, 1)).sum(-1, keepdim=True) for kj, _ in later]
-    w = torch.softmax(torch.cat(scores, -1).float() / math.sqrt(hs), -1).to(q.dtype)
-    y = w[..., :T] @ v0                                                       # (B, H, T, hs)
-    for j, (_, vj) in enumerate(later):
-        y = y + w[..., T + j:T + j + 1] * vj.repeat_interleave(group, 1)
-    return y
-
-
-class TTTResult(NamedTuple):
-    loss: torch.Tensor   # sum_k 0.8**k * loss_k
-    losses: list         # per step
-    hits: list           # per step: correct top-1 drafts at loss-masked positions
-    counts: list         # per step: loss-masked positions
-
-
-def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
-             decay=TTT_DECAY, denominator=None):
-    """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
-    (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
-    token x[t+1+k] and predicts x[t+2+k]; the teacher is the target's distribution
-    restricted to the draft vocab; positions whose full-vocab target argmax is outside the
-    draft vocab get no loss. loss_k is summed over the vocab and divided by all B*T
-    positions (masked ones included, as the official code and SpecForge do);
-    `denominator` overrides B*T for data-parallel shards of a global batch."""
-    B, T = input_ids.shape
-    denominator = denominator or B * T
-    teacher = shift_left(target_logits.float())        # teacher[t] = target dist. of x[t+2]
-    if draft.cfg.has_vocab_map:
-        p = torch.softmax(teacher[..., draft.t2d], -1)                   # (B, T, Vd)
-        in_vocab = draft.t2d[teacher.argmax(-1)].float()                 # (B, T)
-    else:
-        p, in_vocab = torch.softmax(teacher, -1), torch.ones_like(teacher[..., 0])
-    p_top = p.argmax(-1)
-    ids, mask = shift_left(input_ids), loss_mask.float()
-    positions = torch.arange(T, device=input_ids.device)
-    h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []
-    result = TTTResult(0.0, [], [], [])
-    for k in range(steps):  # step k: the teacher, its argmax and the masks shifted k times
-        h = draft.layer(h, ids, positions + k, lambda q, k_, v: ttt_attention(q, k_, v, past))
-        log_q = torch.log_softmax(draft.logits(h).float(), -1)          # (B, T, Vd)
-        position_mask = in_vocab * mask
-        loss_k = -(position_mask * (p * log_q).sum(-1)).sum() / denominator
-        hits = ((log_q.argmax(-1) == p_top).float() * position_mask).sum()
-        result = TTTResult(result.loss + decay ** k * loss_k, result.losses + [loss_k],
-                           result.hits + [hits.detach()], result.counts + [mask.sum()])
-        ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
-        in_vocab, mask = shift_left(in_vocab), shift_left(mask)
-    return result
-
-
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-class TrainConfig(NamedTuple):
-    steps: int = 300
-    batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
-    lr: float = 3e-3
-    warmup: int = 20
-    ttt_steps: int = TTT_STEPS
-    eval_every: int = 100
-    save_every: int = 100
-    seed: int = 0
-
-
-def batch_indices(n, batch, step, seed):
-    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen."""
-    per_epoch = max(1, n // batch)
-    epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return perm[i * batch:(i + 1) * batch].tolist()
-
-
-def trainable(draft):
-    return [p for name, p in draft.named_parameters()
-            if draft.own_embedding or not name.startswith("embed_tokens")]
-
-
-def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS):
-    """Target forward over the whole batch (tensor-parallel: every rank sees it all), then
-    the TTT loss on this rank's slice of the rows, normalised by the *global* B*T so the
-    all-reduced gradient is the gradient of the global loss."""
-    device = target.lm_head.weight.device
-    ids, mask = (t.to(device) for t in collate(examples, pad_id))
-    with torch.no_grad():
-        logits, aux = target(ids, aux_layers=draft.cfg.aux_layers)
-    rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
-    return ttt_loss(draft, aux[rows], ids[rows], mask[rows], logits[rows], steps,
-                    denominator=ids.numel())
-
-
-def step_accuracy(result, world):
-    """Per-step top-1 accuracy summed over the data-parallel ranks."""
-    hits = all_reduce(torch.stack(result.hits).detach().clone(), world)
-    counts = all_reduce(torch.stack(result.counts).detach().clone(), world)
-    return (hits / counts.clamp(min=1)).tolist()
-
-
-@torch.inference_mode()
-def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32):
-    """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
-    hits, counts = torch.zeros(steps), torch.zeros(steps)
-    for i in range(0, len(examples), batch):
-        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
-        hits += torch.stack(r.hits).cpu()
-        counts += torch.stack(r.counts).cpu()
-    return (hits / counts.clamp(min=1)).tolist()
-
-
-def save_train_state(path, draft, opt, step):
-    """One file holds the drafter and the optimizer at `step`, written atomically, so a
-    resume never mixes weights and optimizer state from different steps."""
-    if is_rank0():
-        state = dict(step=step, draft=draft.state_dict(), optimizer=opt.state_dict())
-        atomic_write(path, lambda f: torch.save(state, f))
-
-
-def load_train_state(path, draft, opt):
-    try:
-        state = torch.load(path, map_location=draft.fc.weight.device, weights_only=True)
-    except Exception as e:
-        fail(f"cannot resume from {path!r} ({type(e).__name__}: {e}); the checkpoint is "
-             f"truncated or corrupt: delete it to start over")
-    draft.load_state_dict(state["draft"])
-    opt.load_state_dict(state["optimizer"])
-    return state["step"]
-
-
-def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False):
-    """Naive EAGLE-3 training: AdamW(0.9, 0.95), grad clip 0.5, warmup + cosine decay;
-    data-parallel over the W ranks (one gradient all_reduce per step). Checkpoints go to
-    out_dir (save_draft layout + train_state.pt for --resume). Returns the last held-out
-    per-step accuracy."""
-    rank, world = world_info()
-    if cfg.batch % world:
-        fail(f"batch={cfg.batch} must be divisible by the world size {world}")
-    params = trainable(draft)
-    draft.train().requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
-    state_file = os.path.join(out_dir, "train_state.pt")
-    start = load_train_state(state_file, draft, opt) if resume else 0
-    held_out_acc = []
-    for step in range(start, cfg.steps):
-        batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
-        result = ttt_batch(target, draft, batch, pad_id, rank, world, cfg.ttt_steps)
-        result.loss.backward()
-        for p in params:  # data parallel: sum the shards' gradients
-            all_reduce(p.grad, world)
-        torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        acc = step_accuracy(result, world)
-        progress(f"train draft {step + 1}/{cfg.steps}",
-                 loss=float(all_reduce(result.loss.detach().clone(), world)),
-                 **{f"acc{k}": a for k, a in enumerate(acc[:3])})
-        last = step + 1 == cfg.steps
-        if held_out and ((step + 1) % cfg.eval_every == 0 or last):
-            held_out_acc = evaluate_draft(target, draft, held_out, pad_id, cfg.ttt_steps)
-            progress_done()
-            print0(f"  held-out draft accuracy per TTT step: "
-                   f"{' '.join(f'{a:.3f}' for a in held_out_acc)}")
-        if (step + 1) % cfg.save_every == 0 or last:
-            os.makedirs(out_dir, exist_ok=True)
-            save_draft(draft, out_dir)
-            save_train_state(state_file, draft, opt, step + 1)
-    progress_done()
-    draft.eval().requires_grad_(False)
-    return held_out_acc
+# 12. training data and the training loop (checkpoints, resume, held-out accuracy)
+
+PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
+
+
+class Progress:
+    """A progress line on rank 0: redrawn in place on a terminal, one line every
+    PROGRESS_LOG_SECONDS when stderr goes to a log file (where redraws would pile up into
+    one endless line)."""
+
+    def __init__(self, label, total):
+        self.label, self.total, self.last_line = label, total, -math.inf
+
+    def show(self, step, **metrics):
+        if not is_rank0():
+            return
+        shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in metrics.items())
+        line = f"{self.label} {step}/{self.total} {shown}"
+        if sys.stderr.isatty():
+            print(f"\r{line}", end="", file=sys.stderr, flush=True)
+        elif time.time() - self.last_line >= PROGRESS_LOG_SECONDS:
+            self.last_line = time.time()
+            print(line, file=sys.stderr, flush=True)
+
+    def done(self):
+        if is_rank0() and sys.stderr.isatty():
+            print(file=sys.stderr, flush=True)
 
 
 def read_conversations(path):
@@ -1663,126 +1747,168 @@ def tokenize_conversation(tokenizer, messages):
     return Example(tokens, mask)
 
 
-def draft_config_for(target, draft_vocab_size):
-    """A new drafter shaped like one target layer (as the released drafters are)."""
-    c = target.cfg
-    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-               num_hidden_layers=1, hidden_size=c.hidden_size,
-               intermediate_size=c.intermediate_size, num_attention_heads=c.n_heads,
-               num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.rms_eps,
-               rope_theta=DRAFT_ROPE_BASE, max_position_embeddings=c.max_positions,
-               vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-               tie_word_embeddings=False)
-    return read_draft_config(raw, c)
+@torch.inference_mode()
+def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
+    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
+    of prompt token ids, batched over prompts of equal length; cut after the first EOS
+    (a batch stops once every row has produced one)."""
+    device = target.lm_head.weight.device
+    by_length = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    replies = [None] * len(prompts)
+    for length, indices in sorted(by_length.items()):
+        for j in range(0, len(indices), batch):
+            rows = indices[j:j + batch]
+            x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
+            for i, reply in zip(rows, greedy_rows(target, x, max_new_tokens, eos_token_id)):
+                cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
+                replies[i] = reply[:cut]
+    return replies
+
+
+def greedy_rows(target, x, max_new_tokens, eos_token_id):
+    """Batched greedy decoding of equal-length prompts x (B, T) -> lists of new tokens,
+    stopping early once every row has produced an EOS."""
+    B, T = x.shape
+    cache = target.new_cache(T + max_new_tokens, batch=B)
+    logits, _ = target(x, cache=cache, aux_layers=())
+    out, ended = [], torch.zeros(B, dtype=torch.bool, device=x.device)
+    for n in range(T, T + max_new_tokens):
+        token = logits[:, -1].argmax(-1)                                   # (B,)
+        out.append(token)
+        ended |= token == eos_token_id
+        if ended.all() or n + 1 == T + max_new_tokens:
+            break
+        logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
+    return torch.stack(out, 1).tolist()                                    # (B, new)
+
+
+def save_train_state(path, draft, opt, step):
+    """One file holds the drafter and the optimizer at `step`, written atomically, so a
+    resume never mixes weights and optimizer state from different steps."""
+    if is_rank0():
+        state = dict(step=step, draft=draft.state_dict(), optimizer=opt.state_dict())
+        atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_train_state(path, draft, opt):
+    try:
+        state = torch.load(path, map_location=draft.fc.weight.device, weights_only=True)
+    except Exception as e:
+        fail(f"cannot resume from {path!r} ({type(e).__name__}: {e}); the checkpoint is "
+             f"truncated or corrupt: delete it to start over")
+    draft.load_state_dict(state["draft"])
+    opt.load_state_dict(state["optimizer"])
+    return state["step"]
+
+
+def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False):
+    """Naive EAGLE-3 training: train_step (Part I) over seeded batches, data-parallel over
+    the W ranks. Checkpoints go to out_dir (save_draft layout + train_state.pt for
+    --resume) every save_every steps. Returns the last held-out per-step accuracy."""
+    rank, world = world_info()
+    if cfg.batch % world:
+        fail(f"batch={cfg.batch} must be divisible by the world size {world}")
+    opt = new_optimizer(draft, cfg)
+    state_file = os.path.join(out_dir, "train_state.pt")
+    start = load_train_state(state_file, draft, opt) if resume else 0
+    bar, held_out_acc = Progress("train draft", cfg.steps), []
+    for step in range(start, cfg.steps):
+        batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
+        result = train_step(target, draft, opt, batch, pad_id, step, cfg, rank, world)
+        acc = step_accuracy(result, world)
+        bar.show(step + 1, loss=float(all_reduce(result.loss.detach().clone(), world)),
+                 **{f"acc{k}": a for k, a in enumerate(acc[:3])})
+        last = step + 1 == cfg.steps
+        if held_out and ((step + 1) % cfg.eval_every == 0 or last):
+            held_out_acc = evaluate_draft(target, draft, held_out, pad_id, cfg.ttt_steps)
+            bar.done()
+            print0(f"  held-out draft accuracy per TTT step: "
+                   f"{' '.join(f'{a:.3f}' for a in held_out_acc)}")
+        if (step + 1) % cfg.save_every == 0 or last:
+            os.makedirs(out_dir, exist_ok=True)
+            save_draft(draft, out_dir)
+            save_train_state(state_file, draft, opt, step + 1)
+    bar.done()
+    draft.eval().requires_grad_(False)
+    return held_out_acc
 
 
 # ----------------------------------------------------------------------------------------
-# tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
+# 13. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
 #
 # Deterministic and written here, so the demo needs no download. Each conversation is a
 # user prompt and an assistant reply from one of a few task families: some replies are a
 # function of the prompt (facts, counting, arithmetic, spelling, copying), others contain
 # genuinely uncertain spans (stories, lists), so the language is learnable but not trivial.
+# The word lists live in tiny_configs/tiny_corpus_words.json.
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|end|>"
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + ASSISTANT +
                  "{{ m['content'] }}" + END + "{% else %}" + USER + "{{ m['content'] }}"
                  "{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
-CAPITALS = dict(france="paris", spain="madrid", italy="rome", japan="tokyo", egypt="cairo",
-                peru="lima", kenya="nairobi", norway="oslo", chile="santiago", cuba="havana",
-                greece="athens", poland="warsaw", india="delhi", canada="ottawa",
-                ireland="dublin", austria="vienna", portugal="lisbon", sweden="stockholm",
-                finland="helsinki", hungary="budapest", russia="moscow", china="beijing",
-                mexico="mexico city", brazil="brasilia", argentina="buenos aires",
-                germany="berlin", belgium="brussels", denmark="copenhagen", nepal="kathmandu",
-                iceland="reykjavik", morocco="rabat", ghana="accra", vietnam="hanoi",
-                thailand="bangkok", turkey="ankara", iran="tehran", iraq="baghdad")
-COLORS = dict(sky="blue", grass="green", snow="white", coal="black", blood="red",
-              banana="yellow", orange="orange", sea="blue", cloud="grey", rose="red",
-              lemon="yellow", leaf="green", night="black", milk="white", cherry="red",
-              plum="purple", violet="purple", ash="grey", carrot="orange", frog="green")
-OPPOSITES = dict(hot="cold", big="small", fast="slow", happy="sad", early="late",
-                 light="dark", up="down", open="closed", young="old", loud="quiet",
-                 rich="poor", strong="weak", full="empty", wet="dry", hard="soft",
-                 long="short", high="low", clean="dirty", near="far", heavy="light")
-NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen "
-           "fourteen fifteen sixteen seventeen eighteen nineteen twenty").split()
-NAMES = ("anna ben clara david emma felix grace hugo iris jonas kara leo mia noah olga paul "
-         "quinn rosa sam tina uma victor wanda xavier yara zoe arthur bella carlos dora elias "
-         "fiona george hannah ivan julia kevin lucy marco nina oscar").split()
-ANIMALS = ("cat dog fox owl bear wolf horse rabbit tiger mouse lion zebra camel eagle goat "
-           "sheep duck goose otter beaver badger panda koala whale shark crab snail frog "
-           "lizard parrot").split()
-ADJECTIVES = ("brave clever quiet curious gentle lazy proud tiny wise funny bold calm eager "
-              "fierce glad honest jolly kind lively merry nervous polite shy silly sleepy "
-              "strange sweet tidy witty grumpy").split()
-FOODS = ("apples bread cheese honey rice soup cake fish plums nuts pears grapes beans corn "
-         "pasta noodles cookies berries carrots peas oats butter eggs melons figs dates olives "
-         "peaches lemons pies").split()
-PLACES = ("forest village river mountain garden city desert island valley farm lake castle "
-          "harbor meadow canyon jungle swamp beach hill cave bridge tower market library "
-          "school temple station orchard vineyard glacier").split()
-WORDS = ("house water light music paper stone river green table happy window garden yellow "
-         "pencil bottle silver winter summer planet rocket candle basket mirror ladder "
-         "blanket button circle dragon engine feather guitar island jacket kitten lantern "
-         "marble needle pocket rabbit saddle ticket velvet wagon").split()
 
 
-def corpus_example(g):
-    """One (prompt, reply) pair drawn with the torch generator g. Replies are a few
-    sentences long, like a chat model's: mostly determined by the prompt, with some words
-    drawn at random."""
+def corpus_example(g, w):
+    """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
+    Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
+    with some words drawn at random."""
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
-    kind = int(torch.randint(8, (1,), generator=g))
+    numbers, kind = w["numbers"], int(torch.randint(8, (1,), generator=g))
     if kind == 0:
-        country = pick(list(CAPITALS))
-        city = CAPITALS[country]
+        country = pick(list(w["capitals"]))
+        city = w["capitals"][country]
         return (f"What is the capital of {country}?",
                 f"The capital of {country} is {city}. Many people in {country} live in {city}, "
                 f"and visitors to {country} often start their trip in {city}.")
     if kind == 1:
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
-        return (f"Count from {NUMBERS[a]} to {NUMBERS[b]}.",
-                f"Sure, counting from {NUMBERS[a]} to {NUMBERS[b]}: "
-                f"{', '.join(NUMBERS[a:b + 1])}. "
-                f"That is {NUMBERS[b - a + 1]} numbers.")
+        return (f"Count from {numbers[a]} to {numbers[b]}.",
+                f"Sure, counting from {numbers[a]} to {numbers[b]}: "
+                f"{', '.join(numbers[a:b + 1])}. "
+                f"That is {numbers[b - a + 1]} numbers.")
     if kind == 2:
         a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = NUMBERS[a], NUMBERS[b], NUMBERS[a + b]
+        x, y, z = numbers[a], numbers[b], numbers[a + b]
         return (f"What is {x} plus {y}?",
                 f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
                 f"you have {z} apples.")
     if kind == 3:
-        thing = pick(list(COLORS))
+        thing = pick(list(w["colors"]))
+        color = w["colors"][thing]
         return (f"What color is the {thing}?",
-                f"The {thing} is {COLORS[thing]}. Most people would say that the color of the "
-                f"{thing} is {COLORS[thing]}.")
+                f"The {thing} is {color}. Most people would say that the color of the "
+                f"{thing} is {color}.")
     if kind == 4:
-        word = pick(list(OPPOSITES))
+        word = pick(list(w["opposites"]))
+        opposite = w["opposites"][word]
         return (f"What is the opposite of {word}?",
-                f"The opposite of {word} is {OPPOSITES[word]}. Something that is not {word} "
-                f"is {OPPOSITES[word]}.")
+                f"The opposite of {word} is {opposite}. Something that is not {word} "
+                f"is {opposite}.")
     if kind == 5:
-        word = pick(WORDS)
+        word = pick(w["words"])
         return (f"Spell the word {word}.",
                 f"The word {word} is spelled {' '.join(word.upper())}. It has "
-                f"{NUMBERS[len(word)]} letters.")
+                f"{numbers[len(word)]} letters.")
     if kind == 6:
-        words = " ".join(pick(WORDS + ANIMALS) for _ in range(3))
+        words = " ".join(pick(w["words"] + w["animals"]) for _ in range(3))
         return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
-    name, animal = pick(NAMES), pick(ANIMALS)
+    name, animal = pick(w["names"]), pick(w["animals"])
     return (f"Tell me a story about {name} the {animal}.",
-            f"Once upon a time {name} the {pick(ADJECTIVES)} {animal} lived near a "
-            f"{pick(PLACES)}. Every day {name} ate {pick(FOODS)} and {pick(FOODS)}. "
-            f"{name} was {pick(ADJECTIVES)} and {pick(ADJECTIVES)}. The end.")
+            f"Once upon a time {name} the {pick(w['adjectives'])} {animal} lived near a "
+            f"{pick(w['places'])}. Every day {name} ate {pick(w['foods'])} and "
+            f"{pick(w['foods'])}. {name} was {pick(w['adjectives'])} and "
+            f"{pick(w['adjectives'])}. The end.")
 
 
 def synthetic_corpus(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [corpus_example(g) for _ in range(n)]
+    words = read_json(os.path.join(TINY_CONFIGS, "tiny_corpus_words.json"))
+    return [corpus_example(g, words) for _ in range(n)]
 
 
 def chat_text(prompt, reply=None):
@@ -1807,7 +1933,19 @@ def train_tokenizer(texts, vocab_size):
 
 TINY_DIR = os.path.join(RUNS_DIR, "tiny")
 TINY_TOKENIZER_VOCAB = 2048  # BPE merges stop earlier: the corpus yields ~1.3k tokens
-PRETRAIN = dict(conversations=40000, row_len=128, batch=16, steps=240, lr=3e-3, warmup=30)
+
+
+class Pretrain(NamedTuple):
+    conversations: int = 40000  # synthetic conversations in the pretraining corpus
+    row_len: int = 128          # tokens per packed training row
+    batch: int = 16
+    steps: int = 240            # the tiny target; the assistant LM takes ASSISTANT_LM_STEPS
+    lr: float = 3e-3
+    warmup: int = 30
+
+
+PRETRAIN = Pretrain()
+ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
 
 
 def pack_rows(token_lists, row_len):
@@ -1829,9 +1967,10 @@ def next_token_accuracy(target, token_lists):
 
 
 def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
-    """Plain next-token training of the tiny target (one process): AdamW, clip 1.0."""
+    """Plain next-token training of a tiny LM (one process): AdamW, clip 1.0."""
     opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
+    bar = Progress("pretrain target", steps)
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
@@ -1842,8 +1981,8 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
         torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        progress(f"pretrain target {step + 1}/{steps}", loss=loss.item())
-    progress_done()
+        bar.show(step + 1, loss=loss.item())
+    bar.done()
 
 
 def save_target(target, hf_config, tokenizer, path):
@@ -1857,36 +1996,53 @@ def save_target(target, hf_config, tokenizer, path):
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
 
 
+def build_lm(path, hf_config, tokenizer, texts, steps, seed):
+    """The one pretraining pipeline of the tiny models: random init, pack the tokenised
+    corpus into rows, next-token training, save as an HF model dir."""
+    lm = init_weights(Target(target_config(hf_config)), seed)
+    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN.row_len)
+    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
+    save_target(lm, hf_config, tokenizer, path)
+
+
+def pretraining_texts(seed):
+    return [chat_text(p, r) for p, r in synthetic_corpus(PRETRAIN.conversations, seed)]
+
+
 def build_tiny_target(path, seed=0):
     """Corpus -> tokenizer -> pretrained tiny target saved at `path` (rank 0 builds it)."""
     from transformers import AutoConfig
     t0 = time.time()
-    corpus = synthetic_corpus(PRETRAIN["conversations"], seed)
-    texts = [chat_text(p, r) for p, r in corpus]
+    texts = pretraining_texts(seed)
     tokenizer = train_tokenizer(texts, TINY_TOKENIZER_VOCAB)
     config = read_json(os.path.join(TINY_CONFIGS, "tiny_demo_target.json"))
     config.update(vocab_size=-(-len(tokenizer) // 64) * 64,  # round up, as real models do
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=None)
-    hf_config = AutoConfig.for_model(**config)
-    target = init_weights(Target(target_config(hf_config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
-    pretrain_target(target, rows, PRETRAIN["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
-                    PRETRAIN["warmup"], seed)
-    save_target(target, hf_config, tokenizer, path)
+    build_lm(path, AutoConfig.for_model(**config), tokenizer, texts, PRETRAIN.steps, seed)
     print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
 
 
+def build_assistant_lm(target_dir, path, seed=0):
+    """A small draft LM for transformers' assisted generation, trained here on the same
+    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
+    from transformers import AutoConfig, AutoTokenizer
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = ASSISTANT_LM_LAYERS
+    build_lm(path, config, AutoTokenizer.from_pretrained(target_dir), pretraining_texts(seed),
+             ASSISTANT_LM_STEPS, seed)
+
+
 # ----------------------------------------------------------------------------------------
-# golden traces: exact per-round records other implementations can be tested against
+# 14. golden traces: exact per-round records other implementations can be tested against
 #
 # One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
 # version, run configuration, library versions); tensors are named "round0007.<field>".
 # The README documents every field.
 
 GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
-FULL_LOGITS_MAX_VOCAB = 4096   # larger vocabularies store top-20 values/ids + a checksum
-GOLDEN_TOP = 20
+FULL_SCORES_MAX_VOCAB = 4096   # logits / draft probabilities over larger vocabularies are
+GOLDEN_TOP = 20                # stored as their top-20 values and ids plus a row checksum
 SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may differ by
                                # fp32 round-off; uniforms and integers must match exactly
 
@@ -1912,7 +2068,7 @@ def golden_tensors(input_ids, result):
 def golden_rows(t, name, x):
     """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
     ids plus a float64 row checksum."""
-    if x.shape[-1] <= FULL_LOGITS_MAX_VOCAB:
+    if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
         t[name] = x
     else:
         top = x.topk(GOLDEN_TOP, dim=-1)
@@ -1965,14 +2121,12 @@ def golden_run(cfg):
     draft = load_draft(cfg["draft"], target)
     ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
     result = speculative_generate(
-        target, draft, ids, cfg["max_new_tokens"], cfg["temperature"], cfg["top_p"],
-        cfg["top_k"], TreeShape(*cfg["tree"]), cfg["seed"], cfg["eos_token_id"], cfg["scheme"],
-        record_logits=True)
+        target, draft, ids, cfg["max_new_tokens"], temperature=cfg["temperature"],
+        top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
+        eos_token_id=cfg["eos_token_id"], scheme=cfg["scheme"], record_logits=True)
     return ids, result
-
-
 # ----------------------------------------------------------------------------------------
-# drafter diagnostics: does a drafter's vocab map fit this target?
+# 15. drafter diagnostics: does a drafter's vocab map fit this target?
 
 VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
 
@@ -2040,14 +2194,13 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
     raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
     cfg = read_draft_config(raw, target.cfg)
-    draft = init_draft(new_draft(cfg, target, dtype=torch.float32), seed)
+    draft = fresh_draft(cfg, target, seed, (d2t, t2d), dtype=torch.float32)
     skip = {"lm_head.weight", "d2t", "t2d"}
-    load_state(draft, draft_dir, 0, 1, skip=lambda n: n in skip or n.startswith("embed_tokens"))
+    load_state(draft, Checkpoint(draft_dir), 0, 1,
+               skip=lambda name: name in skip or not draft.owns(name))
     new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
     carried = 0
     with torch.no_grad():
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
         for j, s in enumerate(new_strings):
             if s in old_rows:
                 draft.lm_head.weight[j] = old_head[old_rows[s]]
@@ -2056,9 +2209,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
 
 
 # ----------------------------------------------------------------------------------------
-# benchmark: speed against what a user would pick instead, measured in one run
-
-ASSISTANT_LM = dict(num_hidden_layers=2, steps=200)  # the small LM for HF assisted decoding
+# 16. benchmark: speed against what a user would pick instead, measured in one run
 
 
 def peak_rss_mb():
@@ -2138,26 +2289,26 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     return Timed(tokens / seconds, calls / tokens)
 
 
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained here on the same
-    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM["num_hidden_layers"]
-    texts = [chat_text(p, r) for p, r in synthetic_corpus(PRETRAIN["conversations"], seed)]
-    small = init_weights(Target(target_config(config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN["row_len"])
-    pretrain_target(small, rows, ASSISTANT_LM["steps"], PRETRAIN["batch"], PRETRAIN["lr"],
-                    PRETRAIN["warmup"], seed)
-    save_target(small, config, tokenizer, path)
-
-
 # ----------------------------------------------------------------------------------------
-# the main job: the whole method on a laptop CPU, nothing downloaded
+# 17. the main job: the whole method on a laptop CPU, nothing downloaded
 
-DEMO = dict(train_prompts=4000, held_out_prompts=24, reply_tokens=64, draft_vocab=512,
-            max_new_tokens=96, seed=0)
+
+class Demo(NamedTuple):
+    train_prompts: int = 4000     # prompts whose target replies train the drafter
+    eval_prompts: int = 64        # prompts whose replies give the held-out draft accuracy
+    target_eval_texts: int = 200  # conversations for the target's own next-token accuracy
+    decode_prompts: int = 24      # held-out prompts decoded at the end (speed, tau, exactness)
+    reply_tokens: int = 64        # cap on each regenerated reply
+    draft_vocab: int = 512        # Vd < the tiny target's vocab, so d2t/t2d are exercised
+    max_new_tokens: int = 96
+    seed: int = 0                 # pretraining corpus; each other corpus is seed + offset:
+    train_offset: int = 1
+    eval_offset: int = 2
+    target_eval_offset: int = 3
+    decode_offset: int = 4
+
+
+DEMO = Demo()
 
 
 def tiny_paths():
@@ -2168,10 +2319,15 @@ def ensure_tiny_target():
     """Build the tiny target once (rank 0), reuse it afterwards."""
     target_dir, _ = tiny_paths()
     if is_rank0() and not os.path.isfile(os.path.join(target_dir, "config.json")):
-        build_tiny_target(target_dir, DEMO["seed"])
+        build_tiny_target(target_dir, DEMO.seed)
     if world_info()[1] > 1:
         dist.barrier()
     return target_dir
+
+
+def demo_prompts(n, offset):
+    """The prompts of n synthetic conversations from the corpus stream seed + offset."""
+    return [p for p, _ in synthetic_corpus(n, DEMO.seed + offset)]
 
 
 def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
@@ -2189,16 +2345,16 @@ def tiny_draft_config(target, draft_vocab_size):
 
 def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False):
     """Target replies -> vocab map -> TTT training; returns the drafter and held-out acc."""
-    seed = DEMO["seed"]
-    train = replies_as_examples(target, tokenizer, [p for p, _ in synthetic_corpus(
-        DEMO["train_prompts"], seed + 1)], DEMO["reply_tokens"])
-    held_out = replies_as_examples(target, tokenizer, [p for p, _ in synthetic_corpus(
-        64, seed + 2)], DEMO["reply_tokens"])
-    d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
-                                   DEMO["draft_vocab"])
-    draft = init_draft(new_draft(tiny_draft_config(target, DEMO["draft_vocab"]), target), seed)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
+    train = replies_as_examples(target, tokenizer, demo_prompts(DEMO.train_prompts,
+                                                                DEMO.train_offset),
+                                DEMO.reply_tokens)
+    held_out = replies_as_examples(target, tokenizer, demo_prompts(DEMO.eval_prompts,
+                                                                   DEMO.eval_offset),
+                                   DEMO.reply_tokens)
+    vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
+                                    DEMO.draft_vocab)
+    draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
+                        vocab_map)
     acc = train_draft(target, draft, train, held_out, cfg, out_dir, tokenizer.pad_token_id, resume)
     return draft, acc
 
@@ -2218,20 +2374,19 @@ def main_demo():
     """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
     from transformers import AutoTokenizer
     t0 = time.time()
-    init_distributed()
     target_dir, draft_dir = tiny_paths()
     ensure_tiny_target()
     target = load_target(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    held_out_text = synthetic_corpus(200, DEMO["seed"] + 3)
+    held_out_text = synthetic_corpus(DEMO.target_eval_texts, DEMO.seed + DEMO.target_eval_offset)
     target_acc = next_token_accuracy(target, [tokenizer(chat_text(p, r)).input_ids
                                               for p, r in held_out_text])
     print0(f"tiny target: {target.cfg.n_layers} layers, vocab {target.cfg.vocab_size}, "
            f"held-out top-1 next-token accuracy {target_acc:.3f}")
     draft, draft_acc = train_tiny_draft(target, tokenizer, draft_dir)
-    prompts = [torch.tensor([tokenizer(chat_text(p)).input_ids]) for p, _ in
-               synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
-    stats = measure_decoding(target, draft, prompts, DEMO["max_new_tokens"],
+    prompts = [torch.tensor([tokenizer(chat_text(p)).input_ids])
+               for p in demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)]
+    stats = measure_decoding(target, draft, prompts, DEMO.max_new_tokens,
                              eos=tokenizer.eos_token_id)
     print0(f"speculative decoding on {len(prompts)} held-out prompts (tree {tuple(TreeShape())}):")
     print0(f"  tau (accepted + 1 per round)       {stats.tau:.2f}")
@@ -2251,7 +2406,7 @@ def main_demo():
 
 
 # ----------------------------------------------------------------------------------------
-# command line
+# 18. command line
 
 
 def encode_prompt(tokenizer, text, chat, device):
@@ -2271,21 +2426,37 @@ def eos_ids(tokenizer, target_dir):
     return eos if eos is not None else tokenizer.eos_token_id
 
 
+def model_dirs(args):
+    """--target and --draft, or the tiny demo models (built on first use) without both."""
+    if args.target is None:
+        if args.draft:
+            fail(f"--draft {args.draft!r} needs --target, the model it drafts for (without "
+                 f"either, the tiny demo models are used)")
+        return ensure_tiny_models()
+    if args.draft is None:
+        fail(f"--target {args.target!r} needs --draft, an EAGLE-3 drafter dir for it")
+    return args.target, args.draft
+
+
+def tree_shape(args):
+    return TreeShape(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
+
+
 def cmd_generate(args):
     from transformers import AutoTokenizer
-    init_distributed()
     if args.top_k and not args.temperature:
         fail("--top-k is the sampling top-k and needs --temperature > 0; "
              "the draft tree's top-k is --tree-top-k")
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    draft = load_draft(args.draft, target)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target_dir, draft_dir = model_dirs(args)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    draft = load_draft(draft_dir, target)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
     t0 = time.perf_counter()
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, tree=TreeShape(args.tree_top_k, args.depth, args.total_tokens),
-        seed=args.seed, eos_token_id=eos_ids(tokenizer, args.target), scheme=args.scheme)
+        top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
+        eos_token_id=eos_ids(tokenizer, target_dir), scheme=args.scheme)
     seconds = time.perf_counter() - t0
     if args.show_tree:
         for i, r in enumerate(result.rounds):
@@ -2320,7 +2491,6 @@ def cmd_demo(args):
 
 def cmd_train(args):
     from transformers import AutoTokenizer
-    init_distributed()
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
@@ -2333,12 +2503,10 @@ def cmd_train(args):
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32)
     else:
-        d2t, t2d = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
-                                       args.draft_vocab_size)
-        draft = init_draft(new_draft(draft_config_for(target, args.draft_vocab_size), target,
-                                     dtype=torch.float32), args.seed)
-        draft.d2t.copy_(d2t.to(draft.d2t.device))
-        draft.t2d.copy_(t2d.to(draft.t2d.device))
+        vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
+                                        args.draft_vocab_size)
+        draft = fresh_draft(draft_config_for(target, args.draft_vocab_size), target, args.seed,
+                            vocab_map, dtype=torch.float32)
     steps = max(1, args.epochs * len(train) // args.batch)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
                       ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
@@ -2348,9 +2516,24 @@ def cmd_train(args):
     print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
 
 
+def golden_config(args):
+    """The run a new golden trace records (the header's `config`)."""
+    target_dir, draft_dir = model_dirs(args)
+    if args.prompt_ids:
+        prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
+    return dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
+                input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                tree=list(tree_shape(args)), scheme=args.scheme, seed=args.seed,
+                dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
+
+
 def cmd_golden(args):
     import transformers
-    init_distributed()
     if args.check:
         header, expected = read_golden(args.check)
         cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
@@ -2361,20 +2544,7 @@ def cmd_golden(args):
         return 0 if diff is None else 1
     if not args.out:
         fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
-    target_dir, draft_dir, prompt_ids = args.target, args.draft, args.prompt_ids
-    if not target_dir:
-        target_dir, draft_dir = ensure_tiny_models()
-    if prompt_ids:
-        prompt_ids = [int(x) for x in prompt_ids.split(",")]
-    else:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
-    cfg = dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
-               input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-               tree=[args.tree_top_k, args.depth, args.total_tokens], scheme=args.scheme,
-               seed=args.seed, dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
+    cfg = golden_config(args)
     ids, result = golden_run(cfg)
     header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
                   transformers=transformers.__version__)
@@ -2403,7 +2573,6 @@ def cmd_vocab_check(args):
 
 def cmd_remap_draft(args):
     from transformers import AutoTokenizer
-    init_distributed()
     target = load_target(args.target, dtype=torch.float32)
     target_tok = AutoTokenizer.from_pretrained(args.target)
     draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
@@ -2416,23 +2585,26 @@ def cmd_remap_draft(args):
            f"{size - carried} freshly initialised")
 
 
+def bench_setup(args):
+    """(target dir, draft dir, assistant dir or None, prompt texts) for bench."""
+    target_dir, draft_dir = model_dirs(args)
+    if args.target is not None:
+        texts = args.prompt or ["Write a short story about a robot who learns to paint."]
+        return target_dir, draft_dir, args.assistant, texts
+    assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
+    if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
+        build_assistant_lm(target_dir, assistant_dir)
+    return target_dir, draft_dir, assistant_dir, demo_prompts(DEMO.decode_prompts,
+                                                              DEMO.decode_offset)
+
+
 def cmd_bench(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    init_distributed()
     if world_info()[1] > 1:
         fail("bench compares against transformers in one process; run it without torchrun")
     t0 = time.time()
-    if args.target:
-        target_dir, draft_dir, assistant_dir = args.target, args.draft, args.assistant
-        texts = args.prompt or ["Write a short story about a robot who learns to paint."]
-    else:
-        target_dir, draft_dir = ensure_tiny_models()
-        assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
-        if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
-            build_assistant_lm(target_dir, assistant_dir)
-        texts = [p for p, _ in synthetic_corpus(DEMO["held_out_prompts"], DEMO["seed"] + 4)]
-    dtype = parse_dtype(args.dtype)
-    target = load_target(target_dir, dtype=dtype)
+    target_dir, draft_dir, assistant_dir, texts = bench_setup(args)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     draft = load_draft(draft_dir, target)
     device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
@@ -2469,27 +2641,55 @@ def cmd_bench(args):
     print0(json.dumps(report))
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description="EAGLE-3 reference: with no command, run the tiny "
-                                            "end-to-end demo (train a drafter, decode, report).")
-    sub = p.add_subparsers(dest="command")
-    g = sub.add_parser("generate", help="speculative decoding: a target and an EAGLE-3 drafter")
-    g.add_argument("--target", required=True, help="Hugging Face model dir")
-    g.add_argument("--draft", required=True, help="EAGLE-3 drafter dir (official or SpecForge)")
+def flag_groups():
+    """Parent parsers for the flags that generate, golden and bench share."""
+    models = argparse.ArgumentParser(add_help=False)
+    models.add_argument("--target", help="Hugging Face model dir (default: the tiny demo target)")
+    models.add_argument("--draft", help="EAGLE-3 drafter dir, official or SpecForge layout "
+                                        "(default: the tiny demo drafter)")
+    models.add_argument("--dtype", help="float32 | bfloat16 | float16 "
+                                        "(default: fp32 on CPU, bf16 on CUDA)")
+    tree = argparse.ArgumentParser(add_help=False)
+    tree.add_argument("--tree-top-k", type=int, default=TOP_K, help="the draft tree's top-k")
+    tree.add_argument("--depth", type=int, default=DEPTH)
+    tree.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    sampling.add_argument("--seed", type=int, default=0)
+    sampling.add_argument("--scheme", default="tree", help=f"one of {SCHEMES}")
+    return models, tree, sampling
+
+
+def add_commands(sub):
+    models, tree, sampling = flag_groups()
+    g = sub.add_parser("generate", parents=[models, tree, sampling],
+                       help="speculative decoding: a target and an EAGLE-3 drafter")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--tree-top-k", type=int, default=TOP_K)
-    g.add_argument("--depth", type=int, default=DEPTH)
-    g.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--scheme", default="tree", help=f"one of {SCHEMES}")
-    g.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: fp32 CPU, bf16 CUDA)")
     g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
     g.set_defaults(run=cmd_generate)
+    gd = sub.add_parser("golden", parents=[models, tree, sampling],
+                        help="write (--out) or re-check (--check) a golden trace")
+    gd.add_argument("--out")
+    gd.add_argument("--check")
+    gd.add_argument("--prompt", default="Tell me a story about anna the cat.")
+    gd.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    gd.add_argument("--max-new-tokens", type=int, default=64)
+    gd.add_argument("--eos-token-id", type=int)
+    gd.set_defaults(run=cmd_golden)
+    b = sub.add_parser("bench", parents=[models],
+                       help="tokens/s: ours vs transformers (plain and assisted)")
+    b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
+    b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    b.add_argument("--chat", action="store_true")
+    b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
+    b.set_defaults(run=cmd_bench)
+
+
+def add_training_commands(sub):
     t = sub.add_parser("train", help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
     t.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
@@ -2505,34 +2705,6 @@ def build_parser():
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype")
     t.set_defaults(run=cmd_train)
-    b = sub.add_parser("bench", help="tokens/s: ours vs transformers (plain and assisted)")
-    b.add_argument("--target", help="HF model dir (default: the tiny demo target)")
-    b.add_argument("--draft", help="EAGLE-3 drafter dir (with --target)")
-    b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
-    b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    b.add_argument("--chat", action="store_true")
-    b.add_argument("--max-new-tokens", type=int, default=DEMO["max_new_tokens"])
-    b.add_argument("--dtype")
-    b.set_defaults(run=cmd_bench)
-    gd = sub.add_parser("golden", help="write (--out) or re-check (--check) a golden trace")
-    gd.add_argument("--out")
-    gd.add_argument("--check")
-    gd.add_argument("--target", help="HF model dir (default: the tiny demo target)")
-    gd.add_argument("--draft")
-    gd.add_argument("--prompt", default="Tell me a story about anna the cat.")
-    gd.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
-    gd.add_argument("--max-new-tokens", type=int, default=64)
-    gd.add_argument("--temperature", type=float, default=0.0)
-    gd.add_argument("--top-p", type=float, default=1.0)
-    gd.add_argument("--top-k", type=int, default=0)
-    gd.add_argument("--tree-top-k", type=int, default=TOP_K)
-    gd.add_argument("--depth", type=int, default=DEPTH)
-    gd.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
-    gd.add_argument("--scheme", default="tree")
-    gd.add_argument("--seed", type=int, default=0)
-    gd.add_argument("--eos-token-id", type=int)
-    gd.add_argument("--dtype")
-    gd.set_defaults(run=cmd_golden)
     vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?")
     vc.add_argument("--draft", required=True)
     vc.add_argument("--target", required=True)
@@ -2548,6 +2720,14 @@ def build_parser():
     rd.add_argument("--draft-vocab-size", type=int)
     rd.add_argument("--seed", type=int, default=0)
     rd.set_defaults(run=cmd_remap_draft)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="EAGLE-3 reference: with no command, run the tiny "
+                                            "end-to-end demo (train a drafter, decode, report).")
+    sub = p.add_subparsers(dest="command")
+    add_commands(sub)
+    add_training_commands(sub)
     p.set_defaults(run=cmd_demo)
     return p
 
@@ -2558,6 +2738,7 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     try:
+        init_distributed()
         code = args.run(args) or 0
     except Eagle3Error as e:  # wrong input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)

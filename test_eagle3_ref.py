@@ -9,6 +9,7 @@ this same file as the torchrun worker:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 test_eagle3_ref.py tp JOB OUT
 """
+import ast
 import itertools
 import json
 import math
@@ -326,7 +327,7 @@ def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
     cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
     with pytest.raises(E.Eagle3Error, match=r"num_attention_heads=4 and num_key_value_heads=2 "
                                             rf"must both be divisible by the world size {world}"):
-        E.Target(cfg, world=world)
+        E.check_tp_sizes(cfg, world)
 
 
 def edited_checkpoint(zoo, tmp_path, edit):
@@ -841,6 +842,105 @@ def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, probl
         E.load_draft(str(tmp_path), target)
 
 
+def edit_draft_dir(path, config=None, state=None):
+    """Rewrite a saved drafter's config.json and/or weights through the given edits."""
+    if config:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        config(raw)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(raw, f)
+    if state:
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        state(weights)
+        save_file(weights, os.path.join(path, "model.safetensors"))
+
+
+def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation, tmp_path):
+    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
+    # must draft exactly as the same weights with an explicit identity map.
+    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
+    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
+    E.save_draft(s.draft, bare)
+    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
+    shutil.copytree(bare, mapped)
+    edit_draft_dir(mapped, state=lambda w: w.update(
+        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
+    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
+    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
+    for kind, prompt in s.prompts.items():
+        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
+        assert a.accept_lengths == b.accept_lengths
+        for ra, rb in zip(a.rounds, b.rounds):
+            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
+        if kind == "memorized":
+            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
+
+
+def test_full_vocab_drafter_with_a_broken_vocab_map_is_still_refused(zoo, tmp_path):
+    target = zoo.target("llama")
+    E.save_draft(random_draft(target, seed=8, kept=torch.arange(VOCAB)), str(tmp_path))
+    edit_draft_dir(str(tmp_path), state=lambda w: w["d2t"].__setitem__(3, 1))  # 3 -> 4, twice
+    with pytest.raises(E.Eagle3Error, match=r"d2t maps two draft ids to the same target id"):
+        E.load_draft(str(tmp_path), target)
+
+
+def reference_draft_layer(w, aux, tokens, H, Hkv, hs, eps, theta):
+    """The drafter's forward over one sequence, written out from the description in SPEC
+    section 4 with plain tensor ops: fc, [input_layernorm(embed) ; hidden_norm(h)], causal
+    GQA attention with RoPE (base theta, head size hs), residual h, SwiGLU, final norm and
+    lm_head. Returns (pre-norm output (T, D), logits (T, Vd))."""
+    T = tokens.shape[0]
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # (T, heads, hs), rotate-half pairs (i, i + hs/2)
+        inv_freq = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
+        angle = torch.arange(T).float()[:, None] * inv_freq[None, :]
+        angle = torch.cat([angle, angle], -1)[:, None]                  # (T, 1, hs)
+        return x * angle.cos() + torch.cat([-x[..., hs // 2:], x[..., :hs // 2]], -1) * angle.sin()
+
+    h = aux @ w["fc.weight"].T
+    x = torch.cat([rms(w["embed_tokens.weight"][tokens], w["midlayer.input_layernorm.weight"]),
+                   rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, hs))
+    k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, Hkv, hs))
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, Hkv, hs)
+    y = torch.zeros(T, H, hs)
+    for head in range(H):
+        g = head // (H // Hkv)
+        scores = (q[:, head] @ k[:, g].T) / math.sqrt(hs)
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        y[:, head] = torch.softmax(scores, -1) @ v[:, g]
+    h = h + y.reshape(T, H * hs) @ w["midlayer.self_attn.o_proj.weight"].T
+    n = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + (F.silu(n @ w["midlayer.mlp.gate_proj.weight"].T) *
+             (n @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_path):
+    # hidden 64 over 4 heads would give 16; the config says 24 (SpecForge writes head_dim)
+    target = zoo.target("llama")
+    E.save_draft(random_draft(target, seed=9, std=0.2, head_dim=24), str(tmp_path))
+    draft = E.load_draft(str(tmp_path), target)
+    assert draft.midlayer.self_attn.q_proj.weight.shape == (4 * 24, 2 * HIDDEN)
+    assert draft.midlayer.self_attn.k_proj.weight.shape == (2 * 24, 2 * HIDDEN)
+    assert draft.midlayer.self_attn.o_proj.weight.shape == (HIDDEN, 4 * 24)
+    prompt = random_prompt(31, length=9)
+    _, aux = target(prompt)
+    tokens = torch.cat([prompt[0, 1:], torch.tensor([5])])
+    w = {k: v.float() for k, v in draft.state_dict().items()}
+    h_ref, logits_ref = reference_draft_layer(w, aux[0], tokens, 4, 2, 24, 1e-6, 10000.0)
+    T = tokens.shape[0]
+    h = draft(draft.fc(aux), tokens[None], torch.arange(T), torch.ones(T, T).tril().bool())
+    assert_close(h[0], h_ref, "pre-norm output")
+    assert_close(draft.logits(h)[0], logits_ref, "logits")
+
+
 # ----------------------------------------------------------------------------------------
 # tensor parallelism: torchrun --nproc_per_node=2 (gloo) equals one process
 
@@ -1174,7 +1274,7 @@ class TreeRounds:
     def __getitem__(self, ctx):
         if ctx not in self.rounds:
             target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
-            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, *self.shape)
+            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, self.shape)
             self.rounds[ctx] = tree, E.verify_tree(self.target, target_cache, n, tree,
                                                    self.draft.cfg.aux_layers)[0]
         return self.rounds[ctx]
@@ -1323,7 +1423,7 @@ def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
     kids = [[c for c in range(len(tree.parents)) if tree.parents[c] == node]
             for node in range(len(tree.parents))]
     node, path, used = 0, [0], []
-    p = E.target_probs(logits[0], sampling)
+    p = E.warped_probs(logits[0], sampling)
     while True:
         for child in kids[node]:
             used.append(next(uniforms))
@@ -1335,7 +1435,7 @@ def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
             break
         node = child
         path.append(node)
-        p = E.target_probs(logits[node], sampling)
+        p = E.warped_probs(logits[node], sampling)
     used.append(next(uniforms))
     return E.Acceptance(torch.tensor(path), len(path) - 1, E.sample_inverse_cdf(p, used[-1]), used)
 
@@ -1344,14 +1444,14 @@ def accept_sampled_bonus_ignoring_rejections(logits, tree, uniforms, sampling):
     """The bonus drawn (same uniform) from the unmodified target distribution at the last
     node instead of the residual, so a rejected draft can come back as the bonus."""
     acc = E.accept_sampled(logits, tree, uniforms, sampling)
-    p = E.target_probs(logits[int(acc.path[-1])], sampling)
+    p = E.warped_probs(logits[int(acc.path[-1])], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
 
 
 def accept_chain_residual_ignoring_q(logits, drafts, q, uniforms, sampling):
     """After a rejection, the token drawn from p instead of norm(max(0, p - q))."""
     acc = E.accept_chain(logits, drafts, q, uniforms, sampling)
-    p = E.target_probs(logits[acc.accepted], sampling)
+    p = E.warped_probs(logits[acc.accepted], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
 
 
@@ -1388,7 +1488,7 @@ def hand_accept(uniforms, sampling=T1, logits=None):
 
 
 def test_accept_sampled_first_child_accepted():
-    # root: node 1 (token 1): 0.35 <= p0(1) = 0.4 -> accept; node 2 is never tried
+    # root: node 1 (token 1): 0.35 < p0(1) = 0.4 -> accept; node 2 is never tried
     # node 1: node 3 (token 3): 0.5 > p1(3) = 0.1 -> reject; residual [.4, .3, .2, 0] / .9,
     #   CDF [.444, .778, 1, 1]
     # bonus: 0.8 lies in [.778, 1) -> token 2
@@ -1397,7 +1497,7 @@ def test_accept_sampled_first_child_accepted():
 
 def test_accept_sampled_tests_second_child_with_renormalised_probability():
     # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [.1, 0, .3, .2] / .6 = [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.45 <= 1/2 -> accept (the unrenormalised 0.3 would reject)
+    # root: node 2 (token 2): 0.45 < 1/2 -> accept (the unrenormalised 0.3 would reject)
     # node 2 is a leaf: bonus from p2, CDF [.05, .1, .2, 1]: 0.6 -> token 3
     assert hand_accept([0.6, 0.45, 0.6]) == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
 
@@ -1411,7 +1511,7 @@ def test_accept_sampled_all_children_rejected_bonus_from_residual():
 
 
 def test_accept_sampled_leaf_bonus_from_unmodified_distribution():
-    # root: node 1: 0.35 <= 0.4 -> accept; node 1: node 3 (token 3): 0.05 <= 0.1 -> accept
+    # root: node 1: 0.35 < 0.4 -> accept; node 1: node 3 (token 3): 0.05 < 0.1 -> accept
     # node 3 is a leaf: bonus from p3, CDF [.7, .8, .9, 1]: 0.75 -> token 1
     #   (node 1's distribution, CDF [.4, .7, .9, 1], would give token 2)
     assert hand_accept([0.35, 0.05, 0.75]) == ([0, 1, 3], 2, 1, [0.35, 0.05, 0.75])
@@ -1419,10 +1519,10 @@ def test_accept_sampled_leaf_bonus_from_unmodified_distribution():
 
 def test_accept_sampled_tests_drafts_against_warped_distribution():
     # top_k = 2: p0 -> tokens {1, 2} kept: [0, 4/7, 3/7, 0]; p1 -> tokens {0, 1}: [4/7, 3/7, 0, 0]
-    # root: node 1 (token 1): 0.5 <= 4/7 -> accept (0.5 > the unwarped 0.4)
+    # root: node 1 (token 1): 0.5 < 4/7 -> accept (0.5 > the unwarped 0.4)
     # node 1: node 3 (token 3): 0.01 > 0 -> reject (top-k removed token 3); residual = p1
     # bonus: 0.6 in CDF [4/7, 1, 1, 1] -> token 1
-    got = hand_accept([0.5, 0.01, 0.6], sampling=E.Sampling(1.0, top_k=2))
+    got = hand_accept([0.5, 0.01, 0.6], sampling=E.Sampling(temperature=1.0, top_k=2))
     assert got == ([0, 1], 1, 1, [0.5, 0.01, 0.6])
 
 
@@ -1430,16 +1530,17 @@ def test_accept_sampled_never_accepts_zero_probability_draft():
     # top_k = 2 leaves node 1's distribution [4/7, 3/7, 0, 0]: its child, token 3, has
     # probability 0 and must be rejected whatever the coin. torch.rand draws from [0, 1),
     # so u = 0.0 is a possible coin, and the rule "accept iff u <= p(x)" accepts at 0 <= 0.
-    # root: node 1: 0.5 <= 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
+    # root: node 1: 0.5 < 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
     # bonus: 0.6 in node 1's CDF [4/7, 1, 1, 1] -> token 1
-    got = hand_accept([0.5, 0.0, 0.6], sampling=E.Sampling(1.0, top_k=2))
+    got = hand_accept([0.5, 0.0, 0.6], sampling=E.Sampling(temperature=1.0, top_k=2))
     assert got == ([0, 1], 1, 1, [0.5, 0.0, 0.6])
 
 
 def test_accept_sampled_applies_temperature():
     # logits = 0.5 log p at temperature 0.5 -> the warped distribution is p again, so the
     # renormalisation case above must come out unchanged
-    got = hand_accept([0.6, 0.45, 0.6], sampling=E.Sampling(0.5), logits=0.5 * HAND_P.log())
+    got = hand_accept([0.6, 0.45, 0.6], sampling=E.Sampling(temperature=0.5),
+                      logits=0.5 * HAND_P.log())
     assert got == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
 
 
@@ -1458,9 +1559,9 @@ def hand_accept_chain(uniforms, q=HAND_CHAIN_Q, p=HAND_CHAIN_P):
     return acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms
 
 
-def test_accept_chain_accepts_iff_u_times_q_at_most_p():
+def test_accept_chain_accepts_iff_u_times_q_below_p():
     # x1 = 1: 0.45 * q(1) = 0.27 <= p(1) = 0.3 -> accept (0.45 > p(1): a q = 1 rule rejects)
-    # x2 = 3: 0.99 * 0.4 = 0.396 <= 0.7 -> accept
+    # x2 = 3: 0.99 * 0.4 = 0.396 < 0.7 -> accept
     # bonus from the last row, CDF [.1, .3, .6, 1]: 0.5 -> token 2
     assert hand_accept_chain([0.45, 0.99, 0.5]) == ([0, 1, 2], 2, 2, [0.45, 0.99, 0.5])
 
@@ -1476,7 +1577,7 @@ def test_accept_chain_second_rejection_uses_its_own_rows():
     q = torch.tensor([[0.10, 0.60, 0.20, 0.10], [0.10, 0.10, 0.10, 0.70]], dtype=torch.float64)
     p = HAND_CHAIN_P.clone()
     p[1] = torch.tensor([0.30, 0.20, 0.10, 0.40], dtype=torch.float64)
-    # x1 = 1: 0.45 * 0.6 = 0.27 <= 0.3 -> accept
+    # x1 = 1: 0.45 * 0.6 = 0.27 < 0.3 -> accept
     # x2 = 3: 0.9 * q2(3) = 0.63 > p2(3) = 0.4 -> reject
     # residual max(0, p2 - q2) = [.2, .1, 0, 0] (sum .3): 0.7 * .3 = .21 in CDF [.2, .3, .3, .3]
     #   -> token 1
@@ -1492,7 +1593,8 @@ def test_accept_chain_never_accepts_zero_probability_draft():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4], dtype=torch.float64)
     q = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.25] * 4], dtype=torch.float64)
     stream = iter([0.0, 0.5, 0.5, 0.5])  # enough for the faulty path too
-    acc = E.accept_chain(p.log(), torch.tensor([2, 0]), q, stream, E.Sampling(1.0, top_k=2))
+    acc = E.accept_chain(p.log(), torch.tensor([2, 0]), q, stream,
+                         E.Sampling(temperature=1.0, top_k=2))
     assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 0)
 
 # ----------------------------------------------------------------------------------------
@@ -1502,7 +1604,7 @@ def test_accept_chain_never_accepts_zero_probability_draft():
 @pytest.mark.parametrize("temperature,top_k,top_p", [
     (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 5, 1.0), (1.0, 1, 1.0), (1.0, 0, 0.9), (0.7, 0, 0.9),
     (0.5, 10, 0.8), (2.0, 3, 0.5), (0.9, 0, 0.05), (1.0, 50, 0.95), (1.2, 40, 1.0)])
-def test_target_probs_matches_transformers_warpers(temperature, top_k, top_p):
+def test_warped_probs_matches_transformers_warpers(temperature, top_k, top_p):
     g = torch.Generator().manual_seed(int(temperature * 100) + top_k + int(top_p * 1000))
     logits = torch.randn(16, 40, generator=g) * 3
     if top_p == 1:
@@ -1510,22 +1612,22 @@ def test_target_probs_matches_transformers_warpers(temperature, top_k, top_p):
         # cut are left out: transformers drops whichever tied token its *unstable*
         # torch.sort puts first, which is not a rule eagle3_ref can match (see the report).
         logits = torch.cat([logits, torch.randint(-3, 4, (4, 40), generator=g).float()])
-    sampling = E.Sampling(temperature, top_k, top_p)
-    got = E.target_probs(logits, sampling)
+    sampling = E.Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = E.warped_probs(logits, sampling)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, hf_warped_probs(logits, sampling), rtol=0, atol=1e-12)
 
 
-def test_target_probs_top_p_drops_token_exactly_at_the_cut():
+def test_warped_probs_top_p_drops_token_exactly_at_the_cut():
     # p = [8, 1, 4, 3] / 16, top_p = 0.75: ascending [1, 3, 4, 8] / 16, cumulative
     # [1/16, 4/16, 8/16, 1]; tokens whose cumulative stays <= 1 - 0.75 = 4/16 are dropped,
     # the one *at* 4/16 (token 3) included -> [8, 0, 4, 0] / 12
     logits = torch.tensor([8, 1, 4, 3], dtype=torch.float64).div(16).log()
     cumulative = logits.sort().values.softmax(-1).cumsum(-1)
     assert cumulative[1] == 1 - 0.75, "precondition: the cut is hit exactly in float64"
-    sampling = E.Sampling(1.0, 0, 0.75)
+    sampling = E.Sampling(temperature=1.0, top_k=0, top_p=0.75)
     expected = torch.tensor([2 / 3, 0, 1 / 3, 0], dtype=torch.float64)
-    torch.testing.assert_close(E.target_probs(logits, sampling), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(E.warped_probs(logits, sampling), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(hf_warped_probs(logits[None], sampling)[0], expected,
                                rtol=0, atol=1e-12)
 
@@ -2268,6 +2370,36 @@ def test_train_cli_draft_vocab_is_the_64_most_frequent_reply_tokens(train_chat_t
     draft = E.load_draft(train_cli_run.out, target)
     assert draft.t2d.nonzero().flatten().tolist() == expected
     assert (torch.arange(64) + draft.d2t).tolist() == expected
+
+
+
+def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_target, tmp_path):
+    # The official code and SpecForge freeze embed_tokens, the target's or the drafter's own.
+    c = train_chat_target
+    target = E.load_target(c.dir, dtype=torch.float32)
+    cfg = E.read_draft_config(train_draft_config(c.vocab, 64), target.cfg)
+    draft = E.init_draft(E.new_draft(cfg, target, own_embedding=True), seed=5, std=0.1)
+    counts = Counter()
+    for messages in train_conversations():       # a draft vocab of frequent reply tokens
+        tokens, mask = train_render(c.tok, messages)
+        counts.update(t for t, m in zip(tokens, mask) if m)
+    kept = torch.tensor(train_top_ids([counts[v] for v in range(c.vocab)], 64))
+    draft.d2t.copy_(kept - torch.arange(64))
+    draft.t2d.zero_()
+    draft.t2d[kept] = True
+    E.save_draft(draft, str(tmp_path / "init"))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(train_jsonl_line(i, m)
+                              for i, m in enumerate(train_conversations())) + "\n")
+    proc = train_cli(["train", "--target", c.dir, "--data", str(data), "--out",
+                      str(tmp_path / "out"), "--init-draft", str(tmp_path / "init"),
+                      "--epochs", "1", "--batch", "2", "--lr", "1e-2"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = load_file(tmp_path / "init" / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert "embed_tokens.weight" in before and sorted(before) == sorted(after)
+    assert torch.equal(after["embed_tokens.weight"], before["embed_tokens.weight"])
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])   # training did run
 
 
 TRAIN_GEN_PROMPT = "What is the capital of peru?"
@@ -3013,6 +3145,41 @@ def test_remap_draft_carries_over_the_drafter_body_unchanged(golden_vocab):
     assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
     for k in body:
         assert torch.equal(old[k], new[k]), f"{k} changed"
+
+
+# ----------------------------------------------------------------------------------------
+# the file's structure: Part I (the method) never calls Part II (tools)
+
+
+def file_parts():
+    """(Part I top-level nodes, names defined at top level in Part II) of eagle3_ref.py,
+    split at the 'PART II' banner."""
+    with open(E.__file__) as f:
+        source = f.read()
+    lines = source.splitlines()
+    wall = next(i + 1 for i, line in enumerate(lines)
+                if line.startswith("#") and "PART II" in line)
+    body = ast.parse(source).body
+    part2 = set()
+    for node in body:
+        if node.lineno > wall:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                part2.add(node.name)
+            elif isinstance(node, ast.Assign):
+                part2.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return [node for node in body if node.lineno < wall], part2
+
+
+def test_part_one_refers_to_no_name_defined_in_part_two():
+    part1, part2 = file_parts()
+    defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    # the wall sits where it should: the method above, the IO and tools below
+    assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
+    assert {"load_target", "load_draft", "save_draft", "main"} <= part2
+    crossings = sorted({(getattr(node, "name", f"line {node.lineno}"), ref.id)
+                        for node in part1 for ref in ast.walk(node)
+                        if isinstance(ref, ast.Name) and ref.id in part2})
+    assert not crossings, f"Part I refers to Part II: {crossings}"
 
 
 def finish_worker():
