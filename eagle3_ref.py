@@ -55,7 +55,8 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------
 # 1. constants and configs
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model_type
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3",   # config.json model_type
+                      "deepseek_v3", "kimi_k2", "kimi_k25")     # the last two: deepseek_v3
 MIN_LAYERS_FOR_AUX = 7      # aux layers (2, L//2, L-3) are distinct only for L >= 7
 DRAFT_ROPE_BASE = 10000.0   # draft RoPE base when its config.json has no rope_theta (the
                             # released LLaMA-3.1 drafter), whatever the target uses
@@ -95,6 +96,8 @@ class TargetConfig:
     max_positions: int         # KV cache length limit (max_position_embeddings / window)
     inv_freq: torch.Tensor     # (hs/2,) RoPE inverse frequencies, exactly as transformers
     rope_scale: float          # transformers' "attention scaling" applied to cos/sin (yarn)
+    mla: "MLAConfig" = None    # deepseek_v3: multi-head latent attention instead of GQA
+    moe: "MoEConfig" = None    # deepseek_v3: routed + shared experts after the dense layers
 
     @property
     def default_aux_layers(self):
@@ -102,6 +105,32 @@ class TargetConfig:
         # (= transformers hidden_states[2], [L//2], [L-3]).
         L = self.n_layers
         return (2, L // 2, L - 3)
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek-V3 multi-head latent attention (head_dim above = qk_rope_head_dim)."""
+    q_lora_rank: int           # q = q_b(norm(q_a(x))); None: one plain q_proj
+    kv_lora_rank: int          # r: the normalised latent the KV cache holds per token
+    qk_nope_head_dim: int      # dn: per-head key/query part without position
+    qk_rope_head_dim: int      # dr: the rotated part; one k_pe head shared by all heads
+    v_head_dim: int            # dv: may differ from dn
+    softmax_scale: float       # (dn + dr)^-0.5 times the YaRN mscale^2, as transformers
+    latent_eps: float          # eps of q_a/kv_a_layernorm: 1e-6 in transformers, always
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3 sigmoid-routed mixture of experts ("noaux_tc" routing)."""
+    n_routed: int              # E routed experts
+    n_shared: int              # shared experts: one SwiGLU of width n_shared*width, every token
+    top_k: int                 # experts per token
+    n_group: int               # expert groups (Kimi: 1, no group limit)
+    topk_group: int            # groups a token may route into
+    width: int                 # moe_intermediate_size, each expert's SwiGLU width
+    norm_topk_prob: bool       # renormalise the k weights to sum 1
+    scaling: float             # routed_scaling_factor, applied after the renormalisation
+    first_dense: int           # first_k_dense_replace: layers below it keep a dense MLP
 
 
 @dataclass
@@ -248,14 +277,20 @@ def attend(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
 
 
+def cache_append(kv, start, a, b):
+    """Write a, b (B, heads, T, .) at slots start..start+T-1 of the cache slabs kv = (A, B)
+    and return slots 0..start+T-1 of both; without slabs, a and b themselves."""
+    if kv is None:
+        return a, b
+    T = a.shape[2]
+    kv[0][:, :, start:start + T] = a
+    kv[1][:, :, start:start + T] = b
+    return kv[0][:, :, :start + T], kv[1][:, :, :start + T]                    # (B, ., S, .)
+
+
 def attend_cached(q, k, v, bias, kv=None, start=0):
-    """With a cache slab pair kv, write the new keys/values at slots start..start+T-1 and
-    attend over slots 0..start+T-1; without one, attend over k, v themselves."""
-    if kv is not None:
-        T = k.shape[2]
-        kv[0][:, :, start:start + T] = k
-        kv[1][:, :, start:start + T] = v
-        k, v = kv[0][:, :, :start + T], kv[1][:, :, :start + T]  # (B, Hkv, S, hs)
+    """Append the new keys/values to the cache (if any), then attend over all of them."""
+    k, v = cache_append(kv, start, k, v)                                   # (B, Hkv, S, hs)
     return attend(q, k, v, bias)
 
 
@@ -268,6 +303,18 @@ class KVCache(NamedTuple):
     @property
     def capacity(self):
         return self.k.shape[3]
+
+
+class LatentCache(NamedTuple):
+    """The MLA cache (deepseek_v3), as production engines keep it: per token and layer the
+    normalised latent and the rotated shared rope key, not per-head K/V. Attention
+    re-expands the latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
+    latent: torch.Tensor  # (L, B, 1, S, r)
+    k_pe: torch.Tensor    # (L, B, 1, S, dr)
+
+    @property
+    def capacity(self):
+        return self.latent.shape[3]
 
 
 def new_kv_cache(n_layers, n_kv_heads, head_dim, length, dtype, device, batch=1):
@@ -324,17 +371,134 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, I, bias=False)    # column-parallel
         self.down_proj = nn.Linear(I, hidden_size, bias=False)  # row-parallel
 
+    def partial(self, x):
+        """This rank's share of the output: the W shares sum to the full SwiGLU."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
     def forward(self, x):
-        return all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.world)
+        return all_reduce(self.partial(x), self.world)
+
+
+# The DeepSeek-V3 / Kimi-K2 family (model_type deepseek_v3, kimi_k2, kimi_k25): multi-head
+# latent attention (MLA) and a sigmoid-routed mixture of experts (MoE), exactly as
+# transformers' DeepseekV3ForCausalLM computes them. TP is the same thin layer as above:
+# q_b/q_proj and kv_b column-parallel by head, o_proj row-parallel; each expert and the
+# shared experts sharded along their width; routed + shared summed before one all_reduce,
+# so a layer still has 2 all-reduces (SGLang's layout; the official DeepSeek code has 3).
+
+
+def deinterleave(x):
+    """(.., dr) with rope pairs at (2i, 2i+1) -> evens then odds, so that rotate-half
+    rotates exactly those pairs. DeepSeek's weights pair dims this way; transformers also
+    keeps q_pe and k_pe in this permuted layout, which leaves q.k unchanged."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg, world):
+        super().__init__()
+        m, D = cfg.mla, cfg.hidden_size
+        self.m, self.world, self.H = m, world, cfg.n_heads // world
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:       # replicated down-projection and norm, column-parallel up
+            self.q_a_proj = nn.Linear(D, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, self.H * qk, bias=False)
+        # replicated: the latent and the shared rope key are the same on every rank
+        self.kv_a_proj_with_mqa = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.latent_eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.H * (m.qk_nope_head_dim + m.v_head_dim),
+                                   bias=False)                             # column-parallel
+        self.o_proj = nn.Linear(self.H * m.v_head_dim, D, bias=False)      # row-parallel
+
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
+        B, T, _ = x.shape
+        m, H = self.m, self.H
+        dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
+        q = q.view(B, T, H, dn + dr).transpose(1, 2)                     # (B, H, T, dn+dr)
+        q_nope, q_pe = q.split([dn, dr], -1)                             # nope first, rope last
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, dr], -1)
+        latent = self.kv_a_layernorm(latent)[:, None]                    # (B, 1, T, r)
+        q_pe = apply_rope(deinterleave(q_pe), cos, sin)                  # (B, H, T, dr)
+        k_pe = apply_rope(deinterleave(k_pe[:, None]), cos, sin)         # (B, 1, T, dr)
+        latent, k_pe = cache_append(kv, start, latent, k_pe)             # (B, 1, S, r / dr)
+        S = latent.shape[2]
+        # Expand the latent into per-head keys and values. The engines' "absorbed" form
+        # folds kv_b_proj into q and o instead; the result is equal up to round-off.
+        kv_heads = self.kv_b_proj(latent[:, 0]).view(B, S, H, dn + dv).transpose(1, 2)
+        k_nope, v = kv_heads.split([dn, dv], -1)                         # (B, H, S, dn / dv)
+        k = torch.cat([k_nope, k_pe.expand(-1, H, -1, -1)], -1)          # (B, H, S, dn+dr)
+        y = F.scaled_dot_product_attention(torch.cat([q_nope, q_pe], -1), k, v,
+                                           attn_mask=bias, scale=m.softmax_scale)  # (B, H, T, dv)
+        y = y.transpose(1, 2).reshape(B, T, H * dv)                      # (B, T, H*dv)
+        return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 routing, in fp32 whatever the model dtype (near-tied experts flip in
+    bf16): sigmoid scores; the correction bias only *selects*; a token may use the experts
+    of its topk_group best groups (a group scores the sum of its top-2 biased scores); the
+    weights are the unbiased sigmoids of the chosen k, renormalised, times the scaling."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.moe = cfg.moe
+        self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed))
+
+    def forward(self, x):
+        """x (N, D) -> weights (N, k) fp32 and expert ids (N, k)."""
+        moe, N = self.moe, x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                  # (N, E)
+        biased = scores + self.e_score_correction_bias.float()
+        groups = biased.view(N, moe.n_group, -1)                                     # (N, G, E/G)
+        best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, -1).indices
+        allowed = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best_groups, True)
+        allowed = allowed[:, :, None].expand_as(groups).reshape(N, -1)               # (N, E)
+        experts = biased.masked_fill(~allowed, -math.inf).topk(moe.top_k, -1).indices
+        weights = scores.gather(1, experts)                                          # (N, k)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.scaling, experts
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, world):
+        super().__init__()
+        moe, D = cfg.moe, cfg.hidden_size
+        self.world = world
+        self.gate = Router(cfg)  # replicated: every rank routes identically (see forward)
+        self.experts = nn.ModuleList(MLP(D, moe.width, world) for _ in range(moe.n_routed))
+        self.shared_experts = MLP(D, moe.width * moe.n_shared, world)
+
+    def forward(self, x):
+        # Every rank computes the same routing because x is the all-reduced residual stream,
+        # bitwise identical on all ranks; each rank then runs its slice of every chosen
+        # expert and of the shared experts, and one all_reduce sums them all.
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        weights, experts = self.gate(flat)                                           # (BT, k)
+        y = torch.zeros_like(flat)
+        for e in experts.unique().tolist():                 # ascending, as transformers
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            out = self.experts[e].partial(flat[token]) * weights[token, slot, None]
+            y.index_add_(0, token, out.to(y.dtype))
+        y = y + self.shared_experts.partial(flat)
+        return all_reduce(y.view(B, T, D), self.world)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, world):
+    def __init__(self, cfg, world, layer):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg, world, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
+        self.self_attn = (MLAttention(cfg, world) if cfg.mla else
+                          Attention(cfg, world, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, world)
+        self.mlp = (MoE(cfg, world) if cfg.moe and layer >= cfg.moe.first_dense else
+                    MLP(cfg.hidden_size, cfg.intermediate_size, world))
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start)
@@ -351,16 +515,20 @@ class Target(nn.Module):
         self.cfg, self.world = cfg, world
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(Block(cfg, world) for _ in range(cfg.n_layers)),
+            layers=nn.ModuleList(Block(cfg, world, i) for i in range(cfg.n_layers)),
             norm=RMSNorm(cfg.hidden_size, cfg.rms_eps)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def new_cache(self, length, batch=1):
-        p = self.lm_head.weight
-        return new_kv_cache(self.cfg.n_layers, self.cfg.n_kv_heads // self.world,
-                            self.cfg.head_dim, length, p.dtype, p.device, batch)
+        cfg, p = self.cfg, self.lm_head.weight
+        if cfg.mla:  # the latent is replicated on every rank (it is not split by head)
+            shape = (cfg.n_layers, batch, 1, length)
+            return LatentCache(p.new_zeros(shape + (cfg.mla.kv_lora_rank,)),
+                               p.new_zeros(shape + (cfg.mla.qk_rope_head_dim,)))
+        return new_kv_cache(cfg.n_layers, cfg.n_kv_heads // self.world, cfg.head_dim, length,
+                            p.dtype, p.device, batch)
 
     def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
@@ -385,27 +553,42 @@ class Target(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 captured[i] = x
-            kv = None if cache is None else (cache.k[i], cache.v[i])
+            kv = None if cache is None else tuple(slab[i] for slab in cache)
             x = layer(x, cos, sin, bias, kv, start)
         captured[self.cfg.n_layers] = x
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(self.model.norm(x)), aux                        # (B, T, V)
 
 
+def in_model_dtype(target, dtype):
+    """The model cast to `dtype`, except the MoE routers, which stay fp32 (transformers
+    keeps gate.weight and e_score_correction_bias in fp32 as well)."""
+    target.to(dtype)
+    for module in target.modules():
+        if isinstance(module, Router):
+            module.float()
+    return target
+
+
 # ----------------------------------------------------------------------------------------
 # 4. tensor parallelism: which dimension of a checkpoint tensor each rank slices
 #
-#   column-parallel (dim 0, output rows): q/k/v_proj, gate/up_proj (weights and biases)
-#   row-parallel    (dim 1, input cols):  o_proj, down_proj
-#   replicated:                           embeddings, norms, lm_head
+#   column-parallel (dim 0, output rows): q/k/v_proj, gate/up_proj (weights and biases);
+#                                         MLA's q_b_proj / q_proj and kv_b_proj, by head;
+#                                         every expert's and the shared experts' gate/up
+#   row-parallel    (dim 1, input cols):  o_proj, down_proj (experts' too)
+#   replicated:                           embeddings, norms, lm_head, MLA's q_a_proj and
+#                                         kv_a_proj_with_mqa, the MoE router
 #
-# The loader reads only this rank's slice of each tensor; the model above then
-# runs unchanged on the local sizes, and the all_reduce after o_proj and down_proj sums the
-# partial outputs. Sizes must divide by W; they are checked once, at load.
+# The loader reads only this rank's slice of each tensor; the model above then runs
+# unchanged on the local sizes, and the all_reduce after o_proj and after the MLP (or the
+# experts) sums the partial outputs. Sizes must divide by W; they are checked once, at load.
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 
 
 def shard_dim(name):
-    if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+    if any(p in name for p in COLUMN_PARALLEL):
         return 0
     if any(p in name for p in ("o_proj", "down_proj")):
         return 1
@@ -421,9 +604,14 @@ def check_tp_sizes(cfg, world):
         fail(f"num_attention_heads={cfg.n_heads} and num_key_value_heads={cfg.n_kv_heads} "
              f"must both be divisible by the world size {world}; "
              f"use --nproc_per_node in {divisors(math.gcd(cfg.n_heads, cfg.n_kv_heads))}")
-    if cfg.intermediate_size % world:
-        fail(f"intermediate_size={cfg.intermediate_size} is not divisible by the world size "
-             f"{world}; use --nproc_per_node in {divisors(cfg.intermediate_size)[:8]}")
+    widths = dict(intermediate_size=cfg.intermediate_size)
+    if cfg.moe:
+        widths.update(moe_intermediate_size=cfg.moe.width,
+                      shared_experts_width=cfg.moe.width * cfg.moe.n_shared)
+    for name, width in widths.items():
+        if width % world:
+            fail(f"{name}={width} is not divisible by the world size {world}; "
+                 f"use --nproc_per_node in {divisors(width)[:8]}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -768,7 +956,7 @@ class Acceptance(NamedTuple):
 @torch.inference_mode()
 def verify_tree(target, cache, n, tree, aux_layers):
     """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
-    device = cache.k.device
+    device = cache[0].device
     mask = prefix_mask(n, tree.mask.to(device))                                  # (N, n+N)
     logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device), mask,
                          cache, n, aux_layers)
@@ -781,7 +969,7 @@ def commit(cache, start, path):
     `data[..., n:n+a+1] = data[..., path + n]`; indexing copies first, so overlapping
     ranges are safe. Returns the new valid length."""
     src = start + path
-    for slab in (cache.k, cache.v):
+    for slab in cache:  # K and V, or MLA's latent and rope key: (L, B, heads, S, .)
         slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
     return start + len(path)
 
@@ -1377,6 +1565,7 @@ def target_config(c):
     max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     c.head_dim = head_dim
+    deepseek = family == "deepseek_v3"
     inv_freq, rope_scale = rope_inv_freq(c)
     return TargetConfig(
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -1385,19 +1574,80 @@ def target_config(c):
         intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
         tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
-        inv_freq=inv_freq, rope_scale=rope_scale)
+        inv_freq=inv_freq, rope_scale=rope_scale,
+        mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
+
+
+def yarn_mscale(factor, mscale):
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def mla_config(c):
+    """MLA sizes of a DeepseekV3Config; the softmax scale as transformers computes it."""
+    scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    rope = c.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    # transformers builds q_a/kv_a_layernorm without an eps: 1e-6 whatever rms_norm_eps
+    # says (SGLang and vLLM use rms_norm_eps; they differ for Kimi-K2.5's 1e-5)
+    return MLAConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                     qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                     v_head_dim=c.v_head_dim, softmax_scale=scale, latent_eps=1e-6)
+
+
+def moe_config(c):
+    """MoE sizes of a DeepseekV3Config, refused when its routing cannot select."""
+    E, G, K, kept = c.n_routed_experts, c.n_group, c.num_experts_per_tok, c.topk_group
+    for key, valid in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if getattr(c, key, valid) != valid:
+            fail(f"{key}={getattr(c, key)!r} is not supported; DeepSeek-V3 routing is "
+                 f"{key}={valid!r}")
+    if E % G or E // G < 2 or not 0 < kept <= G:
+        fail(f"n_routed_experts={E}, n_group={G}, topk_group={kept}: the experts must split "
+             f"into n_group groups of at least 2 (a group scores its top 2), 0 < topk_group "
+             f"<= n_group")
+    if kept * (E // G) < K:
+        fail(f"routing cannot select num_experts_per_tok={K} experts: topk_group * "
+             f"n_routed_experts / n_group = {kept} * {E} / {G} = {kept * E // G} allowed")
+    return MoEConfig(n_routed=E, n_shared=c.n_shared_experts, top_k=K, n_group=G,
+                     topk_group=kept, width=c.moe_intermediate_size,
+                     norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
+                     first_dense=c.first_k_dense_replace)
+
+
+def read_config_json(path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
+    return read_json(os.path.join(path, "config.json"))
+
+
+def text_config(raw):
+    """The text model's config: Kimi-K2.5 (kimi_k25) wraps it in text_config."""
+    return raw["text_config"] if raw.get("model_type") == "kimi_k25" else raw
 
 
 def read_target_config(path):
-    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' AutoConfig)."""
-    from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
-    family = read_json(os.path.join(path, "config.json")).get("model_type")
+    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs).
+    kimi_k2 and kimi_k25 dirs are read as the DeepseekV3Config they are, so no remote code
+    runs (transformers' AutoConfig does not know kimi_k2)."""
+    from transformers import AutoConfig, DeepseekV3Config
+    family = read_config_json(path).get("model_type")
     if family not in SUPPORTED_FAMILIES:
         fail(f"model_type={family!r} in {path}/config.json is not supported; "
              f"supported: {', '.join(SUPPORTED_FAMILIES)}")
-    return target_config(AutoConfig.from_pretrained(path))
+    if family not in ("deepseek_v3", "kimi_k2", "kimi_k25"):
+        return target_config(AutoConfig.from_pretrained(path))
+    text = text_config(read_config_json(path))
+    if text.get("qk_rope_head_dim", 0) % 2:
+        fail(f"qk_rope_head_dim={text['qk_rope_head_dim']} in {path}/config.json must be even: "
+             f"RoPE rotates pairs of dims")
+    drop = ("model_type", "architectures", "auto_map", "quantization_config")
+    try:
+        config = DeepseekV3Config.from_dict({k: v for k, v in text.items() if k not in drop})
+    except (ValueError, TypeError) as e:  # transformers' own validation of the fields
+        fail(f"{path}/config.json is not a valid DeepSeek-V3 config: "
+             f"{str(e).strip().splitlines()[-1].strip()}")
+    return target_config(config)
 
 
 class BinWeights(NamedTuple):
@@ -1424,24 +1674,39 @@ def open_weights(file):
              f"the file is corrupt or truncated, re-download or re-save it")
 
 
-class Checkpoint:
-    """The weights of a model dir: one file or a sharded index, safetensors or .bin.
-    Tensors are read one by one, and each rank reads only its own slice."""
+def weight_files(path):
+    """{checkpoint key: file} of a model dir: one file or a sharded index, safetensors or .bin."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if os.path.isfile(os.path.join(path, index)):
+            weight_map = read_json(os.path.join(path, index))["weight_map"]
+            return {k: os.path.join(path, f) for k, f in weight_map.items()}
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        file = os.path.join(path, single)
+        if os.path.isfile(file):
+            return {k: file for k in open_weights(file).keys()}
+    fail(f"no weights in {path!r}: expected model.safetensors, model.safetensors.index.json, "
+         f"pytorch_model.bin or pytorch_model.bin.index.json")
 
-    def __init__(self, path):
-        self.path, self.handles = path, {}
-        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            if os.path.isfile(os.path.join(path, index)):
-                weight_map = read_json(os.path.join(path, index))["weight_map"]
-                self.files = {k: os.path.join(path, f) for k, f in weight_map.items()}
-                return
-        for single in ("model.safetensors", "pytorch_model.bin"):
-            file = os.path.join(path, single)
-            if os.path.isfile(file):
-                self.files = {k: file for k in self.handle(file).keys()}
-                return
-        fail(f"no weights in {path!r}: expected model.safetensors, model.safetensors.index.json, "
-             f"pytorch_model.bin or pytorch_model.bin.index.json")
+
+def slice_bounds(n, rank, world):
+    return rank * n // world, (rank + 1) * n // world
+
+
+class Checkpoint:
+    """The weights of a model dir. Tensors are read one by one (files open on first use),
+    and each rank reads only its own slice. `prefix` selects a wrapped text model (Kimi-K2.5:
+    "language_model."); other keys are listed in `outside`. With `fp8_block` (rows, cols),
+    weights stored as float8 with a `weight_scale_inv` per block are dequantised on read,
+    from this rank's slice of both."""
+
+    def __init__(self, path, prefix="", fp8_block=None):
+        self.path, self.prefix, self.fp8_block, self.handles = path, prefix, fp8_block, {}
+        files = weight_files(path)
+        self.files = {k[len(prefix):]: f for k, f in files.items()
+                      if k.startswith(prefix) and not k.endswith("_scale_inv")}
+        self.outside = sorted(k for k in files if not k.startswith(prefix))
+        self.scaled = {k[len(prefix):-len("_scale_inv")] for k in files
+                       if k.startswith(prefix) and k.endswith("_scale_inv")}
 
     def handle(self, file):
         if file not in self.handles:
@@ -1455,17 +1720,36 @@ class Checkpoint:
         """The whole tensor, or this rank's 1/W of its rows (dim 0) or columns (dim 1)."""
         file = self.files[name]
         try:
-            t = self.handle(file).get_slice(name)
-            if dim is None:
-                return t[:]
-            n = t.get_shape()[dim] if hasattr(t, "get_shape") else t.shape[dim]
-            lo, hi = rank * n // world, (rank + 1) * n // world
-            return t[lo:hi] if dim == 0 else t[:, lo:hi]
+            t = self.handle(file).get_slice(self.prefix + name)
+            shape = t.get_shape() if hasattr(t, "get_shape") else t.shape
+            lo, hi = slice_bounds(shape[dim], rank, world) if dim is not None else (0, 0)
+            x = t[:] if dim is None else t[lo:hi] if dim == 0 else t[:, lo:hi]
+            if name in self.scaled:
+                x = self.dequantise(name, x, dim, lo)
+            return x
         except Eagle3Error:
             raise
         except Exception as e:
             fail(f"cannot read {name!r} from {file!r} ({type(e).__name__}: {e}); "
                  f"the file is corrupt or truncated")
+
+    def dequantise(self, name, x, dim, lo):
+        """FP8 block dequantisation of the slice x that starts at row/col `lo` along `dim`:
+        weight = float(fp8) * the scale_inv of its (rows, cols) block."""
+        if self.fp8_block is None:
+            fail(f"{name}_scale_inv is in {self.path!r} but config.json has no FP8 "
+                 f"quantization_config with weight_block_size")
+        b0, b1 = self.fp8_block
+        scale = self.handle(self.files[name]).get_slice(self.prefix + name + "_scale_inv")
+        # the scale blocks this slice touches, then one scale per element
+        if dim is None:
+            s, r, c = scale[:], 0, 0
+        elif dim == 0:
+            s, r, c = scale[lo // b0:-(-(lo + x.shape[0]) // b0)], lo % b0, 0
+        else:
+            s, r, c = scale[:, lo // b1:-(-(lo + x.shape[1]) // b1)], 0, lo % b1
+        s = s.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        return x.float() * s[r:r + x.shape[0], c:c + x.shape[1]]
 
 
 def load_state(module, ckpt, rank, world, skip=lambda name: False, tied=False):
@@ -1509,6 +1793,39 @@ def parse_dtype(name):
     return dtypes[name]
 
 
+def target_checkpoint(path):
+    """The Checkpoint of a target dir: the text model's key prefix (Kimi-K2.5 keeps it under
+    language_model.) and its quantisation (FP8 blocks are dequantised on load; anything
+    else is refused)."""
+    raw = read_config_json(path)
+    quant = text_config(raw).get("quantization_config") or raw.get("quantization_config")
+    block = None
+    if quant:
+        if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or []) != 2:
+            fail(f"{path}/config.json has quantization_config with quant_method="
+                 f"{quant.get('quant_method')!r}, format={quant.get('format', quant.get('fmt'))!r}"
+                 f" (keys {sorted(quant)}); only FP8 block quantisation (quant_method 'fp8' with "
+                 f"weight_block_size) is read: dequantise the checkpoint to bf16 first")
+        block = tuple(quant["weight_block_size"])
+    return Checkpoint(path, prefix="language_model." if raw.get("model_type") == "kimi_k25"
+                      else "", fp8_block=block)
+
+
+def report_weight_bytes(target, path, dtype, world, device):
+    """Rank 0 says what each rank will hold before anything is allocated (for real
+    checkpoints: from 1 GiB per rank, or on GPUs and under torchrun), and a GPU that cannot
+    hold it is refused now rather than by an out-of-memory error mid-load."""
+    params = list(target.parameters()) + list(target.buffers())
+    size = sum(p.numel() * (4 if p.dtype == torch.float32 else dtype.itemsize) for p in params)
+    if size >= 2**30 or world > 1 or device.type == "cuda":
+        print0(f"{path}: {target.cfg.family}, {sum(p.numel() for p in params) / 1e9:,.2f}B "
+               f"parameters = {size / 2**30:,.2f} GiB in {str(dtype)[6:]} on each of {world} "
+               f"rank(s)", file=sys.stderr)
+    if device.type == "cuda" and size > torch.cuda.mem_get_info(device)[1]:
+        fail(f"the weights of {path!r} need {size / 2**30:.1f} GiB on each of {world} ranks but "
+             f"a GPU has {torch.cuda.mem_get_info(device)[1] / 2**30:.1f} GiB; use more ranks")
+
+
 def load_target(path, dtype=None, device=None):
     """HF model dir -> Target, sharded over the current TP group (W = 1 without torchrun)."""
     rank, world = world_info()
@@ -1518,12 +1835,22 @@ def load_target(path, dtype=None, device=None):
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"))
     dtype = dtype or default_dtype(device)
+    ckpt = target_checkpoint(path)
     with torch.device("meta"):
-        target = Target(cfg, world)
-    target = target.to_empty(device=device).to(dtype)
+        target = in_model_dtype(Target(cfg, world), dtype)
+    report_weight_bytes(target, path, dtype, world, device)
+    target = target.to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
         target.lm_head.weight = target.model.embed_tokens.weight
-    load_state(target, Checkpoint(path), rank, world, tied=cfg.tie_embeddings)
+    # DeepSeek-V3's multi-token-prediction layer (model.layers.L) is not used: EAGLE-3
+    # drafts with its own head. Kimi-K2.5's vision tower sits outside language_model.
+    mtp = f"model.layers.{cfg.n_layers}."
+    skipped = [k for k in ckpt.keys() if k.startswith(mtp)]
+    for what, keys in (("MTP layer " + mtp + "*", skipped), ("non-text", ckpt.outside)):
+        if keys:
+            print0(f"{path}: ignoring {len(keys)} {what} weights", file=sys.stderr)
+    load_state(target, ckpt, rank, world, skip=lambda name: name.startswith(mtp),
+               tied=cfg.tie_embeddings)
     return target.eval().requires_grad_(False)
 
 
@@ -2409,6 +2736,20 @@ def main_demo():
 # 18. command line
 
 
+def load_tokenizer(path, args):
+    """The tokenizer of a model dir. Tokenizers that ship their own code (Kimi's tiktoken
+    one) run it only with --trust-remote-code."""
+    from transformers import AutoTokenizer
+    trust = getattr(args, "trust_remote_code", False)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        fail(f"the tokenizer in {path!r} ships its own code; rerun with --trust-remote-code "
+             f"if you trust it")
+
+
 def encode_prompt(tokenizer, text, chat, device):
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -2443,14 +2784,13 @@ def tree_shape(args):
 
 
 def cmd_generate(args):
-    from transformers import AutoTokenizer
     if args.top_k and not args.temperature:
         fail("--top-k is the sampling top-k and needs --temperature > 0; "
              "the draft tree's top-k is --tree-top-k")
     target_dir, draft_dir = model_dirs(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     draft = load_draft(draft_dir, target)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, args)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
     t0 = time.perf_counter()
     result = speculative_generate(
@@ -2490,9 +2830,8 @@ def cmd_demo(args):
 
 
 def cmd_train(args):
-    from transformers import AutoTokenizer
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = load_tokenizer(args.target, args)
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
     examples = [ex for ex in examples if len(ex.tokens) <= args.max_len and sum(ex.reply_mask)]
     if len(examples) < 2:
@@ -2522,8 +2861,7 @@ def golden_config(args):
     if args.prompt_ids:
         prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
     else:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir, args)
         prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
     return dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
                 input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
@@ -2553,9 +2891,8 @@ def cmd_golden(args):
 
 
 def cmd_vocab_check(args):
-    from transformers import AutoTokenizer
-    target_tok = AutoTokenizer.from_pretrained(args.target)
-    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
     fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
     print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
           f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
@@ -2572,10 +2909,9 @@ def cmd_vocab_check(args):
 
 
 def cmd_remap_draft(args):
-    from transformers import AutoTokenizer
     target = load_target(args.target, dtype=torch.float32)
-    target_tok = AutoTokenizer.from_pretrained(args.target)
-    draft_tok = AutoTokenizer.from_pretrained(args.draft_tokenizer or args.draft)
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
     size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
         "draft_vocab_size", target.cfg.vocab_size)
     draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
@@ -2599,13 +2935,13 @@ def bench_setup(args):
 
 
 def cmd_bench(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     if world_info()[1] > 1:
         fail("bench compares against transformers in one process; run it without torchrun")
     t0 = time.time()
     target_dir, draft_dir, assistant_dir, texts = bench_setup(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, args)
     draft = load_draft(draft_dir, target)
     device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
     chat = args.target is None or args.chat
@@ -2653,6 +2989,8 @@ def flag_groups():
     tree.add_argument("--tree-top-k", type=int, default=TOP_K, help="the draft tree's top-k")
     tree.add_argument("--depth", type=int, default=DEPTH)
     tree.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
+    models.add_argument("--trust-remote-code", action="store_true",
+                        help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -2690,7 +3028,11 @@ def add_commands(sub):
 
 
 def add_training_commands(sub):
-    t = sub.add_parser("train", help="train an EAGLE-3 drafter for a target on chat data")
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--trust-remote-code", action="store_true",
+                        help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
+    t = sub.add_parser("train", parents=[remote],
+                       help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
     t.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
     t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
@@ -2705,13 +3047,15 @@ def add_training_commands(sub):
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype")
     t.set_defaults(run=cmd_train)
-    vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?")
+    vc = sub.add_parser("vocab-check", parents=[remote],
+                        help="does a drafter's d2t map fit this target?")
     vc.add_argument("--draft", required=True)
     vc.add_argument("--target", required=True)
     vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
     vc.add_argument("--data", help="JSONL chat data for t2d coverage")
     vc.set_defaults(run=cmd_vocab_check)
-    rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target")
+    rd = sub.add_parser("remap-draft", parents=[remote],
+                        help="re-map a drafter's vocab onto a new target")
     rd.add_argument("--draft", required=True)
     rd.add_argument("--target", required=True)
     rd.add_argument("--data", required=True)

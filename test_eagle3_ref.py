@@ -1076,6 +1076,434 @@ def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
         assert tokens0.tolist() == tokens1.tolist() == expected, shape
 
 # ----------------------------------------------------------------------------------------
+# the DeepSeek-V3 / Kimi-K2 family (MLA + MoE) against transformers' DeepseekV3ForCausalLM
+
+DS_BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+               max_position_embeddings=MAX_POS, num_nextn_predict_layers=0, rope_theta=10000.0,
+               eos_token_id=None, bos_token_id=None, pad_token_id=None)
+DS_TARGETS = {  # name -> (config overrides, seed); together they exercise every path
+    # DeepSeek-V3-like: q_lora, 4 groups of 2 experts with 2 kept, v_head_dim != nope, YaRN
+    # whose mscale != mscale_all_dim (cos/sin factor != 1, softmax mscale^2), eps != 1e-6
+    "ds-v3": (dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                   n_group=4, topk_group=2, first_k_dense_replace=2, moe_intermediate_size=32,
+                   rms_norm_eps=1e-5, routed_scaling_factor=2.5,
+                   rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128,
+                                     beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)),
+              1),
+    # Kimi-K2-like: plain q_proj, n_group = 1, 2 shared experts, one dense layer, YaRN with
+    # beta 1/1 (a hard step between scaled and unscaled dims)
+    "kimi": (dict(q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=16, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3,
+                  n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16,
+                  rms_norm_eps=1e-6, routed_scaling_factor=2.827,
+                  rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64,
+                                    beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+             0),
+}
+DS_FP8_BLOCK = [32, 32]  # blocks straddle the W = 2 slices of q_b, kv_b and the experts
+MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between implementations
+
+
+def ds_hf_model(name):
+    """A transformers DeepseekV3ForCausalLM with eager attention and experts, weights
+    ~ N(0, 0.2), norm gains ~ 1 + N(0, 0.2) and a random score-correction bias: the
+    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    overrides, seed = DS_TARGETS[name]
+    model = randomized(DeepseekV3Config(**DS_BASE, **overrides), seed, std=0.2)
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, DeepseekV3TopkRouter):
+                module.e_score_correction_bias.normal_(std=0.05)
+    return model
+
+
+def routing_gap(hf, ids):
+    """The smallest margin, over every MoE layer and token of transformers' forward on ids,
+    between the last kept and the first dropped choice: of the k-th vs (k+1)-th biased
+    expert score among the allowed groups, and of the topk_group-th vs next group score.
+    Above MIN_ROUTING_GAP, round-off cannot flip an expert between two implementations."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    gaps = []
+
+    def hook(router, inputs, _):
+        x = inputs[0].reshape(-1, router.hidden_dim).float()
+        biased = torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias
+        G, kept = router.num_group, router.topk_group
+        group = biased.view(len(biased), G, -1).topk(2, -1).values.sum(-1)
+        ranked = group.sort(-1, descending=True).values
+        if kept < G:
+            gaps.append(float((ranked[:, kept - 1] - ranked[:, kept]).min()))
+        allowed = torch.zeros_like(group, dtype=torch.bool).scatter(
+            1, group.topk(kept, -1).indices, True).repeat_interleave(biased.shape[1] // G, 1)
+        s = biased.masked_fill(~allowed, -math.inf).sort(-1, descending=True).values
+        gaps.append(float((s[:, router.top_k - 1] - s[:, router.top_k]).min()))
+
+    handles = [m.register_forward_hook(hook) for m in hf.modules()
+               if isinstance(m, DeepseekV3TopkRouter)]
+    with torch.no_grad():
+        hf(ids)
+    for h in handles:
+        h.remove()
+    return min(gaps)
+
+
+class DSZoo(Zoo):
+    def hf(self, name):
+        if name not in self.models:
+            self.models[name] = ds_hf_model(name)
+            self.models[name].save_pretrained(self.root / name)
+        return self.models[name]
+
+
+@pytest.fixture(scope="module")
+def ds_zoo(tmp_path_factory):
+    return DSZoo(tmp_path_factory.mktemp("deepseek"))
+
+
+def assert_routing_is_robust(hf, ids):
+    gap = routing_gap(hf, ids)
+    assert gap > MIN_ROUTING_GAP, f"routing near-tie (gap {gap:.2e}): pick another seed/prompt"
+
+
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_logits_and_aux_equal_transformers(ds_zoo, name):
+    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+    ids = random_prompt(40, length=16)
+    assert_routing_is_robust(hf, ids)
+    logits, hidden_states = hf_forward(hf, ids)
+    ours_logits, ours_aux = target(ids)
+    assert_close(ours_logits[0], logits, "logits")
+    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
+
+
+def test_deepseek_softmax_scale_and_latent_eps_are_transformers(ds_zoo):
+    # (dn + dr)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2, and 1e-6 for the latent
+    # norms although rms_norm_eps is 1e-5
+    mla = ds_zoo.target("ds-v3").cfg.mla
+    assert mla.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.707 * math.log(4.0) + 1) ** 2)
+    assert mla.latent_eps == 1e-6 and ds_zoo.target("ds-v3").cfg.rms_eps == 1e-5
+
+
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(ds_zoo, name):
+    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+    cfg = target.cfg.mla
+    prefix = random_prompt(41, length=10)
+    cache = target.new_cache(32)
+    assert isinstance(cache, E.LatentCache)              # r + dr values per token and layer
+    assert cache.latent.shape == (LAYERS, 1, 1, 32, cfg.kv_lora_rank)
+    assert cache.k_pe.shape == (LAYERS, 1, 1, 32, cfg.qk_rope_head_dim)
+    target(prefix, cache=cache)
+    tokens, parents = random_tree(42)
+    tree = E.tree_from_parents(tokens, torch.tensor(parents))
+    logits, _ = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
+    for node in range(len(tokens)):
+        path = tokens[path_to(parents, node)]
+        sequence = torch.cat([prefix[0], path])[None]
+        assert_routing_is_robust(hf, sequence)
+        assert_close(logits[node], hf_forward(hf, sequence)[0][-1], f"node {node}")
+
+
+DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
+
+
+@pytest.fixture(scope="module")
+def ds_speculation(ds_zoo):
+    """Per target: a drafter sharpened on transformers' greedy text of a prompt, the prompt
+    and 48 greedy tokens."""
+    setups = {}
+    for i, name in enumerate(DS_TARGETS):
+        hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+        for seed in range(500 + 100 * i, 600 + 100 * i):  # the first prompt without near-ties
+            prompt = random_prompt(seed, length=8)
+            text = hf_greedy(hf, prompt, REFERENCE_TOKENS)
+            sequence = torch.cat([prompt[0], text])[None]
+            if routing_gap(hf, sequence) > MIN_ROUTING_GAP:
+                break
+        assert_routing_is_robust(hf, sequence)
+        draft = sharpen(random_draft(target, seed=i), target, sequence)
+        setups[name] = SimpleNamespace(hf=hf, target=target, draft=draft, prompt=prompt,
+                                       text=text)
+    return setups
+
+
+@pytest.mark.parametrize("shape", DS_SHAPES, ids=lambda s: "k{}-d{}-n{}".format(*s))
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, name, shape):
+    s = ds_speculation[name]
+    result = E.speculative_generate(s.target, s.draft, s.prompt, 32, tree=E.TreeShape(*shape))
+    assert result.tokens.tolist() == s.text[:32].tolist()
+    assert max(result.accept_lengths) >= 3     # rounds that accept >= 2 drafts
+
+
+def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path):
+    s = ds_speculation["ds-v3"]
+    example = E.Example(torch.cat([s.prompt[0], s.text]).tolist(), [0] * 8 + [1] * len(s.text))
+    draft = random_draft(s.target, seed=5)
+
+    def loss():
+        with torch.no_grad():
+            return float(E.ttt_batch(s.target, draft, [example], pad_id=0, steps=3).loss)
+    before = loss()
+    E.train_draft(s.target, draft, [example] * 4, [], train_config(steps=30, batch=4),
+                  str(tmp_path), 0)
+    assert loss() < 0.8 * before, (before, loss())
+
+
+# checkpoints: FP8 blocks, Kimi config dirs, the MTP layer, unsupported quantisation
+
+
+def ds_quantise(w, block):
+    """FP8 e4m3 block quantisation as DeepSeek-V3 ships it: per (b0, b1) block one float32
+    scale_inv = amax / 448, weight = fp8(w / scale_inv). Returns (fp8, scale_inv, the
+    dequantised weight fp8 * scale_inv)."""
+    b0, b1 = block
+    rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
+    scale = torch.zeros(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            scale[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / 448.0
+    full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:w.shape[0], :w.shape[1]]
+    fp8 = (w / full).to(torch.float8_e4m3fn)
+    return fp8, scale, fp8.float() * full
+
+
+def ds_fp8_dir(hf, root):
+    """The checkpoint of `hf` with every 2-D layer weight but the router FP8-quantised, and
+    beside it the same checkpoint holding the dequantised weights (the reference)."""
+    hf.save_pretrained(root)
+    state = load_file(root / "model.safetensors")
+    dequantised = {}
+    for key in [k for k in state if k.startswith("model.layers.") and state[k].dim() == 2
+                and not k.endswith("mlp.gate.weight")]:
+        state[key], state[key + "_scale_inv"], dequantised[key] = ds_quantise(state[key],
+                                                                              DS_FP8_BLOCK)
+    save_file(state, root / "model.safetensors")
+    with open(root / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3",
+                                         activation_scheme="dynamic",
+                                         weight_block_size=DS_FP8_BLOCK)
+    with open(root / "config.json", "w") as f:
+        json.dump(config, f)
+    reference_dir = root.parent / (root.name + "-dequantised")
+    hf.save_pretrained(reference_dir)
+    plain = load_file(reference_dir / "model.safetensors")
+    save_file(dict(plain, **dequantised), reference_dir / "model.safetensors")
+    return reference_dir
+
+
+@pytest.fixture(scope="module")
+def ds_fp8(ds_zoo, tmp_path_factory):
+    from transformers import DeepseekV3ForCausalLM
+    root = tmp_path_factory.mktemp("fp8") / "ds-v3"
+    reference_dir = ds_fp8_dir(ds_zoo.hf("ds-v3"), root)
+    reference = DeepseekV3ForCausalLM.from_pretrained(reference_dir).eval()
+    reference.set_attn_implementation("eager")
+    reference.set_experts_implementation("eager")
+    return SimpleNamespace(dir=str(root), reference=reference)
+
+
+def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
+    with safe_open(os.path.join(ds_fp8.dir, "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.3.mlp.experts.1.up_proj.weight").dtype == \
+            torch.float8_e4m3fn
+    ids = random_prompt(43, length=12)
+    assert_routing_is_robust(ds_fp8.reference, ids)
+    assert_close(E.load_target(ds_fp8.dir)(ids)[0][0], hf_forward(ds_fp8.reference, ids)[0],
+                 "fp8 logits")
+
+
+def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
+    """A copy of an HF dir with its config.json and weight names rewritten."""
+    shutil.copytree(src, dst)
+    with open(dst / "config.json") as f:
+        config = json.load(f)
+    with open(dst / "config.json", "w") as f:
+        json.dump(config_edit(config), f)
+    state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
+    save_file(dict(state, **(extra or {})), dst / "model.safetensors")
+
+
+def kimi_k2_config(config):
+    """What moonshotai ships: model_type kimi_k2 with remote-code auto_map entries."""
+    return dict(config, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+
+
+def test_kimi_k2_config_dir_loads_without_remote_code(ds_zoo, tmp_path):
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k2", kimi_k2_config)
+    ids = random_prompt(44, length=12)
+    assert_close(E.load_target(str(tmp_path / "k2"))(ids)[0][0],
+                 hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k2 logits")
+
+
+def test_kimi_k25_wrapper_dir_loads_its_text_model(ds_zoo, tmp_path, capsys):
+    def wrap(config):
+        return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"],
+                    text_config=kimi_k2_config(config), vision_config=dict(hidden_size=8))
+    vision = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
+              "mm_projector.proj.weight": torch.zeros(4, 8)}
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k25", wrap,
+                   key_edit=lambda k: "language_model." + k, extra=vision)
+    ids = random_prompt(45, length=12)
+    target = E.load_target(str(tmp_path / "k25"))
+    assert "ignoring 2 non-text weights" in capsys.readouterr().err
+    assert_close(target(ids)[0][0], hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k25 logits")
+
+
+def test_deepseek_mtp_layer_weights_are_skipped(ds_zoo, tmp_path, capsys):
+    mtp = {f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN),
+           f"model.layers.{LAYERS}.enorm.weight": torch.ones(HIDDEN)}
+    ds_rewrite_dir(ds_zoo.root / "ds-v3", tmp_path / "mtp",
+                   lambda c: dict(c, num_nextn_predict_layers=1), extra=mtp)
+    ids = random_prompt(46, length=8)
+    logits = E.load_target(str(tmp_path / "mtp"))(ids)[0]
+    assert f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights" in capsys.readouterr().err
+    assert torch.equal(logits, ds_zoo.target("ds-v3")(ids)[0])
+
+
+def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(ds_zoo, tmp_path):
+    int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
+                config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "int4",
+                   lambda c: dict(kimi_k2_config(c), quantization_config=int4))
+    with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
+                                            r"format='pack-quantized'.*only FP8"):
+        E.load_target(str(tmp_path / "int4"))
+
+
+def ds_config_dir(tmp_path, **overrides):
+    overrides = dict(DS_TARGETS["ds-v3"][0], **overrides)
+    (tmp_path / "config.json").write_text(json.dumps(dict(DS_BASE, model_type="deepseek_v3",
+                                                          **overrides)))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be divisible by the "
+            r"world size 3"),
+    (4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be divisible"),
+    (2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not divisible by the "
+                                        r"world size 2"),
+], ids=["heads", "kv-heads", "experts-width"])
+def test_deepseek_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, world, overrides,
+                                                                    message):
+    cfg = E.read_target_config(ds_config_dir(tmp_path, **overrides))
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.check_tp_sizes(cfg, world)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json must be even"),
+    (dict(num_experts_per_tok=3, topk_group=1), r"cannot select num_experts_per_tok=3 experts: "
+                                                r"topk_group \* n_routed_experts / n_group = "
+                                                r"1 \* 8 / 4 = 2"),
+    (dict(n_group=3), r"n_routed_experts=8, n_group=3"),
+], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
+def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.read_target_config(ds_config_dir(tmp_path, **overrides))
+
+
+# tensor parallelism at W = 2: sharding, 2 all-reduces per layer, W = 1 results
+
+@pytest.fixture(scope="module")
+def ds_tp_run(ds_zoo, ds_speculation, ds_fp8, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_tp")
+    job = dict(prompt=random_prompt(47, length=12), fp8=ds_fp8.dir, targets=[])
+    for name, s in ds_speculation.items():
+        E.save_draft(s.draft, str(root / f"draft-{name}"))
+        job["targets"].append(dict(name=name, dir=ds_zoo.dir(name),
+                                   draft=str(root / f"draft-{name}"), spec_prompt=s.prompt))
+    torch.save(job, root / "job.pt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.abspath(__file__), "ds_tp", str(root / "job.pt"), str(root)],
+        env=golden_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:6000]
+    return SimpleNamespace(job=job, ranks=[torch.load(root / f"rank{r}.pt") for r in range(2)])
+
+
+def ds_tp_worker(job_file, out_dir):
+    """Each rank: load each deepseek target sharded over 2 ranks, count the all-reduces of
+    one forward, keep its weight slices, decode greedily and speculatively, load FP8."""
+    rank = E.init_distributed().rank
+    job = torch.load(job_file)
+    results, calls = {}, [0]
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls[0] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    for case in job["targets"]:
+        target = E.load_target(case["dir"])
+        draft = E.load_draft(case["draft"], target)
+        torch.distributed.all_reduce, calls[0] = counting_all_reduce, 0
+        logits, aux = target(job["prompt"])
+        torch.distributed.all_reduce = real_all_reduce
+        attn, moe = target.model.layers[0].self_attn, target.model.layers[LAYERS - 1].mlp
+        q = attn.q_b_proj if attn.m.q_lora_rank else attn.q_proj
+        results[case["name"]] = dict(
+            logits=logits, aux=aux, all_reduces=calls[0],
+            slices=dict(q=q.weight.clone(), kv_b=attn.kv_b_proj.weight.clone(),
+                        o=attn.o_proj.weight.clone(),
+                        expert_up=moe.experts[1].up_proj.weight.clone(),
+                        expert_down=moe.experts[1].down_proj.weight.clone(),
+                        shared_gate=moe.shared_experts.gate_proj.weight.clone()),
+            greedy=E.greedy_generate(target, case["spec_prompt"], 24),
+            speculative=[E.speculative_generate(target, draft, case["spec_prompt"], 24,
+                                                tree=E.TreeShape(*shape)).tokens
+                         for shape in DS_SHAPES])
+    results["fp8_logits"] = E.load_target(job["fp8"])(job["prompt"])[0]
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_tensor_parallel_equals_one_process(ds_zoo, ds_speculation, ds_tp_run, name):
+    ids = ds_tp_run.job["prompt"]
+    logits, aux = ds_zoo.target(name)(ids)
+    for rank in ds_tp_run.ranks:
+        assert_close(rank[name]["logits"], logits, "logits")
+        assert_close(rank[name]["aux"], aux, "aux")
+        assert rank[name]["greedy"].tolist() == ds_speculation[name].text[:24].tolist()
+        for tokens in rank[name]["speculative"]:
+            assert tokens.tolist() == ds_speculation[name].text[:24].tolist()
+    assert torch.equal(ds_tp_run.ranks[0][name]["logits"], ds_tp_run.ranks[1][name]["logits"])
+
+
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_tensor_parallel_shards_and_two_all_reduces_per_layer(ds_zoo, ds_tp_run, name):
+    hf = ds_zoo.hf(name)
+    attn, moe = hf.model.layers[0].self_attn, hf.model.layers[LAYERS - 1].mlp
+    width = hf.config.moe_intermediate_size
+    full = {"q": ((attn.q_b_proj if hf.config.q_lora_rank else attn.q_proj).weight, 0),
+            "kv_b": (attn.kv_b_proj.weight, 0), "o": (attn.o_proj.weight, 1),
+            "expert_up": (moe.experts.gate_up_proj[1][width:], 0),   # fused [gate; up] rows
+            "expert_down": (moe.experts.down_proj[1], 1),
+            "shared_gate": (moe.shared_experts.gate_proj.weight, 0)}
+    for key, (weight, dim) in full.items():
+        halves = weight.detach().chunk(2, dim=dim)
+        for r, rank in enumerate(ds_tp_run.ranks):
+            assert torch.equal(rank[name]["slices"][key], halves[r]), (key, r)
+    assert all(rank[name]["all_reduces"] == 2 * LAYERS for rank in ds_tp_run.ranks)
+
+
+def test_fp8_checkpoint_at_world_size_2_equals_the_dequantised_model(ds_fp8, ds_tp_run):
+    reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
+    for rank in ds_tp_run.ranks:
+        assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
+
+
+# ----------------------------------------------------------------------------------------
 # sampling: exact losslessness, hand-worked acceptance, replayable randomness (SPEC §5)
 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
@@ -2437,6 +2865,43 @@ def train_generate_setup(train_chat_target):
     return SimpleNamespace(draft_dir=str(c.root / "spec_draft"))
 
 
+CUSTOM_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+
+
+class TinyCustomTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def test_tokenizer_with_its_own_code_needs_trust_remote_code(train_chat_target,
+                                                             train_generate_setup, tmp_path,
+                                                             monkeypatch):
+    # Kimi's tokenizer ships its own code: without the flag a one-line error says so; with
+    # it the command runs (and golden encodes the prompt through that tokenizer)
+    target = tmp_path / "target"
+    shutil.copytree(train_chat_target.dir, target)
+    with open(target / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config.update(tokenizer_class="TinyCustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]})
+    with open(target / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    (target / "tokenization_tiny.py").write_text(CUSTOM_TOKENIZER)
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where it is copied
+    args = ["golden", "--out", str(tmp_path / "trace.safetensors"), "--target", str(target),
+            "--draft", train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT,
+            "--max-new-tokens", "4"]
+    refused = train_cli(args, cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert re.search(r"^error: the tokenizer in .* ships its own code; rerun with "
+                     r"--trust-remote-code", refused.stderr, re.M)
+    trusted = train_cli(args + ["--trust-remote-code"], cwd=tmp_path)
+    assert trusted.returncode == 0, trusted.stderr[-3000:]
+    header, _ = golden_read(tmp_path / "trace.safetensors")
+    assert header["config"]["input_ids"] == train_chat_prompt_ids(train_chat_target.tok,
+                                                                  TRAIN_GEN_PROMPT)
+
+
 def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
     c = train_chat_target
     proc = train_cli(["generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
@@ -3193,7 +3658,8 @@ def finish_worker():
     os._exit(0)
 
 
-WORKERS = {"tp": tp_worker, "worker": sampling_tp_worker, "train_worker": train_dp_worker}
+WORKERS = {"tp": tp_worker, "worker": sampling_tp_worker, "train_worker": train_dp_worker,
+           "ds_tp": ds_tp_worker}
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in WORKERS:
