@@ -9,14 +9,14 @@ around it. Nothing in Part I calls anything in Part II.
     Part I: the method                      Part II: tools
       1. constants and configs                10. config and checkpoint IO
       2. distributed helpers                  11. drafter IO
-      3. target model                         12. training data and the training loop
+      3. target model (dense; MLA + MoE)      12. training data and the training loop
       4. tensor parallelism                   13. tiny models (corpus, tokenizer, target)
       5. draft head                           14. golden traces
       6. draft tree                           15. drafter diagnostics
       7. verify and accept                    16. benchmark
-         (variant: a sampled chain)           17. the main job (the tiny demo)
-      8. generation                           18. command line
-      9. training-time test
+         (variant: a sampled chain)           17. communication (counts, comm-plan)
+      8. generation                           18. the main job (the tiny demo)
+      9. training-time test                   19. command line
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -195,16 +196,36 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def all_reduce(x, world):
+class Tally(NamedTuple):
+    """The collectives one phase of a run sent: calls and payload bytes per op. The two
+    wrappers below add to the tally they are handed; at W = 1 nothing is sent or counted."""
+    calls: Counter
+    bytes: Counter
+
+    def add(self, op, x):
+        self.calls[op] += 1
+        self.bytes[op] += x.numel() * x.element_size()
+
+
+def new_comm(*phases):
+    """{phase: Tally}: where a run's collectives went (prefill, draft, verify, decide)."""
+    return {phase: Tally(Counter(), Counter()) for phase in phases}
+
+
+def all_reduce(x, world, tally=None):
     """Sum the partial results of a row-parallel matmul over the W ranks holding slices."""
     if world > 1:
+        if tally is not None:
+            tally.add("all_reduce", x)
         dist.all_reduce(x)
     return x
 
 
-def broadcast0(x):
+def broadcast0(x, tally=None):
     """Rank 0's tensor on every rank: decisions (tokens, accepted paths) are made once."""
     if world_info()[1] > 1:
+        if tally is not None:
+            tally.add("broadcast", x)
         dist.broadcast(x, src=0)
     return x
 
@@ -352,14 +373,14 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)                      # (B, Hkv, T, hs)
         return q, k, v
 
-    def output(self, y):
+    def output(self, y, tally=None):
         B, _, T, _ = y.shape
         y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)          # (B, T, H*hs)
-        return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
+        return all_reduce(self.o_proj(y), self.world, tally)  # row-parallel: sum partials
 
-    def forward(self, x, cos, sin, bias, kv=None, start=0):
+    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
         q, k, v = self.project(x, cos, sin)
-        return self.output(attend_cached(q, k, v, bias, kv, start))
+        return self.output(attend_cached(q, k, v, bias, kv, start), tally)
 
 
 class MLP(nn.Module):
@@ -375,8 +396,8 @@ class MLP(nn.Module):
         """This rank's share of the output: the W shares sum to the full SwiGLU."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward(self, x):
-        return all_reduce(self.partial(x), self.world)
+    def forward(self, x, tally=None):
+        return all_reduce(self.partial(x), self.world, tally)
 
 
 # The DeepSeek-V3 / Kimi-K2 family (model_type deepseek_v3, kimi_k2, kimi_k25): multi-head
@@ -413,7 +434,7 @@ class MLAttention(nn.Module):
                                    bias=False)                             # column-parallel
         self.o_proj = nn.Linear(self.H * m.v_head_dim, D, bias=False)      # row-parallel
 
-    def forward(self, x, cos, sin, bias, kv=None, start=0):
+    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
         B, T, _ = x.shape
         m, H = self.m, self.H
         dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
@@ -434,7 +455,7 @@ class MLAttention(nn.Module):
         y = F.scaled_dot_product_attention(torch.cat([q_nope, q_pe], -1), k, v,
                                            attn_mask=bias, scale=m.softmax_scale)  # (B, H, T, dv)
         y = y.transpose(1, 2).reshape(B, T, H * dv)                      # (B, T, H*dv)
-        return all_reduce(self.o_proj(y), self.world)  # row-parallel: sum partial outputs
+        return all_reduce(self.o_proj(y), self.world, tally)  # row-parallel: sum partials
 
 
 class Router(nn.Module):
@@ -474,7 +495,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(D, moe.width, world) for _ in range(moe.n_routed))
         self.shared_experts = MLP(D, moe.width * moe.n_shared, world)
 
-    def forward(self, x):
+    def forward(self, x, tally=None):
         # Every rank computes the same routing because x is the all-reduced residual stream,
         # bitwise identical on all ranks; each rank then runs its slice of every chosen
         # expert and of the shared experts, and one all_reduce sums them all.
@@ -487,7 +508,7 @@ class MoE(nn.Module):
             out = self.experts[e].partial(flat[token]) * weights[token, slot, None]
             y.index_add_(0, token, out.to(y.dtype))
         y = y + self.shared_experts.partial(flat)
-        return all_reduce(y.view(B, T, D), self.world)
+        return all_reduce(y.view(B, T, D), self.world, tally)
 
 
 class Block(nn.Module):
@@ -500,9 +521,9 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg, world) if cfg.moe and layer >= cfg.moe.first_dense else
                     MLP(cfg.hidden_size, cfg.intermediate_size, world))
 
-    def forward(self, x, cos, sin, bias, kv=None, start=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start, tally)
+        return x + self.mlp(self.post_attention_layernorm(x), tally)
 
 
 class Target(nn.Module):
@@ -530,13 +551,15 @@ class Target(nn.Module):
         return new_kv_cache(cfg.n_layers, cfg.n_kv_heads // self.world, cfg.head_dim, length,
                             p.dtype, p.device, batch)
 
-    def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
+    def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None,
+                tally=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
         (T, start+T) bool (default causal). With a cache, K/V are written at slots
         start..start+T-1 and the first `start` slots are the prefix.
         Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
         of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
-        aux_layers=() when no features are needed (aux is then None)."""
+        aux_layers=() when no features are needed (aux is then None). The all-reduces are
+        counted into `tally` when one is given."""
         B, T = input_ids.shape
         device = input_ids.device
         if aux_layers is None:
@@ -554,7 +577,7 @@ class Target(nn.Module):
             if i in aux_layers:
                 captured[i] = x
             kv = None if cache is None else tuple(slab[i] for slab in cache)
-            x = layer(x, cos, sin, bias, kv, start)
+            x = layer(x, cos, sin, bias, kv, start, tally)
         captured[self.cfg.n_layers] = x
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(self.model.norm(x)), aux                        # (B, T, V)
@@ -954,12 +977,12 @@ class Acceptance(NamedTuple):
 
 
 @torch.inference_mode()
-def verify_tree(target, cache, n, tree, aux_layers):
+def verify_tree(target, cache, n, tree, aux_layers, tally=None):
     """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
     device = cache[0].device
     mask = prefix_mask(n, tree.mask.to(device))                                  # (N, n+N)
     logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device), mask,
-                         cache, n, aux_layers)
+                         cache, n, aux_layers, tally)
     return logits[0], aux[0]
 
 
@@ -1026,13 +1049,13 @@ def accept_sampled(logits, tree, uniforms, sampling):
     return Acceptance(torch.tensor(path), len(path) - 1, bonus, coins.used)
 
 
-def broadcast_acceptance(acceptance, max_nodes, device):
+def broadcast_acceptance(acceptance, max_nodes, device, tally=None):
     """Rank 0's acceptance on every rank, so all ranks commit the same path (ranks
     deciding independently is how TP engines have deadlocked or diverged)."""
     packed = torch.full((max_nodes + 2,), -1, dtype=torch.long, device=device)
     packed[0], packed[1] = acceptance.accepted, acceptance.bonus
     packed[2:3 + acceptance.accepted] = acceptance.path
-    packed = broadcast0(packed).cpu()
+    packed = broadcast0(packed, tally).cpu()
     a = int(packed[0])
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
@@ -1044,7 +1067,7 @@ def broadcast_acceptance(acceptance, max_nodes, device):
 # with min(1, p/q). Generation selects it with scheme="chain".
 
 
-def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
+def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tally=None):
     """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
     per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
     and the uniforms used."""
@@ -1054,7 +1077,7 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling):
     for i in range(length):
         q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
         sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, coins.draw())],
-                                          device=device))
+                                          device=device), tally)
         token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
         q = torch.zeros(V, dtype=torch.float64, device=device)
         q[draft.to_target_ids(torch.arange(len(q_draft), device=device))] = q_draft  # (V,)
@@ -1144,7 +1167,7 @@ def emit(out, tokens, max_new_tokens, eos_token_id):
     return False
 
 
-def next_token(logits, sampling, uniforms):
+def next_token(logits, sampling, uniforms, tally=None):
     """Greedy argmax, or one uniform -> inverse CDF of the warped distribution. The token
     is rank 0's on every rank. Returns (token, uniforms used)."""
     coins = Recorder(uniforms)
@@ -1152,39 +1175,43 @@ def next_token(logits, sampling, uniforms):
         token = int(logits.argmax())
     else:
         token = sample_inverse_cdf(warped_probs(logits, sampling), coins.draw())
-    return int(broadcast0(torch.tensor([token], device=logits.device))), coins.used
+    return int(broadcast0(torch.tensor([token], device=logits.device), tally)), coins.used
 
 
 @torch.inference_mode()
-def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
-    """Plain decoding with a KV cache: one target forward per token."""
+def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
+                            comm=None):
+    """Plain decoding with a KV cache: one target forward per token. The collectives are
+    counted into `comm` (new_comm("prefill", "decode", "decide")) when one is given."""
     check_sampling(sampling)
     check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions)
+    comm = comm if comm is not None else new_comm("prefill", "decode", "decide")
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))
     n = input_ids.shape[1]
     cache = target.new_cache(n + max_new_tokens)
-    logits, _ = target(input_ids, cache=cache, aux_layers=())
+    logits, _ = target(input_ids, cache=cache, aux_layers=(), tally=comm["prefill"])
     out = []
     while True:
-        token, _ = next_token(logits[0, -1], sampling, uniforms)
+        token, _ = next_token(logits[0, -1], sampling, uniforms, comm["decide"])
         if emit(out, [token], max_new_tokens, eos_token_id):
             return torch.tensor(out)
         logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
-                           start=n, aux_layers=())
+                           start=n, aux_layers=(), tally=comm["decode"])
         n += 1
 
 
-def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None):
+def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, comm=None):
     """Argmax decoding: the baseline, and the reference greedy speculation must equal."""
-    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id)
+    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id,
+                                   comm)
 
 
 def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None):
+                    seed=0, eos_token_id=None, comm=None):
     """Plain sampling: one uniform per token, inverse CDF of the warped distribution."""
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
-                                   eos_token_id)
+                                   eos_token_id, comm)
 
 
 class Round(NamedTuple):
@@ -1193,6 +1220,7 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (sampling only)
+    comm: dict            # {draft, verify, decide: Tally}: the collectives it sent
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
     draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
 
@@ -1202,6 +1230,7 @@ class SpecResult(NamedTuple):
     accept_lengths: list  # per round: accepted + 1 (the bonus); tau = their mean
     rounds: list          # list[Round], the per-round trace
     first_uniforms: list  # the uniform that sampled the first token (sampling only)
+    prefill_comm: dict    # {prefill, decide: Tally}: the collectives before round 1
 
 
 class Caches(NamedTuple):
@@ -1225,22 +1254,26 @@ def speculation_round(target, draft, caches, state, shape, scheme, sampling, uni
     chain), verify it in one target pass, accept, and keep the accepted nodes' target K/V
     (commit). Returns the Round and the state the next round starts from."""
     device, m = state.features.device, state.features.shape[1]
+    comm = new_comm("draft", "verify", "decide")
     # 1) drafter: pair (feature of token i, token i+1) for the m new tokens
     h_last = draft_prefix(draft, caches.draft, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=device)
     # 2) draft, 3) verify, 4) accept
     if scheme == "chain":
         tree, q, drafting_uniforms = draft_chain(draft, caches.draft, state.n, h_last, root,
-                                                 shape.depth + 1, uniforms, sampling)
-        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers)
+                                                 shape.depth + 1, uniforms, sampling,
+                                                 comm["draft"])
+        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers,
+                                  comm["verify"])
         acc = accept_chain(logits, tree.tokens[1:], q, uniforms, sampling)
     else:
         tree, q, drafting_uniforms = grow_tree(draft, caches.draft, state.n, h_last, root,
                                                shape), None, []
-        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers)
+        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers,
+                                  comm["verify"])
         acc = (accept_greedy(logits, tree) if sampling.greedy else
                accept_sampled(logits, tree, uniforms, sampling))
-    acc = broadcast_acceptance(acc, len(tree.tokens), device)
+    acc = broadcast_acceptance(acc, len(tree.tokens), device, comm["decide"])
     # 5) commit: the accepted nodes' K/V move to the front of the target's free slots
     path = acc.path.to(device)
     new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
@@ -1248,7 +1281,7 @@ def speculation_round(target, draft, caches, state, shape, scheme, sampling, uni
                        new_tokens[None].to(device))
     recorded = (logits.float().cpu(), None if q is None else q.cpu()) if record_logits else ()
     return Round(tree, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
-                 *recorded), state
+                 comm, *recorded), state
 
 
 @torch.inference_mode()
@@ -1262,12 +1295,13 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
     shape = check_speculative_args(target, draft, input_ids, max_new_tokens, sampling, tree,
                                    scheme)
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))
-    n = input_ids.shape[1]
+    n, comm = input_ids.shape[1], new_comm("prefill", "decide")
     caches = Caches(target=target.new_cache(n + max_new_tokens + shape.total_tokens),
                     draft=draft.new_cache(n + max_new_tokens + shape.top_k * shape.depth))
     # prefill: the target's first token is the root of round 1
-    logits, aux = target(input_ids, cache=caches.target, aux_layers=draft.cfg.aux_layers)
-    root, first_uniforms = next_token(logits[0, -1], sampling, uniforms)
+    logits, aux = target(input_ids, cache=caches.target, aux_layers=draft.cfg.aux_layers,
+                         tally=comm["prefill"])
+    root, first_uniforms = next_token(logits[0, -1], sampling, uniforms, comm["decide"])
     next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
     state = RoundState(n, root, aux, next_tokens[None])
     out, rounds = [], []
@@ -1278,7 +1312,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
         rounds.append(r)
         done = emit(out, r.tree.tokens[r.path[1:]].tolist() + [r.bonus], max_new_tokens,
                     eos_token_id)
-    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms)
+    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms,
+                      comm)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1434,14 +1469,16 @@ def trainable(draft):
     return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
 
 
-def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS):
+def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS,
+              aux_layers=None):
     """Target forward over the whole batch (tensor-parallel: every rank sees it all), then
     the TTT loss on this rank's slice of the rows, normalised by the *global* B*T so the
-    all-reduced gradient is the gradient of the global loss."""
+    all-reduced gradient is the gradient of the global loss. The drafter reads the target
+    features of its aux layers (or of `aux_layers`)."""
     device = target.lm_head.weight.device
     ids, mask = (t.to(device) for t in collate(examples, pad_id))
     with torch.no_grad():
-        logits, aux = target(ids, aux_layers=draft.cfg.aux_layers)
+        logits, aux = target(ids, aux_layers=aux_layers or draft.cfg.aux_layers)
     rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
     return ttt_loss(draft, aux[rows], ids[rows], mask[rows], logits[rows], steps,
                     denominator=ids.numel())
@@ -1482,11 +1519,12 @@ def step_accuracy(result, world):
 
 
 @torch.inference_mode()
-def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32):
+def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32, aux_layers=None):
     """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
     hits, counts = torch.zeros(steps), torch.zeros(steps)
     for i in range(0, len(examples), batch):
-        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
+        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps,
+                      aux_layers=aux_layers)
         hits += torch.stack(r.hits).cpu()
         counts += torch.stack(r.counts).cpu()
     return (hits / counts.clamp(min=1)).tolist()
@@ -1818,9 +1856,10 @@ def report_weight_bytes(target, path, dtype, world, device):
     params = list(target.parameters()) + list(target.buffers())
     size = sum(p.numel() * (4 if p.dtype == torch.float32 else dtype.itemsize) for p in params)
     if size >= 2**30 or world > 1 or device.type == "cuda":
-        print0(f"{path}: {target.cfg.family}, {sum(p.numel() for p in params) / 1e9:,.2f}B "
-               f"parameters = {size / 2**30:,.2f} GiB in {str(dtype)[6:]} on each of {world} "
-               f"rank(s)", file=sys.stderr)
+        n = sum(p.numel() for p in params)
+        count = f"{n / 1e9:,.2f}B" if n >= 1e8 else f"{n / 1e6:,.2f}M"
+        print0(f"{path}: {target.cfg.family}, {count} parameters = {size / 2**30:,.2f} GiB in "
+               f"{str(dtype)[6:]} on each of {world} rank(s)", file=sys.stderr)
     if device.type == "cuda" and size > torch.cuda.mem_get_info(device)[1]:
         fail(f"the weights of {path!r} need {size / 2**30:.1f} GiB on each of {world} ranks but "
              f"a GPU has {torch.cuda.mem_get_info(device)[1] / 2**30:.1f} GiB; use more ranks")
@@ -1858,13 +1897,26 @@ def load_target(path, dtype=None, device=None):
 # 11. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+# How engines read a drafter's eagle_aux_hidden_state_layer_ids, as transformers
+# hidden_states indices (= the input of that decoder layer): SpecForge trains on the output
+# of layer k = hidden_states[k+1]; vLLM uses the ids as input indices; SGLang adds 1 only
+# when the first id is 1 (since sgl-project/sglang#25454, May 2026) and always before.
+AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy")
 
 
-def read_draft_config(path_or_dict, target_cfg, weight_keys=None):
+def aux_inputs(ids, convention="specforge"):
+    """The hidden_states indices the ids name under `convention`."""
+    if convention not in AUX_CONVENTIONS:
+        fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
+    shift = dict(specforge=1, vllm=0, sglang=int(ids[0] == 1), **{"sglang-legacy": 1})
+    return tuple(k + shift[convention] for k in ids)
+
+
+def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
-    target it will run with. With `weight_keys` (a checkpoint's), a drafter whose draft vocab
-    is the whole target vocab and whose weights carry no d2t/t2d has the identity map, as
-    the official loader reads it."""
+    target it will run with. Its aux-layer ids are read in `aux_convention`. With
+    `weight_keys` (a checkpoint's), a drafter whose draft vocab is the whole target vocab and
+    whose weights carry no d2t/t2d has the identity map, as the official loader reads it."""
     from transformers import LlamaConfig
     raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(
         os.path.join(path_or_dict, "config.json"))
@@ -1882,9 +1934,8 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None):
     if target_hidden != target_cfg.hidden_size:
         fail(f"draft expects target hidden size {target_hidden} (fc input 3*{target_hidden}) "
              f"but the target has hidden_size={target_cfg.hidden_size}")
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    # SpecForge writes these as "output of layer k" = input of layer k+1 (our convention)
-    aux_layers = tuple(k + 1 for k in ids) if ids else target_cfg.default_aux_layers
+    ids = aux_layer_ids(raw)
+    aux_layers = aux_inputs(ids, aux_convention) if ids else target_cfg.default_aux_layers
     check_aux_layers(aux_layers, target_cfg.n_layers)
     draft_vocab_size = raw.get("draft_vocab_size", c.vocab_size)
     stored_map = weight_keys is None or bool({"d2t", "t2d"} & set(weight_keys))
@@ -1898,6 +1949,11 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None):
         vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden, aux_layers=aux_layers,
         has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
+
+
+def aux_layer_ids(raw):
+    """eagle_config.eagle_aux_hidden_state_layer_ids of a draft config, or None."""
+    return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
 def check_vocab_map(d2t, t2d, V, where):
@@ -1958,11 +2014,13 @@ def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None):
     return draft
 
 
-def load_draft(path, target, dtype=None):
+def load_draft(path, target, dtype=None, aux_convention="specforge"):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
-    Strict: every key present, nothing extra, right shapes, a valid d2t/t2d."""
+    Strict: every key present, nothing extra, right shapes, a valid d2t/t2d. Its aux-layer
+    ids are read in `aux_convention` (AUX_CONVENTIONS)."""
     ckpt = Checkpoint(path)
-    cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys())
+    cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys(),
+                            aux_convention=aux_convention)
     own = "embed_tokens.weight" in ckpt.keys()
     if not own and cfg.hidden_size != target.cfg.hidden_size:
         fail(f"draft hidden_size={cfg.hidden_size} differs from the target's "
@@ -2445,7 +2503,8 @@ def first_divergence(expected, actual):
 def golden_run(cfg):
     """Run speculative decoding as described by a golden header -> (input_ids, result)."""
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
-    draft = load_draft(cfg["draft"], target)
+    draft = load_draft(cfg["draft"], target,
+                       aux_convention=cfg.get("aux_convention", "specforge"))
     ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
     result = speculative_generate(
         target, draft, ids, cfg["max_new_tokens"], temperature=cfg["temperature"],
@@ -2453,7 +2512,7 @@ def golden_run(cfg):
         eos_token_id=cfg["eos_token_id"], scheme=cfg["scheme"], record_logits=True)
     return ids, result
 # ----------------------------------------------------------------------------------------
-# 15. drafter diagnostics: does a drafter's vocab map fit this target?
+# 15. drafter diagnostics: does its vocab map fit this target, which features does it read?
 
 VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
 
@@ -2506,7 +2565,7 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
 
 
 def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
-                seed=0):
+                seed=0, aux_convention="specforge"):
     """A new vocab map for a new target, built from data; lm_head rows move with their
     token strings, tokens new to the drafter get fresh rows; everything else is kept."""
     d2t_old, _ = raw_vocab_map(draft_dir)
@@ -2520,7 +2579,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
                                    draft_vocab_size)
     old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
     raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
-    cfg = read_draft_config(raw, target.cfg)
+    cfg = read_draft_config(raw, target.cfg, aux_convention=aux_convention)
     draft = fresh_draft(cfg, target, seed, (d2t, t2d), dtype=torch.float32)
     skip = {"lm_head.weight", "d2t", "t2d"}
     load_state(draft, Checkpoint(draft_dir), 0, 1,
@@ -2533,6 +2592,24 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
                 draft.lm_head.weight[j] = old_head[old_rows[s]]
                 carried += 1
     return draft, carried
+
+
+def aux_candidates(raw, target_cfg):
+    """{convention: hidden_states indices} a draft config names (the default indices, the
+    same for all, when it names none)."""
+    ids = aux_layer_ids(raw)
+    return {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
+            for c in AUX_CONVENTIONS}
+
+
+def aux_fit(target, draft, examples, pad_id, candidates):
+    """Held-out per-TTT-step accuracy of the drafter fed each distinct candidate's
+    features -> {indices: accuracies}."""
+    distinct = list(dict.fromkeys(candidates.values()))
+    for indices in distinct:
+        check_aux_layers(indices, target.cfg.n_layers)
+    return {indices: evaluate_draft(target, draft, examples, pad_id, aux_layers=indices)
+            for indices in distinct}
 
 
 # ----------------------------------------------------------------------------------------
@@ -2562,30 +2639,42 @@ class DecodeStats(NamedTuple):
     spec_tokens_per_s: float
     greedy_tokens_per_s: float
     lossless: bool
+    spec_allreduce: tuple     # (calls, bytes) per output token, speculative (0 at W = 1)
+    greedy_allreduce: tuple   # (calls, bytes) per output token, plain greedy
 
 
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
                      repeats=2):
-    """Speculative vs plain greedy on the same prompts: speed, tau, and exactness."""
+    """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
+    all-reduces each sends per token at this run's world size."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
     spec_s = greedy_s = 0.0
+    spec_comm, greedy_comm = [], []
     speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
     for ids in prompts:
         spec, seconds = best_time(lambda: speculative_generate(
             target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
         spec_s += seconds
-        plain, seconds = best_time(lambda: greedy_generate(target, ids, max_new_tokens, eos),
-                                   repeats)
+        (plain, comm), seconds = best_time(lambda: greedy_with_comm(target, ids, max_new_tokens,
+                                                                    eos), repeats)
         greedy_s += seconds
         lossless &= spec.tokens.tolist() == plain.tolist()
         rounds += spec.rounds
         n_tokens += len(spec.tokens)
         forwards += 1 + len(spec.rounds)
+        spec_comm += [spec.prefill_comm] + [r.comm for r in spec.rounds]
+        greedy_comm.append(comm)
     accepted = torch.tensor([r.accepted for r in rounds])
     reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
     rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
+    per_token = [tuple(x / n_tokens for x in comm_total(c)) for c in (spec_comm, greedy_comm)]
     return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
-                       n_tokens / spec_s, n_tokens / greedy_s, lossless)
+                       n_tokens / spec_s, n_tokens / greedy_s, lossless, *per_token)
+
+
+def greedy_with_comm(target, ids, max_new_tokens, eos):
+    comm = new_comm("prefill", "decode", "decide")
+    return greedy_generate(target, ids, max_new_tokens, eos, comm=comm), comm
 
 
 class Timed(NamedTuple):
@@ -2617,7 +2706,113 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
 
 
 # ----------------------------------------------------------------------------------------
-# 17. the main job: the whole method on a laptop CPU, nothing downloaded
+# 17. communication: the collectives a run sent, and a plan for a real model at TP size W
+#
+# Under TP every layer ends in two all-reduces of T x D values (T tokens in the forward), so
+# a verify of N tree nodes costs 2L calls of N*D*bytes each. Those payloads are tiny (a
+# 60-node tree at D = 7168 in bf16 is 840 KiB), so a call costs mostly its latency: the
+# verify step of a big TP-8 MoE model can be communication-bound long before it is
+# compute-bound, and a wide tree pays only if it accepts enough more than a narrow chain.
+
+
+def comm_total(comms, op="all_reduce", phases=None):
+    """(calls, bytes) of `op` summed over a list of {phase: Tally} (optionally some phases)."""
+    tallies = [t for c in comms for phase, t in c.items() if phases is None or phase in phases]
+    return sum(t.calls[op] for t in tallies), sum(t.bytes[op] for t in tallies)
+
+
+def comm_report(result):
+    """The per-round table of `generate --comm`: all-reduces and bytes per verify, per round
+    (everything it sent) and per generated token; broadcasts separately."""
+    lines = [f"{'round':>5s} {'nodes':>5s} {'tau':>3s} {'AR/verify':>9s} {'bytes/verify':>13s} "
+             f"{'AR/round':>8s} {'bytes/round':>12s} {'bcast':>5s} {'bcast bytes':>11s}"]
+    for i, r in enumerate(result.rounds):
+        verify, whole = comm_total([r.comm], phases=("verify",)), comm_total([r.comm])
+        bcast = comm_total([r.comm], "broadcast")
+        lines.append(f"{i + 1:5d} {len(r.tree.tokens):5d} {r.accepted + 1:3d} {verify[0]:9d} "
+                     f"{verify[1]:13,d} {whole[0]:8d} {whole[1]:12,d} {bcast[0]:5d} "
+                     f"{bcast[1]:11,d}")
+    comms, n = [result.prefill_comm] + [r.comm for r in result.rounds], len(result.tokens)
+    (calls, size), (bcalls, bsize) = comm_total(comms), comm_total(comms, "broadcast")
+    prefill = comm_total([result.prefill_comm], phases=("prefill",))
+    lines.append(f"prefill: {prefill[0]} all-reduces, {prefill[1]:,d} bytes; per generated "
+                 f"token ({n} tokens, prefill included): {calls / n:.1f} all-reduces, "
+                 f"{size / n:,.0f} bytes; broadcasts {bcalls / n:.2f} calls, {bsize / n:,.0f} "
+                 f"bytes")
+    return "\n".join(lines)
+
+
+class Link(NamedTuple):
+    """A latency + bandwidth model of one all-reduce: alpha per call, ring transfer of
+    2(p-1)/p of the payload per rank at GBps. The presets are assumptions, not measurements:
+    NVLink/NVSwitch ~10 us per uncaptured small all-reduce (SGLang measured 13.5 us per call
+    for all-reduce + residual + RMSNorm at TP 8, sglang#7621), PCIe several times that."""
+    alpha_us: float
+    gbps: float
+
+
+LINKS = dict(nvlink=Link(alpha_us=10.0, gbps=300.0), pcie=Link(alpha_us=40.0, gbps=25.0))
+FUSION_SAVING_US = 4.8  # per call, fused all-reduce + residual add + RMSNorm (13.5 -> 8.7 us)
+COMM_PLAN_TAUS = (1.5, 2.0, 3.0, 4.0)
+
+
+def allreduce_us(payload, world, link, saving=0.0):
+    return max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * payload / (link.gbps * 1e3)
+
+
+def plan_shapes(extra=()):
+    """(label, TreeShape) for comm-plan, in our top_k/depth/total_tokens notation: the
+    official tree, SGLang's default chain (its 3/1/4: 3 steps, top-k 1, 4 draft tokens = a
+    chain of 3 drafts = our 1/2/4), chains of 2..8 drafts, and any extra shapes."""
+    shapes = [("tree 10/7/60", TreeShape())]
+    shapes += [(f"chain {k} (1/{k - 1}/{k + 1})" + (" = SGLang 3/1/4" if k == 3 else ""),
+                TreeShape(1, k - 1, k + 1)) for k in range(2, 9)]
+    return shapes + [(f"tree {k}/{d}/{n}", TreeShape(k, d, n)) for k, d, n in extra]
+
+
+def round_collectives(cfg, elt, shape, tau, draft_sharded):
+    """[(calls, payload bytes per call)] of the all-reduces of one speculation round, and
+    the bytes of its one decision broadcast ((N + 2) int64). The verify forward of N nodes
+    makes 2L all-reduces; our drafter is replicated and makes none, but a TP-sharded one (as
+    SGLang runs it) makes 2 per forward: the prefix pass over the tau accepted tokens and
+    `depth` passes over top_k nodes. shape None: one step of plain decoding."""
+    D, N = cfg.hidden_size, 1 if shape is None else shape.total_tokens
+    calls = [(2 * cfg.n_layers, N * D * elt)]
+    if draft_sharded and shape is not None:
+        calls += [(2, tau * D * elt), (2 * shape.depth, shape.top_k * D * elt)]
+    return calls, (1 if shape is None else N + 2) * 8
+
+
+def round_us(calls, broadcast_bytes, world, link, saving=0.0):
+    """Modelled communication time of one round (or plain step), microseconds."""
+    ar = sum(n * allreduce_us(size, world, link, saving) for n, size in calls)
+    return ar + link.alpha_us + broadcast_bytes / (link.gbps * 1e3)
+
+
+def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False):
+    """Per shape (plain decoding first): all-reduces per verify and bytes per call, then per
+    generated token at each tau the all-reduce calls and bytes and the modelled time on
+    each link, unfused and with all-reduce + residual + RMSNorm fused."""
+    rows = []
+    for label, shape in [("plain decoding", None)] + shapes:
+        calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
+        row = dict(shape=label, nodes=1 if shape is None else shape.total_tokens,
+                   allreduce_per_verify=calls[0][0], bytes_per_allreduce=calls[0][1],
+                   per_token={})
+        for tau in [1.0] if shape is None else taus:
+            calls, bcast = round_collectives(cfg, elt, shape, tau, draft_sharded)
+            per_token = dict(allreduce_calls=sum(n for n, _ in calls) / tau,
+                             allreduce_bytes=sum(n * b for n, b in calls) / tau)
+            for name, link in links.items():
+                per_token[name + "_us"] = round_us(calls, bcast, world, link) / tau
+                per_token[name + "_fused_us"] = round_us(calls, bcast, world, link, saving) / tau
+            row["per_token"][tau] = {k: round(v, 3) for k, v in per_token.items()}
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# 18. the main job: the whole method on a laptop CPU, nothing downloaded
 
 
 class Demo(NamedTuple):
@@ -2733,7 +2928,7 @@ def main_demo():
 
 
 # ----------------------------------------------------------------------------------------
-# 18. command line
+# 19. command line
 
 
 def load_tokenizer(path, args):
@@ -2789,7 +2984,7 @@ def cmd_generate(args):
              "the draft tree's top-k is --tree-top-k")
     target_dir, draft_dir = model_dirs(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
-    draft = load_draft(draft_dir, target)
+    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
     tokenizer = load_tokenizer(target_dir, args)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
     t0 = time.perf_counter()
@@ -2806,6 +3001,9 @@ def cmd_generate(args):
     tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
     print0(f"tau {tau:.2f} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
+    if args.comm:
+        print0(f"collectives at world size {world_info()[1]} (nothing is sent at 1):")
+        print0(comm_report(result))
 
 
 def render_tree(tree, path, tokenizer):
@@ -2840,7 +3038,8 @@ def cmd_train(args):
     n_held = max(1, len(examples) // 50)
     train, held_out = examples[n_held:], examples[:n_held]
     if args.init_draft:
-        draft = load_draft(args.init_draft, target, dtype=torch.float32)
+        draft = load_draft(args.init_draft, target, dtype=torch.float32,
+                           aux_convention=args.aux_convention)
     else:
         vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
                                         args.draft_vocab_size)
@@ -2867,7 +3066,8 @@ def golden_config(args):
                 input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 tree=list(tree_shape(args)), scheme=args.scheme, seed=args.seed,
-                dtype=args.dtype or "float32", eos_token_id=args.eos_token_id)
+                dtype=args.dtype or "float32", eos_token_id=args.eos_token_id,
+                aux_convention=args.aux_convention)
 
 
 def cmd_golden(args):
@@ -2915,10 +3115,58 @@ def cmd_remap_draft(args):
     size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
         "draft_vocab_size", target.cfg.vocab_size)
     draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
-                                 args.seed)
+                                 args.seed, args.aux_convention)
     save_draft(draft, args.out)
     print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
            f"{size - carried} freshly initialised")
+
+
+def cmd_draft_check(args):
+    """Which target features does this drafter read? Each convention's reading of its
+    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
+    accuracy under each distinct reading, naming the one that fits."""
+    raw = read_json(os.path.join(args.draft, "config.json"))
+    target_cfg = read_target_config(args.target)
+    candidates = aux_candidates(raw, target_cfg)
+    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
+           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
+           f"convention:")
+    for convention, indices in candidates.items():
+        print0(f"  {convention:14s} {list(indices)}")
+    distinct = list(dict.fromkeys(candidates.values()))
+    if len(distinct) > 1:
+        print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
+              f"served under another convention than it was trained with, it drafts from the "
+              f"wrong features and silently loses acceptance. Pass --data to measure which "
+              f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
+    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
+                  agree=len(distinct) == 1)
+    if args.data:
+        report.update(draft_check_accuracy(args, candidates))
+    print0(json.dumps(report))
+
+
+def draft_check_accuracy(args, candidates):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
+    examples = [ex for ex in examples if sum(ex.reply_mask)][:args.max_examples]
+    if not examples:
+        fail(f"{args.data} has no conversation with an assistant turn to measure on")
+    draft = load_draft(args.draft, target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
+    for indices in ranked:
+        names = ", ".join(c for c, v in candidates.items() if v == indices)
+        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
+               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
+    best = [c for c, v in candidates.items() if v == ranked[0]]
+    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
+    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
+           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
+    return dict(examples=len(examples), best=best, margin=round(margin, 4),
+                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
 
 
 def bench_setup(args):
@@ -2934,47 +3182,125 @@ def bench_setup(args):
                                                               DEMO.decode_offset)
 
 
-def cmd_bench(args):
+def hf_baselines(target_dir, assistant_dir, prompts, n, eos, dtype, device):
+    """transformers generate, and assisted generation with a small LM when there is one."""
     from transformers import AutoModelForCausalLM
-    if world_info()[1] > 1:
-        fail("bench compares against transformers in one process; run it without torchrun")
-    t0 = time.time()
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    plain, assisted = time_hf(hf, prompts, n, eos), None
+    if assistant_dir:
+        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).to(device).eval()
+        assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
+    return plain, assisted
+
+
+def cmd_bench(args):
+    t0, world = time.time(), world_info()[1]
     target_dir, draft_dir, assistant_dir, texts = bench_setup(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
-    draft = load_draft(draft_dir, target)
+    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
     device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
     chat = args.target is None or args.chat
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
-    n = args.max_new_tokens
-    ours = measure_decoding(target, draft, prompts, n, eos=eos)
-    hf_dtype = target.lm_head.weight.dtype
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=hf_dtype).to(device).eval()
-    hf_plain = time_hf(hf, prompts, n, eos)
-    hf_assisted = None
-    if assistant_dir:
-        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=hf_dtype)
-        small = small.to(device).eval()
-        hf_assisted = time_hf(hf, prompts, n, eos, assistant_model=small)
-    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
-            ("transformers generate", hf_plain.tokens_per_s, hf_plain.forwards_per_token)]
-    if hf_assisted:
-        rows.append(("transformers assisted (small LM)", hf_assisted.tokens_per_s,
-                     hf_assisted.forwards_per_token))
+    ours = measure_decoding(target, draft, prompts, args.max_new_tokens, eos=eos)
+    hf_plain, hf_assisted = (hf_baselines(target_dir, assistant_dir, prompts, args.max_new_tokens,
+                                          eos, target.lm_head.weight.dtype, device)
+                             if world == 1 else (None, None))
+    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)]
+    baselines = (("transformers generate", hf_plain),
+                 ("transformers assisted (small LM)", hf_assisted))
+    rows += [(name, t.tokens_per_s, t.forwards_per_token) for name, t in baselines if t]
     rows.append(("ours: EAGLE-3 speculative", ours.spec_tokens_per_s, ours.forwards_per_token))
     print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s}")
     for name, tps, fpt in rows:
         print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
-    print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB")
-    report = dict(
+    if world > 1:
+        print0(f"(transformers baselines run in one process: skipped at world size {world})")
+    print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB; "
+           f"all-reduces per token at W={world}: greedy {ours.greedy_allreduce[0]:.1f} "
+           f"({ours.greedy_allreduce[1]:,.0f} B), speculative {ours.spec_allreduce[0]:.1f} "
+           f"({ours.spec_allreduce[1]:,.0f} B)")
+
+    def ratio(a, b):
+        return round(a / b.tokens_per_s, 3) if b else None
+    print0(json.dumps(dict(
         tau=round(ours.tau, 3), lossless=ours.lossless,
         speedup_vs_greedy=round(ours.spec_tokens_per_s / ours.greedy_tokens_per_s, 3),
-        speedup_vs_hf_generate=round(ours.spec_tokens_per_s / hf_plain.tokens_per_s, 3),
-        greedy_vs_hf_generate=round(ours.greedy_tokens_per_s / hf_plain.tokens_per_s, 3),
-        speedup_vs_hf_assisted=round(ours.spec_tokens_per_s / hf_assisted.tokens_per_s, 3)
-        if hf_assisted else None,
-        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))
-    print0(json.dumps(report))
+        speedup_vs_hf_generate=ratio(ours.spec_tokens_per_s, hf_plain),
+        greedy_vs_hf_generate=ratio(ours.greedy_tokens_per_s, hf_plain),
+        speedup_vs_hf_assisted=ratio(ours.spec_tokens_per_s, hf_assisted), world_size=world,
+        allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
+                                       speculative=round(ours.spec_allreduce[0], 3)),
+        allreduce_bytes_per_token=dict(greedy=round(ours.greedy_allreduce[1], 1),
+                                       speculative=round(ours.spec_allreduce[1], 1)),
+        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))))
+
+
+def parse_numbers(text, kind, what, count=None):
+    """'1.5,2,3' -> numbers, or a one-line error naming the flag."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or (count and len(values) != count):
+        fail(f"{what} {text!r} must be {count or 'a list of'} comma-separated "
+             f"{kind.__name__} values")
+    return values
+
+
+def cmd_comm_plan(args):
+    path = os.path.dirname(args.config) if args.config.endswith(".json") else args.config
+    cfg = read_target_config(path or ".")
+    check_tp_sizes(cfg, args.tp)
+    dtype = parse_dtype(args.dtype) or torch.bfloat16
+    links = {}
+    for link in args.link or list(LINKS):  # a preset, or ALPHA_US,GBPS named link1, link2, ..
+        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
+        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
+    shapes = plan_shapes([parse_numbers(t, int, "--tree", 3) for t in args.tree or []])
+    rows = comm_plan(cfg, args.tp, dtype.itemsize, shapes, taus, links,
+                     args.fusion_saving_us, args.draft_sharded)
+    drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
+               "replicated (no collectives)")
+    print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
+           f"{args.tp} in {str(dtype)[6:]}; drafter {drafter}")
+    print0(f"a verify forward of N nodes: {2 * cfg.n_layers} all-reduces (2 per layer) of "
+           f"N x {cfg.hidden_size} x {dtype.itemsize} B = {cfg.hidden_size * dtype.itemsize:,d}"
+           f"*N bytes each; links: " + "; ".join(
+               f"{k} {v.alpha_us:g} us + {v.gbps:g} GB/s" for k, v in links.items()) +
+           f"; fusion saves {args.fusion_saving_us:g} us per call")
+    print0(comm_plan_table(rows, links))
+    print0(json.dumps(dict(config=path, tp=args.tp, dtype=str(dtype)[6:], links={
+        k: v._asdict() for k, v in links.items()}, fusion_saving_us=args.fusion_saving_us,
+        shapes=rows)))
+
+
+def comm_plan_table(rows, links):
+    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
+    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
+    wider shape pays in communication only if its tau is that many times the chain's)."""
+    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
+    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
+    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
+    lines = [head]
+    for row in rows:
+        for tau, t in row["per_token"].items():
+            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
+                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
+            for k in links:
+                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
+                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
+                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+AUX_CONVENTION_FLAG = dict(
+    default="specforge", choices=AUX_CONVENTIONS,
+    help="how to read the drafter's eagle_aux_hidden_state_layer_ids: specforge (output of "
+         "layer k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 only "
+         "when the first id is 1), sglang-legacy (+1 always)")
 
 
 def flag_groups():
@@ -2991,6 +3317,7 @@ def flag_groups():
     tree.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
     models.add_argument("--trust-remote-code", action="store_true",
                         help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
+    models.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sampling.add_argument("--top-p", type=float, default=1.0)
@@ -3008,6 +3335,8 @@ def add_commands(sub):
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
+    g.add_argument("--comm", action="store_true",
+                   help="print the all-reduces and broadcasts of each round (TP)")
     g.set_defaults(run=cmd_generate)
     gd = sub.add_parser("golden", parents=[models, tree, sampling],
                         help="write (--out) or re-check (--check) a golden trace")
@@ -3025,6 +3354,20 @@ def add_commands(sub):
     b.add_argument("--chat", action="store_true")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
     b.set_defaults(run=cmd_bench)
+    cp = sub.add_parser("comm-plan", help="all-reduces, bytes and modelled comm time per token "
+                                          "of draft shapes for a config at a TP size")
+    cp.add_argument("--config", required=True, help="model dir or its config.json (no weights)")
+    cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
+    cp.add_argument("--dtype", default="bfloat16")
+    cp.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
+    cp.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
+    cp.add_argument("--link", action="append",
+                    help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
+    cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
+                    help="us saved per call by fusing all-reduce + residual + RMSNorm")
+    cp.add_argument("--draft-sharded", action="store_true",
+                    help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
+    cp.set_defaults(run=cmd_comm_plan)
 
 
 def add_training_commands(sub):
@@ -3043,6 +3386,7 @@ def add_training_commands(sub):
     t.add_argument("--max-len", type=int, default=2048, help="longer conversations are dropped")
     t.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
     t.add_argument("--init-draft", help="start from this drafter (keeps its vocab map)")
+    t.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype")
@@ -3063,7 +3407,17 @@ def add_training_commands(sub):
     rd.add_argument("--draft-tokenizer")
     rd.add_argument("--draft-vocab-size", type=int)
     rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     rd.set_defaults(run=cmd_remap_draft)
+    dc = sub.add_parser("draft-check", parents=[remote],
+                        help="which target features does a drafter read under each engine's "
+                             "convention, and which fits (with --data)?")
+    dc.add_argument("--draft", required=True)
+    dc.add_argument("--target", required=True)
+    dc.add_argument("--data", help="JSONL chat data (held out) to measure draft accuracy on")
+    dc.add_argument("--max-examples", type=int, default=256)
+    dc.add_argument("--dtype")
+    dc.set_defaults(run=cmd_draft_check)
 
 
 def build_parser():

@@ -975,6 +975,33 @@ def tp_run(zoo, speculation, tmp_path_factory):
     return SimpleNamespace(prompt=prompt, ranks=ranks)
 
 
+COMM_TREE = (3, 2, 9)  # the tree whose verify forward the TP workers count
+
+
+def plain_comm(comm):
+    """{phase: {op: (calls, bytes)}} from a run's {phase: Tally}, as plain Python."""
+    return {phase: {op: (t.calls[op], t.bytes[op]) for op in ("all_reduce", "broadcast")}
+            for phase, t in comm.items()}
+
+
+def comm_of_runs(target, draft, prompt, spec_prompt):
+    """The collectives counted in one verify forward of a COMM_TREE tree over a cached
+    prompt, in a speculative run (prefill and every round by phase) and in plain greedy."""
+    cache = target.new_cache(prompt.shape[1] + COMM_TREE[2])
+    target(prompt, cache=cache)
+    tokens, parents = random_tree(77, n_nodes=COMM_TREE[2])
+    verify = E.new_comm("verify")
+    tree = E.tree_from_parents(tokens, torch.tensor(parents))
+    E.verify_tree(target, cache, prompt.shape[1], tree, target.cfg.default_aux_layers,
+                  verify["verify"])
+    spec = E.speculative_generate(target, draft, spec_prompt, 16, tree=E.TreeShape(*COMM_TREE))
+    greedy = E.new_comm("prefill", "decode", "decide")
+    E.greedy_generate(target, spec_prompt, 16, comm=greedy)
+    return dict(verify=plain_comm(verify), prefill=plain_comm(spec.prefill_comm),
+                rounds=[dict(plain_comm(r.comm), nodes=len(r.tree.tokens)) for r in spec.rounds],
+                greedy=plain_comm(greedy), tokens=len(spec.tokens))
+
+
 def tp_worker(job_file, out_dir):
     """Runs on every rank: load each target sharded over the 2 ranks, then forward, greedy
     and speculative decoding; each rank saves what it computed."""
@@ -994,7 +1021,8 @@ def tp_worker(job_file, out_dir):
             greedy=E.greedy_generate(target, job["prompt"], job["new_tokens"]),
             speculative=[E.speculative_generate(target, draft, case["spec_prompt"],
                                                 job["new_tokens"], tree=E.TreeShape(*shape))
-                         for shape in job["shapes"]])
+                         for shape in job["shapes"]],
+            comm=comm_of_runs(target, draft, job["prompt"], case["spec_prompt"]))
     # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
     # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
     case = job["targets"][0]
@@ -1454,6 +1482,7 @@ def ds_tp_worker(job_file, out_dir):
         q = attn.q_b_proj if attn.m.q_lora_rank else attn.q_proj
         results[case["name"]] = dict(
             logits=logits, aux=aux, all_reduces=calls[0],
+            comm=comm_of_runs(target, draft, job["prompt"], case["spec_prompt"]),
             slices=dict(q=q.weight.clone(), kv_b=attn.kv_b_proj.weight.clone(),
                         o=attn.o_proj.weight.clone(),
                         expert_up=moe.experts[1].up_proj.weight.clone(),
@@ -1501,6 +1530,157 @@ def test_fp8_checkpoint_at_world_size_2_equals_the_dequantised_model(ds_fp8, ds_
     reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
     for rank in ds_tp_run.ranks:
         assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
+
+
+# ----------------------------------------------------------------------------------------
+# counted communication: what each phase of a TP run sends
+
+
+def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
+    """Hand-computed counts: every target forward of T tokens makes 2 all-reduces per layer
+    of T x D values; the drafter (replicated) makes none; rank 0 broadcasts one int64 per
+    plain token and (N + 2) int64 per round's acceptance."""
+    L, D, N = cfg.n_layers, cfg.hidden_size, COMM_TREE[2]
+    assert comm["verify"]["verify"]["all_reduce"] == (2 * L, 2 * L * N * D * elt)
+    T = spec_prompt_length
+    assert comm["prefill"]["prefill"]["all_reduce"] == (2 * L, 2 * L * T * D * elt)
+    assert comm["prefill"]["decide"]["broadcast"] == (1, 8)
+    assert comm["rounds"], "no speculation round ran"
+    for r in comm["rounds"]:
+        assert r["verify"]["all_reduce"] == (2 * L, 2 * L * r["nodes"] * D * elt)
+        assert r["draft"]["all_reduce"] == (0, 0) and r["draft"]["broadcast"] == (0, 0)
+        assert r["decide"]["broadcast"] == (1, (r["nodes"] + 2) * 8)
+        assert r["verify"]["broadcast"] == r["decide"]["all_reduce"] == (0, 0)
+    g = comm["greedy"]
+    assert g["prefill"]["all_reduce"] == (2 * L, 2 * L * T * D * elt)
+    assert g["decode"]["all_reduce"] == (2 * L * 15, 2 * L * 15 * D * elt)  # 16 new tokens
+    assert g["decide"]["broadcast"] == (16, 16 * 8)
+
+
+@pytest.mark.parametrize("name", TP_TARGETS)
+def test_tensor_parallel_counts_two_all_reduces_of_n_by_d_per_layer(zoo, speculation, tp_run,
+                                                                     name):
+    for rank in tp_run.ranks:
+        assert_comm_counts(rank[name]["comm"], zoo.target(name).cfg,
+                           speculation[name].prompts["memorized"].shape[1])
+
+
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_tensor_parallel_counts_two_all_reduces_per_layer(ds_zoo, ds_tp_run, name):
+    for rank in ds_tp_run.ranks:
+        assert_comm_counts(rank[name]["comm"], ds_zoo.target(name).cfg, 8)
+
+
+def test_world_size_1_counts_nothing_as_sent(speculation):
+    s = speculation["llama"]
+    result = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], 16,
+                                    tree=E.TreeShape(*COMM_TREE))
+    greedy = E.new_comm("prefill", "decode", "decide")
+    E.greedy_generate(s.target, s.prompts["memorized"], 16, comm=greedy)
+    for comm in [result.prefill_comm, greedy] + [r.comm for r in result.rounds]:
+        for tally in comm.values():
+            assert sum(tally.calls.values()) == 0 and sum(tally.bytes.values()) == 0
+
+
+def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_target,
+                                                                     train_generate_setup):
+    c = train_chat_target
+    proc = golden_finish(golden_cli(
+        "generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir, "--prompt",
+        TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12", "--tree-top-k", "2", "--depth",
+        "2", "--total-tokens", "6", "--comm", world=2))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)\s+"
+                      r"(\d+)\s+([\d,]+)$", proc.stdout, re.M)
+    assert rows, proc.stdout
+    L, D = TRAIN_LAYERS, 32                     # the chat target: 8 layers, hidden 32, fp32
+    for _, nodes, _, ar, size, ar_round, size_round, bcast, bcast_size in rows:
+        assert int(nodes) == 6 and int(ar) == int(ar_round) == 2 * L
+        assert int(size.replace(",", "")) == int(size_round.replace(",", "")) == 2 * L * 6 * D * 4
+        assert (int(bcast), int(bcast_size.replace(",", ""))) == (1, (6 + 2) * 8)
+    assert re.search(r"prefill: 16 all-reduces", proc.stdout)
+
+
+# comm-plan: from a config alone, against a hand computation
+
+KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
+    model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+    routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8,
+    first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    max_position_embeddings=131072, rope_theta=50000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
+    tie_word_embeddings=False, quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]))
+
+
+def comm_plan_json(*args):
+    proc = subprocess.run([sys.executable, E.__file__, "comm-plan", *map(str, args)],
+                          env=golden_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_comm_plan_on_kimi_k2_gives_122_all_reduces_of_14336_n_bytes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
+    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
+    for row in plan["shapes"]:
+        assert row["allreduce_per_verify"] == 122
+        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
+    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
+
+
+def test_comm_plan_equals_a_hand_computation(zoo):
+    # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
+    # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
+    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
+                                  "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5,
+                                  "--tree", "2,1,3")
+    rows = {r["shape"]: r for r in plan["shapes"]}
+
+    def us(nodes, saving=0.0):  # 16 all-reduces of nodes*64*4 B, then one broadcast
+        per_call = (5 - saving) + 2 * (2 - 1) / 2 * nodes * 64 * 4 / 10e3
+        return 16 * per_call + 5 + (nodes + 2) * 8 / 10e3
+
+    tree = rows["tree 2/1/3"]
+    assert tree["allreduce_per_verify"] == 16 and tree["bytes_per_allreduce"] == 3 * 64 * 4
+    t = tree["per_token"]["1.5"]
+    assert t["allreduce_calls"] == pytest.approx(16 / 1.5, abs=1e-3)
+    assert t["allreduce_bytes"] == pytest.approx(16 * 3 * 256 / 1.5, abs=1e-3)
+    assert t["link1_us"] == pytest.approx(us(3) / 1.5, abs=1e-3)
+    assert t["link1_fused_us"] == pytest.approx(us(3, 1.0) / 1.5, abs=1e-3)
+    plain = rows["plain decoding"]["per_token"]["1.0"]
+    assert plain["link1_us"] == pytest.approx(16 * (5 + 256 / 10e3) + 5 + 8 / 10e3, abs=1e-3)
+    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))["per_token"]["1.5"]
+    ratio = us(3) / us(4)
+    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
+    assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
+
+
+# aux-layer ids read in a named convention, and draft-check
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([2, 30, 58], dict(specforge=(3, 31, 59), vllm=(2, 30, 58), sglang=(2, 30, 58),
+                       **{"sglang-legacy": (3, 31, 59)})),
+    ([1, 29, 57], dict(specforge=(2, 30, 58), vllm=(1, 29, 57), sglang=(2, 30, 58),
+                       **{"sglang-legacy": (2, 30, 58)})),
+])
+def test_aux_layer_ids_map_to_hidden_states_per_convention(ids, expected):
+    assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == expected
+
+
+def test_draft_config_aux_convention_selects_the_features_it_reads(zoo):
+    target = zoo.target("llama")
+    raw = draft_config_dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    assert E.read_draft_config(raw, target.cfg).aux_layers == (3, 5, 6)
+    assert E.read_draft_config(raw, target.cfg, aux_convention="vllm").aux_layers == (2, 4, 5)
+    assert E.read_draft_config(draft_config_dict(), target.cfg,
+                               aux_convention="vllm").aux_layers == (2, 4, 5)   # the default
 
 
 # ----------------------------------------------------------------------------------------
@@ -2829,6 +3009,40 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     assert torch.equal(after["embed_tokens.weight"], before["embed_tokens.weight"])
     assert not torch.equal(after["fc.weight"], before["fc.weight"])   # training did run
 
+
+
+def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
+    # A drafter trained on hidden_states[2, 4, 5] whose config says [2, 4, 5] (vLLM's and
+    # new SGLang's reading); SpecForge's reading of the same ids, [3, 5, 6], must fit worse.
+    # The data are the target's own replies (as text, the EAGLE-3 recipe). The random
+    # target's replies are hardly learnable beyond the ones trained on, so the drafter is
+    # measured on its training replies: what matters here is which features fit.
+    c = train_chat_target
+    target = E.load_target(c.dir, dtype=torch.float32)
+    prompts = [p for p, _ in E.synthetic_corpus(32, seed=21)]
+    chats = [[dict(role="user", content=p), dict(role="assistant", content=c.tok.decode(
+        [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != c.tok.eos_token_id]))]
+        for p, ex in zip(prompts, E.replies_as_examples(target, c.tok, prompts, 24))]
+    examples = [E.tokenize_conversation(c.tok, m) for m in chats]
+    d2t, _ = E.build_vocab_mapping(E.count_reply_tokens(examples, c.vocab), 64)
+    draft = train_new_draft(target, (torch.arange(64) + d2t).tolist(), seed=71)
+    assert draft.cfg.aux_layers == (2, 4, 5)
+    E.train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
+                  str(tmp_path / "draft"), c.tok.pad_token_id)
+    edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(train_jsonl_line(i, m) for i, m in enumerate(chats)) + "\n")
+    proc = train_cli(["draft-check", "--draft", str(tmp_path / "draft"), "--target", c.dir,
+                      "--data", str(data)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING: the conventions disagree" in proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
+                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
+    assert report["best"] == ["vllm", "sglang"]
+    right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
+    assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
 
 TRAIN_GEN_PROMPT = "What is the capital of peru?"
 
