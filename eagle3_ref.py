@@ -16,7 +16,8 @@ around it. Nothing in Part I calls anything in Part II.
       7. verify and accept                    16. benchmark
          (variant: a sampled chain)           17. communication (counts, comm-plan)
       8. generation                           18. the main job (the tiny demo)
-      9. training-time test                   19. command line
+      9. training-time test                   19. seed-replay (K2 -> K2.5, tiny)
+                                              20. command line
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -581,6 +582,13 @@ class Target(nn.Module):
         captured[self.cfg.n_layers] = x
         aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
         return self.lm_head(self.model.norm(x)), aux                        # (B, T, V)
+
+    @torch.no_grad()
+    def ttt_inputs(self, examples, pad_id, aux_layers):
+        """The TTT inputs of a batch of Examples, computed live: one forward (training)."""
+        ids, mask = (t.to(self.lm_head.weight.device) for t in collate(examples, pad_id))
+        logits, aux = self(ids, aux_layers=aux_layers)
+        return TTTInputs(ids, mask, logits, aux)
 
 
 def in_model_dtype(target, dtype):
@@ -1396,6 +1404,8 @@ class TTTResult(NamedTuple):
     losses: list         # per step
     hits: list           # per step: correct top-1 drafts at loss-masked positions
     counts: list         # per step: loss-masked positions
+    correct: list        # per step: (B, T) bool, where those hits are
+    scored: list         # per step: (B, T) bool, where the loss-masked positions are
 
 
 def ttt_teacher(draft, target_logits):
@@ -1420,7 +1430,7 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
     p_top, ids, mask = p.argmax(-1), shift_left(input_ids), loss_mask.float()
     positions = torch.arange(T, device=input_ids.device)
     h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []                # (B, T, D)
-    losses, hits, counts = [], [], []
+    losses, correct, scored = [], [], []
     for step in range(steps):  # the teacher, its argmax and the masks shift once per step
         q, k, v = draft.project(h, ids, positions + step)
         past.append((k, v))
@@ -1428,12 +1438,13 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
         log_q = torch.log_softmax(draft.logits(h).float(), -1)           # (B, T, Vd)
         position_mask = in_vocab * mask
         losses.append(-(position_mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
-        hits.append(((log_q.argmax(-1) == p_top).float() * position_mask).sum().detach())
-        counts.append(mask.sum())
+        correct.append(((log_q.argmax(-1) == p_top) & (position_mask > 0)).detach())
+        scored.append(mask > 0)
         ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
         in_vocab, mask = shift_left(in_vocab), shift_left(mask)
     loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
-    return TTTResult(loss, losses, hits, counts)
+    return TTTResult(loss, losses, [c.float().sum() for c in correct],
+                     [s.float().sum() for s in scored], correct, scored)
 
 
 def lr_at(step, steps, lr, warmup):
@@ -1469,19 +1480,26 @@ def trainable(draft):
     return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
 
 
+class TTTInputs(NamedTuple):
+    """What the TTT loss needs of the target for a padded batch."""
+    input_ids: torch.Tensor      # (B, T)
+    loss_mask: torch.Tensor      # (B, T) step-0 loss mask (collate)
+    target_logits: torch.Tensor  # (B, T, V)
+    aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
+
+
 def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS,
               aux_layers=None):
-    """Target forward over the whole batch (tensor-parallel: every rank sees it all), then
-    the TTT loss on this rank's slice of the rows, normalised by the *global* B*T so the
-    all-reduced gradient is the gradient of the global loss. The drafter reads the target
-    features of its aux layers (or of `aux_layers`)."""
-    device = target.lm_head.weight.device
-    ids, mask = (t.to(device) for t in collate(examples, pad_id))
-    with torch.no_grad():
-        logits, aux = target(ids, aux_layers=aux_layers or draft.cfg.aux_layers)
-    rows = slice(rank * len(ids) // world, (rank + 1) * len(ids) // world)
-    return ttt_loss(draft, aux[rows], ids[rows], mask[rows], logits[rows], steps,
-                    denominator=ids.numel())
+    """The target's side of the whole batch (target.ttt_inputs: a live forward, tensor-
+    parallel, every rank sees it all; or captured features), then the TTT loss on this
+    rank's slice of the rows, normalised by the *global* B*T so the all-reduced gradient is
+    the gradient of the global loss. The drafter reads the target features of its aux
+    layers (or of `aux_layers`)."""
+    x = target.ttt_inputs(examples, pad_id, aux_layers or draft.cfg.aux_layers)
+    B = len(x.input_ids)
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
+                    x.target_logits[rows], steps, denominator=x.input_ids.numel())
 
 
 def new_optimizer(draft, cfg):
@@ -1551,6 +1569,11 @@ def read_json(path):
 def write_json(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def atomic_write(path, write):
@@ -2188,10 +2211,12 @@ def load_train_state(path, draft, opt):
     return state["step"]
 
 
-def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False):
+def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False,
+                curve=None):
     """Naive EAGLE-3 training: train_step (Part I) over seeded batches, data-parallel over
     the W ranks. Checkpoints go to out_dir (save_draft layout + train_state.pt for
-    --resume) every save_every steps. Returns the last held-out per-step accuracy."""
+    --resume) every save_every steps. Returns the last held-out per-step accuracy; each
+    evaluation is also appended to `curve` as (step, accuracies) when one is given."""
     rank, world = world_info()
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
@@ -2208,6 +2233,8 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
         last = step + 1 == cfg.steps
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
             held_out_acc = evaluate_draft(target, draft, held_out, pad_id, cfg.ttt_steps)
+            if curve is not None:
+                curve.append((step + 1, held_out_acc))
             bar.done()
             print0(f"  held-out draft accuracy per TTT step: "
                    f"{' '.join(f'{a:.3f}' for a in held_out_acc)}")
@@ -2218,6 +2245,155 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
     bar.done()
     draft.eval().requires_grad_(False)
     return held_out_acc
+
+
+def training_examples(tokenizer, data, max_len):
+    """The conversations of a JSONL file that train (and capture) use: chat-templated, with
+    an assistant turn, at most max_len tokens; in file order."""
+    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(data)]
+    return [ex for ex in examples if len(ex.tokens) <= max_len and sum(ex.reply_mask)]
+
+
+def held_out_split(examples):
+    """(train, held out): the first 1/50 (at least one) is held out."""
+    n_held = max(1, len(examples) // 50)
+    return examples[n_held:], examples[:n_held]
+
+
+# ---- offline features in SpecForge's layout (scripts/prepare_hidden_states.py) ----
+#
+# DIR/rows_{g}-{g+2000}/data_{i}.ckpt, one torch.save dict per sample: input_ids (T,),
+# loss_mask (T,) (1 on assistant tokens), hidden_state (1, T, D) = the final hidden state
+# after the model's norm (what the lm_head reads), aux_hidden_state (1, T, 3*D) = the
+# drafter's features. `.ckpt.gz` files are read too. With the target's embedding and lm_head
+# (a few GB even for a 1T model) they are enough to train or probe a drafter offline.
+
+CAPTURE_GROUP = 2000          # samples per rows_* directory
+CAPTURE_INFO = "capture.json"  # ours: the target and the hidden_states indices captured
+
+
+def capture_file(out, i):
+    g = i // CAPTURE_GROUP * CAPTURE_GROUP
+    return os.path.join(out, f"rows_{g}-{g + CAPTURE_GROUP}", f"data_{i}.ckpt")
+
+
+@torch.inference_mode()
+def capture_sample(target, ex, aux_layers):
+    """One sample's dict in SpecForge's layout, from one target forward."""
+    ids = torch.tensor([ex.tokens], device=target.lm_head.weight.device)
+    _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
+    D = target.cfg.hidden_size
+    return dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(ex.reply_mask),
+                hidden_state=target.model.norm(aux[..., -D:]).cpu(),
+                aux_hidden_state=aux[..., :-D].contiguous().cpu())
+
+
+def capture_features(target, examples, out, aux_layers):
+    """Write every sample not yet on disk (so a killed capture resumes where it stopped;
+    files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
+    every rank runs the tensor-parallel forward. Returns the number written."""
+    device = target.lm_head.weight.device
+    todo = [i for i in range(len(examples)) if not os.path.isfile(capture_file(out, i))]
+    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device)))
+    todo = broadcast0(torch.tensor(todo if is_rank0() else [0] * count, dtype=torch.long,
+                                   device=device)).tolist()
+    bar = Progress("capture", len(todo))
+    for done, i in enumerate(todo, 1):
+        sample = capture_sample(target, examples[i], aux_layers)
+        if is_rank0():
+            os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
+            atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
+        bar.show(done)
+    bar.done()
+    return len(todo)
+
+
+def captured_files(path):
+    """{sample index: file} of a features dir in SpecForge's layout (.ckpt or .ckpt.gz)."""
+    if not os.path.isdir(path):
+        fail(f"--features {path!r} is not a directory of captured features (rows_*/data_*.ckpt)")
+    found = {}
+    for group in sorted(os.listdir(path)):
+        if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
+            for name in os.listdir(os.path.join(path, group)):
+                stem = name[:-3] if name.endswith(".gz") else name
+                if stem.startswith("data_") and stem.endswith(".ckpt"):
+                    found[int(stem[5:-5])] = os.path.join(path, group, name)
+    if not found:
+        fail(f"no rows_*/data_*.ckpt(.gz) files in {path!r}: capture features first")
+    return dict(sorted(found.items()))
+
+
+def read_captured(file):
+    import gzip
+    try:
+        with (gzip.open(file, "rb") if file.endswith(".gz") else open(file, "rb")) as f:
+            sample = torch.load(f, map_location="cpu", weights_only=True)
+        fields = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+        return {k: sample[k] for k in fields}
+    except Exception as e:  # unpickling and missing fields alike: not a capture file
+        fail(f"cannot read captured features {file!r} ({type(e).__name__}: {e}); expected "
+             f"a dict with input_ids, loss_mask, hidden_state and aux_hidden_state")
+
+
+class Captured(NamedTuple):
+    """A captured sample: where it is, and its tokens and loss mask (as an Example has)."""
+    file: str
+    tokens: list
+    reply_mask: list
+
+
+def captured_examples(path):
+    out = []
+    for file in captured_files(path).values():
+        sample = read_captured(file)
+        out.append(Captured(file, sample["input_ids"].view(-1).tolist(),
+                            sample["loss_mask"].view(-1).tolist()))
+    return out
+
+
+class TargetHead(nn.Module):
+    """What offline training and eval-draft need of a target: its config, its embedding
+    (the drafter's) and its lm_head (the teacher from the captured hidden_state)."""
+
+    def __init__(self, cfg, captured_aux=None):
+        super().__init__()
+        self.cfg, self.captured_aux = cfg, captured_aux
+        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size)))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def ttt_inputs(self, examples, pad_id, aux_layers):
+        """The TTT inputs of a batch of Captured samples, right-padded as collate pads."""
+        if self.captured_aux is not None and tuple(aux_layers) != tuple(self.captured_aux):
+            fail(f"the features were captured at hidden_states {list(self.captured_aux)} but "
+                 f"the drafter reads {list(aux_layers)}: capture again, or check "
+                 f"--aux-convention")
+        device, D = self.lm_head.weight.device, self.cfg.hidden_size
+        ids, mask = (t.to(device) for t in collate(examples, pad_id))
+        hidden = torch.zeros(*ids.shape, D, device=device, dtype=self.lm_head.weight.dtype)
+        aux = torch.zeros(*ids.shape, 3 * D, device=device, dtype=self.lm_head.weight.dtype)
+        for b, ex in enumerate(examples):
+            sample = read_captured(ex.file)
+            T = len(ex.tokens)
+            hidden[b, :T] = sample["hidden_state"].view(T, D).to(hidden)
+            aux[b, :T] = sample["aux_hidden_state"].view(T, 3 * D).to(aux)
+        return TTTInputs(ids, mask, self.lm_head(hidden), aux)
+
+
+def load_target_head(path, dtype=torch.float32, features=None):
+    """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
+    that hold them. With a features dir that we captured, its hidden_states indices."""
+    cfg = read_target_config(path)
+    info = os.path.join(features, CAPTURE_INFO) if features else None
+    captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
+    head = TargetHead(cfg, captured).to(dtype)
+    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
+    load_state(head, target_checkpoint(path), 0, 1, skip=lambda name: name not in wanted,
+               tied=cfg.tie_embeddings)
+    return head.eval().requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2236,13 +2412,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + AS
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-def corpus_example(g, w):
+def corpus_example(g, w, mix=None):
     """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
     Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
-    with some words drawn at random."""
+    with some words drawn at random. `mix` (8 weights) skews the task kinds; default even."""
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
-    numbers, kind = w["numbers"], int(torch.randint(8, (1,), generator=g))
+    kind = (int(torch.randint(8, (1,), generator=g)) if mix is None else
+            int(torch.multinomial(torch.tensor(mix, dtype=torch.float), 1, generator=g)))
+    numbers = w["numbers"]
+    said = [str(i) for i in range(len(numbers))] if w.get("digits") else numbers  # in replies
     if kind == 0:
         country = pick(list(w["capitals"]))
         city = w["capitals"][country]
@@ -2253,13 +2432,13 @@ def corpus_example(g, w):
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
         return (f"Count from {numbers[a]} to {numbers[b]}.",
-                f"Sure, counting from {numbers[a]} to {numbers[b]}: "
-                f"{', '.join(numbers[a:b + 1])}. "
-                f"That is {numbers[b - a + 1]} numbers.")
+                f"Sure, counting from {said[a]} to {said[b]}: "
+                f"{', '.join(said[a:b + 1])}. "
+                f"That is {said[b - a + 1]} numbers.")
     if kind == 2:
         a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = numbers[a], numbers[b], numbers[a + b]
-        return (f"What is {x} plus {y}?",
+        x, y, z = said[a], said[b], said[a + b]
+        return (f"What is {numbers[a]} plus {numbers[b]}?",
                 f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
                 f"you have {z} apples.")
     if kind == 3:
@@ -2290,10 +2469,17 @@ def corpus_example(g, w):
             f"{pick(w['adjectives'])}. The end.")
 
 
-def synthetic_corpus(n, seed):
+def synthetic_corpus(n, seed, mix=None, new_content=False):
+    """n (prompt, reply) pairs; with new_content the word lists also hold the words only a
+    later model version has seen, and its replies write numbers as digits (seed-replay's
+    "K2.5": new content, and a new style that moves frequent low-id tokens)."""
     g = torch.Generator().manual_seed(seed)
     words = read_json(os.path.join(TINY_CONFIGS, "tiny_corpus_words.json"))
-    return [corpus_example(g, words) for _ in range(n)]
+    if new_content:
+        for key, extra in words["new_content"].items():
+            words[key] = words[key] + extra
+        words["digits"] = True
+    return [corpus_example(g, words, mix) for _ in range(n)]
 
 
 def chat_text(prompt, reply=None):
@@ -2564,6 +2750,125 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
     return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
 
 
+def vocab_map_ids(d2t):
+    """The target ids of a map, in draft-id order (the sorted draft vocabulary)."""
+    return (torch.arange(len(d2t)) + d2t).tolist()
+
+
+def reply_coverage(ids, tokenizer, data, max_len):
+    """Share of the data's reply tokens (through `tokenizer`) that the target ids `ids` cover."""
+    kept, total, inside = set(ids), 0, 0
+    for ex in training_examples(tokenizer, data, max_len):
+        reply = [t for t, m in zip(ex.tokens, ex.reply_mask) if m]
+        total, inside = total + len(reply), inside + sum(t in kept for t in reply)
+    return inside / max(1, total)
+
+
+class MapComparison(NamedTuple):
+    positional: int   # draft ids mapped to the same token by both maps (same d2t offset)
+    overlap: int      # tokens in both draft vocabularies, as sets
+    entries: int      # draft vocab size (of the first map)
+    by_string: bool   # tokens compared by string: the tokenizers differ
+    verdict: str
+
+
+def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
+    """Two maps (their target ids in draft-id order) compared position by position and as
+    sets. d2t stores offsets into the *sorted* draft vocabulary, so one different token
+    early in the list shifts every later offset: maps can disagree almost everywhere by
+    position while sharing almost all their tokens. Across tokenizers, tokens compare by
+    string."""
+    by_string = tok_a.get_vocab() != tok_b.get_vocab()
+    a = token_strings(tok_a, ids_a) if by_string else ids_a
+    b = token_strings(tok_b, ids_b) if by_string else ids_b
+    positional = sum(x is not None and x == y for x, y in zip(a, b))
+    overlap = len(set(a) & set(b) - {None})
+    n = len(ids_a)
+    if positional >= 0.99 * n:
+        verdict = "the maps agree: this drafter's vocabulary fits"
+    elif overlap >= VOCAB_FIT_WARN * n:
+        verdict = ("same tokens, shifted offsets: remap the lm_head rows (remap-draft) before "
+                   "fine-tuning; swapping in the new d2t without moving rows scrambles the head")
+    else:
+        verdict = "different tokens: retrain, or remap with fresh rows for the new tokens"
+    return MapComparison(positional, overlap, n, by_string, verdict)
+
+
+# ---- the offline probe: what a drafter would accept, without serving it ----
+
+
+class ChainStats(NamedTuple):
+    step_accuracy: list   # per TTT step: correct top-1 drafts / loss-masked positions
+    accept_rate: list     # depth d = 1..: P(draft d accepted | drafts 1..d-1 accepted)
+    expected_tau: list    # k = 1..: expected accept length of a greedy chain of k drafts
+    replayed_tau: list    # k = 1..: mean accept length of chains replayed along the replies
+
+
+def chain_stats(results):
+    """Greedy-chain acceptance from TTT results over a data set. A chain started at
+    position t drafts with TTT steps 0, 1, .. at t, each fed the data's next token: when the
+    data are the target's own greedy replies, that token is exactly the accepted draft, so
+    draft d is accepted iff steps 0..d-1 are all correct there. The expected accept length
+    of a chain of k drafts is 1 + sum_{d<=k} prod_{j<=d} rate_j (the bonus + the accepted
+    drafts), averaging over every start position. Served rounds do not start everywhere:
+    each starts after the previous round's bonus, more often inside hard spans when misses
+    cluster, so `replayed_tau` also walks each reply as serving does, round after round."""
+    steps = len(results[0].correct)
+    hits, counts = torch.zeros(steps), torch.zeros(steps)
+    tried, reached = torch.zeros(steps), torch.zeros(steps)
+    rounds = [[] for _ in range(steps)]
+    for r in results:
+        alive = torch.ones_like(r.scored[0])              # all earlier drafts accepted
+        run = torch.zeros_like(r.scored[0], dtype=torch.long)  # drafts accepted from here
+        for d in range(steps):
+            hits[d] += float(r.hits[d])
+            counts[d] += float(r.counts[d])
+            tried[d] += float((alive & r.scored[d]).sum())
+            alive = alive & r.scored[d] & r.correct[d]
+            reached[d] += float(alive.sum())
+            run += alive.long()
+        for k in range(1, steps + 1):
+            rounds[k - 1] += replay_rounds(run.clamp(max=k), r.scored[0])
+    rate = (reached / tried.clamp(min=1)).tolist()
+    tau = [1 + sum(math.prod(rate[:d + 1]) for d in range(k)) for k in range(1, steps + 1)]
+    replayed = [sum(taus) / max(1, len(taus)) for taus in rounds]
+    return ChainStats((hits / counts.clamp(min=1)).tolist(), rate, tau, replayed)
+
+
+def replay_rounds(accepted, scored):
+    """Accept lengths of the rounds serving would run along each row: the first round
+    drafts the reply's second token (the prefill gives its first), each next round starts
+    after the previous one's bonus. accepted (B, T): drafts accepted by a chain at t."""
+    lengths = []
+    for row, live in zip(accepted.tolist(), scored.tolist()):
+        starts = [t for t, x in enumerate(live) if x]
+        t = starts[0] + 1 if starts else len(live)
+        while t < len(live) and live[t]:
+            lengths.append(row[t] + 1)
+            t += row[t] + 1
+    return lengths
+
+
+def break_even_tau(verify_cost, draft_cost, drafts):
+    """A round costs one verify plus `drafts` draft steps, in plain-decode-step units, and
+    yields tau tokens: speculation beats plain decoding only when tau exceeds that cost."""
+    return verify_cost + drafts * draft_cost
+
+
+def speed_verdict(tau, break_even):
+    if tau < break_even:
+        return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
+                f"slower ({tau / break_even:.2f}x plain)")
+    return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
+
+
+@torch.inference_mode()
+def probe_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=16):
+    """chain_stats of the drafter over the examples (live target or captured features)."""
+    return chain_stats([ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
+                        for i in range(0, len(examples), batch)])
+
+
 def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
                 seed=0, aux_convention="specforge"):
     """A new vocab map for a new target, built from data; lm_head rows move with their
@@ -2641,6 +2946,7 @@ class DecodeStats(NamedTuple):
     lossless: bool
     spec_allreduce: tuple     # (calls, bytes) per output token, speculative (0 at W = 1)
     greedy_allreduce: tuple   # (calls, bytes) per output token, plain greedy
+    round_cost: float         # one round's time in plain decode steps = the break-even tau
 
 
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
@@ -2668,8 +2974,9 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
     rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
     per_token = [tuple(x / n_tokens for x in comm_total(c)) for c in (spec_comm, greedy_comm)]
+    round_cost = (spec_s / len(rounds)) / (greedy_s / n_tokens)
     return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
-                       n_tokens / spec_s, n_tokens / greedy_s, lossless, *per_token)
+                       n_tokens / spec_s, n_tokens / greedy_s, lossless, *per_token, round_cost)
 
 
 def greedy_with_comm(target, ids, max_new_tokens, eos):
@@ -2928,7 +3235,286 @@ def main_demo():
 
 
 # ----------------------------------------------------------------------------------------
-# 19. command line
+# 19. seed-replay: moving a drafter to the next model version, told on tiny models
+#
+# "K2" is the demo target with its drafter. "K2.5" is K2 pretrained further on a shifted
+# task mix with new content (same tokenizer); a second variant retrains the tokenizer. The
+# replay probes the K2 drafter on K2.5 (served and offline), diagnoses the vocab map, and
+# fine-tunes four ways on K2.5's own replies, from captured features.
+
+K25_MIX = (0.03, 0.1, 0.1, 0.04, 0.03, 0.15, 0.2, 0.35)  # capitals .. stories (corpus kinds)
+
+
+class Replay(NamedTuple):
+    further_steps: int = 200    # K2 -> K2.5 continued pretraining
+    further_lr: float = 2e-3
+    draft_vocab: int = 128      # below the ~180 distinct tokens of either model's replies, so
+                                # both d2t maps hold only seen tokens (no padding)
+    k2_draft_steps: int = 300   # the K2 drafter, trained offline on K2's own replies
+    train_prompts: int = 2000   # replies each drafter trains on
+    held_out_prompts: int = 64
+    arm_steps: int = 150        # the same for every arm
+    batch: int = 16
+    lr: float = 3e-3
+    eval_every: int = 25
+    probe_chain: int = 3        # drafts of the chain whose offline estimate meets the served tau
+    seed: int = 11              # K2.5 corpora: seed (pretraining), +1 (train), +2 (held out)
+
+
+REPLAY = Replay()
+
+
+def replay_paths():
+    root = os.path.join(TINY_DIR, "seed_replay")
+    names = ["k25", "k25_new_tokenizer", "k2_draft", "arms", "curves.png"]
+    for model in ("k2", "k25"):
+        names += [f"{model}_{part}.jsonl" for part in ("train", "held_out")]
+        names += [f"{model}_features_{part}" for part in ("train", "held_out")]
+    return {name: os.path.join(root, name) for name in names}
+
+
+def k25_corpus(n, seed):
+    return synthetic_corpus(n, seed, mix=K25_MIX, new_content=True)
+
+
+def replay_prompts(model, part):
+    """The prompts of each model's train / held-out replies, and K2.5's decode prompts."""
+    n = dict(train=REPLAY.train_prompts, held_out=REPLAY.held_out_prompts,
+             decode=DEMO.decode_prompts)[part]
+    offset = dict(train=1, held_out=2, decode=3)[part]
+    pairs = (k25_corpus(n, REPLAY.seed + offset) if model == "k25" else
+             synthetic_corpus(n, DEMO.seed + 20 + offset))
+    return [p for p, _ in pairs]
+
+
+def k25_texts():
+    return [chat_text(p, r) for p, r in k25_corpus(PRETRAIN.conversations // 2, REPLAY.seed)]
+
+
+def build_k25(k2_dir, path):
+    """K2 pretrained further on K2.5's corpus: same tokenizer, shifted behaviour."""
+    from transformers import AutoConfig
+    tokenizer = load_tokenizer(k2_dir, None)
+    target = load_target(k2_dir, dtype=torch.float32).train().requires_grad_(True)
+    rows = pack_rows([tokenizer(t).input_ids for t in k25_texts()], PRETRAIN.row_len)
+    pretrain_target(target, rows, REPLAY.further_steps, PRETRAIN.batch, REPLAY.further_lr,
+                    PRETRAIN.warmup, REPLAY.seed)
+    save_target(target, AutoConfig.from_pretrained(k2_dir), tokenizer, path)
+
+
+def build_k25_new_tokenizer(k2_dir, path):
+    """A K2.5 whose tokenizer was retrained on its corpus: other merges, other ids. Only its
+    tokenizer and config.json are written: vocab-check reads nothing else."""
+    tokenizer = train_tokenizer(k25_texts(), TINY_TOKENIZER_VOCAB)
+    config = dict(read_json(os.path.join(k2_dir, "config.json")),
+                  vocab_size=-(-len(tokenizer) // 64) * 64)
+    os.makedirs(path, exist_ok=True)
+    tokenizer.save_pretrained(path)
+    atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, config))
+
+
+def write_replies(target, tokenizer, path, prompts):
+    """JSONL of the target's own greedy replies to the prompts (the EAGLE-3 recipe)."""
+    examples = replies_as_examples(target, tokenizer, prompts, DEMO.reply_tokens)
+    rows = []
+    for prompt, ex in zip(prompts, examples):
+        reply = [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != tokenizer.eos_token_id]
+        rows.append(json.dumps(dict(messages=[dict(role="user", content=prompt),
+                                              dict(role="assistant",
+                                                   content=tokenizer.decode(reply))])))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write(path, lambda f: write_text(f, "\n".join(rows) + "\n"))
+
+
+def replay_data(target, tokenizer, paths, model):
+    """A model's own replies (JSONL) and their captured features, built once."""
+    for part in ("train", "held_out"):
+        data = paths[f"{model}_{part}.jsonl"]
+        if not os.path.isfile(data):
+            write_replies(target, tokenizer, data, replay_prompts(model, part))
+        capture_features(target, training_examples(tokenizer, data, 2048),
+                         paths[f"{model}_features_{part}"], target.cfg.default_aux_layers)
+
+
+def replay_features(paths, model):
+    return tuple(captured_examples(paths[f"{model}_features_{part}"])
+                 for part in ("train", "held_out"))
+
+
+def train_k2_draft(k2_dir, paths, pad_id):
+    """The K2 drafter: trained offline on K2's own replies, with a REPLAY.draft_vocab map."""
+    head = load_target_head(k2_dir)
+    train, held_out = replay_features(paths, "k2")
+    vocab_map = build_vocab_mapping(count_reply_tokens(train, head.cfg.vocab_size),
+                                    REPLAY.draft_vocab)
+    draft = fresh_draft(tiny_draft_config(head, REPLAY.draft_vocab), head, DEMO.seed, vocab_map)
+    cfg = TrainConfig(steps=REPLAY.k2_draft_steps, batch=REPLAY.batch, lr=REPLAY.lr, warmup=10,
+                      eval_every=REPLAY.k2_draft_steps, save_every=REPLAY.k2_draft_steps,
+                      seed=DEMO.seed)
+    train_draft(head, draft, train, held_out, cfg, paths["k2_draft"], pad_id)
+
+
+def replay_inputs(paths):
+    """Build (first run) or reuse: K2 (the demo target) and its drafter, K2.5 and its
+    retrained-tokenizer variant, each model's own replies and their captured features."""
+    k2_dir = ensure_tiny_target()
+    if not os.path.isfile(os.path.join(paths["k25"], "config.json")):
+        build_k25(k2_dir, paths["k25"])
+    if not os.path.isfile(os.path.join(paths["k25_new_tokenizer"], "config.json")):
+        build_k25_new_tokenizer(k2_dir, paths["k25_new_tokenizer"])
+    tokenizer = load_tokenizer(k2_dir, None)
+    replay_data(load_target(k2_dir, dtype=torch.float32), tokenizer, paths, "k2")
+    if not os.path.isfile(os.path.join(paths["k2_draft"], "config.json")):
+        train_k2_draft(k2_dir, paths, tokenizer.pad_token_id)
+    k25 = load_target(paths["k25"], dtype=torch.float32)
+    replay_data(k25, tokenizer, paths, "k25")
+    return k25, tokenizer
+
+
+@torch.inference_mode()
+def held_out_loss(target, draft, examples, pad_id, batch=32):
+    losses = [float(ttt_batch(target, draft, examples[i:i + batch], pad_id).loss)
+              for i in range(0, len(examples), batch)]
+    return sum(losses) / len(losses)
+
+
+def served_tau(target, draft, prompts, eos, shape):
+    """Mean accept length of speculative decoding over the prompts (rounds cut by the
+    budget or an EOS excluded)."""
+    lengths = []
+    for ids in prompts:
+        lengths += speculative_generate(target, draft, ids, DEMO.max_new_tokens, tree=shape,
+                                        eos_token_id=eos).accept_lengths[:-1]
+    return sum(lengths) / max(1, len(lengths))
+
+
+def replay_arms(head, k2_draft, tokenizer, paths, train, held_out):
+    """The four fine-tuning arms, the same steps on K2.5's own replies, offline."""
+    Vd = REPLAY.draft_vocab
+    k25_map = build_vocab_mapping(count_reply_tokens(train, head.cfg.vocab_size), Vd)
+    swapped = load_draft(k2_draft, head, dtype=torch.float32)
+    with torch.no_grad():                 # the costly mistake: new map, rows left in place
+        swapped.d2t.copy_(k25_map[0])
+        swapped.t2d.copy_(k25_map[1])
+    arms = {"from scratch": fresh_draft(tiny_draft_config(head, Vd), head, DEMO.seed, k25_map),
+            "K2 drafter, K2.5 d2t swapped in": swapped,
+            "K2 drafter, its own K2 map": load_draft(k2_draft, head, dtype=torch.float32),
+            "remap-draft, then fine-tune": remap_draft(k2_draft, head, tokenizer, tokenizer,
+                                                       paths["k25_train.jsonl"], Vd,
+                                                       DEMO.seed)[0]}
+    cfg = TrainConfig(steps=REPLAY.arm_steps, batch=REPLAY.batch, lr=REPLAY.lr, warmup=10,
+                      eval_every=REPLAY.eval_every, save_every=REPLAY.arm_steps, seed=DEMO.seed)
+    results = {}
+    for i, (name, draft) in enumerate(arms.items()):
+        curve = [(0, evaluate_draft(head, draft, held_out, tokenizer.pad_token_id))]
+        loss0 = held_out_loss(head, draft, held_out, tokenizer.pad_token_id)
+        train_draft(head, draft, train, held_out, cfg, os.path.join(paths["arms"], str(i)),
+                    tokenizer.pad_token_id, curve=curve)
+        results[name] = dict(draft=draft, loss0=loss0, curve=curve)
+    return results
+
+
+def replay_vocab(k2_draft, tokenizer, paths):
+    """The K2 map against the maps train builds from K2.5 data: same tokenizer; retrained."""
+    k2_ids = vocab_map_ids(raw_vocab_map(k2_draft)[0])
+    out = {}
+    for name, tok_dir in (("same tokenizer", paths["k25"]),
+                          ("retrained tokenizer", paths["k25_new_tokenizer"])):
+        tok = load_tokenizer(tok_dir, None)
+        train = training_examples(tok, paths["k25_train.jsonl"], 2048)
+        V = read_target_config(tok_dir).vocab_size
+        ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(k2_ids))[0])
+        out[name] = compare_vocab_maps(k2_ids, tokenizer, ids, tok)
+    return out
+
+
+def plot_curves(results, path):
+    """The held-out step-0 accuracy curves as a PNG, when matplotlib is installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in results.items():
+        ax.plot([s for s, _ in r["curve"]], [a[0] for _, a in r["curve"]], marker="o", label=name)
+    ax.set(xlabel="fine-tuning step", ylabel="held-out step-0 draft accuracy",
+           title="moving a drafter from K2 to K2.5 (tiny)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def cmd_seed_replay(args):
+    t0, paths = time.time(), replay_paths()
+    k25, tokenizer = replay_inputs(paths)
+    k2_draft = paths["k2_draft"]
+    head = load_target_head(paths["k25"], features=paths["k25_features_train"])
+    train, held_out = replay_features(paths, "k25")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def encoded(part):
+        return [torch.tensor([tokenizer(chat_text(p)).input_ids])
+                for p in replay_prompts("k25", part)]
+    # phase 0: the K2 drafter served on K2.5, and the offline estimate from the features of
+    # the held-out replies next to the tau served on those same prompts
+    probe = load_draft(k2_draft, k25)
+    served = measure_decoding(k25, probe, encoded("decode"), DEMO.max_new_tokens, eos=eos)
+    chain = TreeShape(1, REPLAY.probe_chain - 1, REPLAY.probe_chain + 1)
+    chain_tau = served_tau(k25, probe, encoded("held_out"), eos, chain)
+    offline = probe_draft(head, load_draft(k2_draft, head), held_out, pad)
+    vocab = replay_vocab(k2_draft, tokenizer, paths)
+    results = replay_arms(head, k2_draft, tokenizer, paths, train, held_out)
+    for r in results.values():
+        r["tau"] = served_tau(k25, r["draft"], encoded("decode"), eos, TreeShape())
+    print0(seed_replay_report(served, chain_tau, offline, vocab, results))
+    png = plot_curves(results, paths["curves.png"])
+    print0(f"curves: {png}" if png else "curves: (install matplotlib for a PNG)")
+    print0(json.dumps(dict(
+        probe=dict(tau=round(served.tau, 3), tokens_per_s=round(served.spec_tokens_per_s, 1),
+                   plain_tokens_per_s=round(served.greedy_tokens_per_s, 1),
+                   break_even_tau=round(served.round_cost, 3), chain_tau=round(chain_tau, 3),
+                   offline_chain_tau=round(offline.replayed_tau[REPLAY.probe_chain - 1], 3)),
+        vocab={k: v._asdict() for k, v in vocab.items()},
+        arms={k: dict(loss0=round(r["loss0"], 3), tau=round(r["tau"], 3),
+                      acc0=[(s, round(a[0], 3)) for s, a in r["curve"]])
+              for k, r in results.items()}, seconds=round(time.time() - t0, 1))))
+
+
+def seed_replay_report(served, chain_tau, offline, vocab, results):
+    lines = ["seed-replay: a drafter trained for K2, moved to K2.5 (tiny models)", "",
+             "phase 0, the K2 drafter served on K2.5:",
+             f"  tree {tuple(TreeShape())}: tau {served.tau:.2f}, "
+             f"{served.spec_tokens_per_s:.0f} tokens/s vs {served.greedy_tokens_per_s:.0f} plain; "
+             f"{speed_verdict(served.tau, served.round_cost)}",
+             f"  chain of {REPLAY.probe_chain}: served tau {chain_tau:.2f}; offline from captured "
+             f"features: replayed {offline.replayed_tau[REPLAY.probe_chain - 1]:.2f} "
+             f"({offline.replayed_tau[REPLAY.probe_chain - 1] / chain_tau - 1:+.1%}), "
+             f"per-position expectation {offline.expected_tau[REPLAY.probe_chain - 1]:.2f}", "",
+             "the K2 map against the map train builds from K2.5 data:"]
+    for name, v in vocab.items():
+        lines.append(f"  {name}: positional d2t agreement {v.positional} of {v.entries}, shared "
+                     f"tokens {v.overlap} of {v.entries}{' (by string)' if v.by_string else ''}")
+        lines.append(f"    -> {v.verdict}")
+    steps = [s for s, _ in next(iter(results.values()))["curve"]]
+    lines += ["", f"fine-tuning on K2.5's own replies, {REPLAY.arm_steps} steps each (held-out "
+                  f"step-0 accuracy by step; tau served with the tree after training):",
+              f"  {'arm':34s} {'loss@0':>7s} " + " ".join(f"{'@' + str(s):>6s}" for s in steps)
+              + f" {'tau':>6s}"]
+    for name, r in results.items():
+        accs = " ".join(f"{a[0]:6.3f}" for _, a in r["curve"])
+        lines.append(f"  {name:34s} {r['loss0']:7.2f} {accs} {r['tau']:6.2f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# 20. command line
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "tiktoken.model", "vocab.json")
 
 
 def load_tokenizer(path, args):
@@ -2936,13 +3522,18 @@ def load_tokenizer(path, args):
     one) run it only with --trust-remote-code."""
     from transformers import AutoTokenizer
     trust = getattr(args, "trust_remote_code", False)
+    if not os.path.isdir(path):
+        fail(f"{path!r} is not a directory: expected a model dir with a tokenizer")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        fail(f"no tokenizer in {path!r} (none of {', '.join(TOKENIZER_FILES)}); point at the "
+             f"model dir whose tokenizer this is")
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except ValueError as e:
-        if "trust_remote_code" not in str(e):
-            raise
-        fail(f"the tokenizer in {path!r} ships its own code; rerun with --trust-remote-code "
-             f"if you trust it")
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            fail(f"the tokenizer in {path!r} ships its own code; rerun with "
+                 f"--trust-remote-code if you trust it")
+        fail(f"cannot load the tokenizer in {path!r}: {str(e).strip().splitlines()[0]}")
 
 
 def encode_prompt(tokenizer, text, chat, device):
@@ -3028,15 +3619,20 @@ def cmd_demo(args):
 
 
 def cmd_train(args):
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(args.target, args)
-    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
-    examples = [ex for ex in examples if len(ex.tokens) <= args.max_len and sum(ex.reply_mask)]
+    if bool(args.data) == bool(args.features):
+        fail("train needs exactly one of --data FILE.jsonl (online: the target runs) and "
+             "--features DIR (offline: captured features, the target's lm_head only)")
+    if args.features:   # only the embedding and lm_head of the target are read
+        target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                                  args.features)
+        examples = captured_examples(args.features)
+    else:
+        target = load_target(args.target, dtype=parse_dtype(args.dtype))
+        examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len)
     if len(examples) < 2:
-        fail(f"{args.data} gives {len(examples)} usable conversations (with an assistant turn, "
-             f"at most --max-len {args.max_len} tokens); need at least 2")
-    n_held = max(1, len(examples) // 50)
-    train, held_out = examples[n_held:], examples[:n_held]
+        fail(f"{args.data or args.features} gives {len(examples)} usable conversations (with "
+             f"an assistant turn, at most --max-len {args.max_len} tokens); need at least 2")
+    train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
                            aux_convention=args.aux_convention)
@@ -3049,9 +3645,61 @@ def cmd_train(args):
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
                       ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
                       save_every=max(1, steps // 10), seed=args.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id, args.resume)
+    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id_of(args.target, args),
+                      args.resume)
     print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
+
+
+def pad_id_of(path, args):
+    """The pad id a model dir's tokenizer uses (0 without one): only padded positions see it."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return 0
+    pad = load_tokenizer(path, args).pad_token_id
+    return pad if pad is not None else 0
+
+
+def cmd_capture(args):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len)
+    aux_layers = (read_draft_config(args.draft, target.cfg, aux_convention=args.aux_convention)
+                  .aux_layers if args.draft else target.cfg.default_aux_layers)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=len(examples))
+    if os.path.isfile(info_file) and read_json(info_file)["aux_layers"] != info["aux_layers"]:
+        fail(f"{args.out!r} holds features of hidden_states {read_json(info_file)['aux_layers']}"
+             f", not {info['aux_layers']}: capture into another directory")
+    if is_rank0():
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write(info_file, lambda f: write_json(f, info))
+    written = capture_features(target, examples, args.out, aux_layers)
+    print0(f"captured {written} samples ({len(examples) - written} were already there) into "
+           f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
+
+
+def cmd_eval_draft(args):
+    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                              args.features)
+    draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
+    stats = probe_draft(target, draft, captured_examples(args.features),
+                        pad_id_of(args.target, args), steps=args.ttt_steps)
+    print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
+    print0(f"greedy-chain acceptance rate by depth: "
+           f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
+           f"{args.draft_cost:g} plain steps)")
+    rows = []
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(args.verify_cost, args.draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
+    verdict = speed_verdict(best["replayed_tau"], best["break_even"])
+    print0(f"best chain: {best['drafts']} drafts: {verdict}")
+    print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
+                           chains=rows, best=best, verdict=verdict)))
 
 
 def golden_config(args):
@@ -3093,6 +3741,8 @@ def cmd_golden(args):
 def cmd_vocab_check(args):
     target_tok = load_tokenizer(args.target, args)
     draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    if args.against_draft or args.against_data:
+        return vocab_check_against(args, target_tok, draft_tok)
     fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
     print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
           f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
@@ -3106,6 +3756,41 @@ def cmd_vocab_check(args):
               f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
               f"Run remap-draft first.", file=sys.stderr)
     print(json.dumps(fit._asdict()))
+
+
+def vocab_check_against(args, target_tok, draft_tok):
+    """vocab-check --against-draft / --against-data: this drafter's map (in its own
+    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
+    or against the map train would build for the target from that data."""
+    d2t, _ = raw_vocab_map(args.draft)
+    if d2t is None:
+        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
+    if args.against_draft:
+        other, _ = raw_vocab_map(args.against_draft)
+        if other is None:
+            fail(f"{args.against_draft!r} has no d2t map to compare against")
+        other_ids = vocab_map_ids(other)
+        other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
+        what = f"the map of {args.against_draft}"
+    else:
+        V = read_target_config(args.target).vocab_size
+        train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
+        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
+        other_tok, what = target_tok, f"the map train builds from {args.against_data}"
+    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
+    unit = "token string" if cmp.by_string else "target id"
+    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
+    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
+    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
+    report = cmp._asdict()
+    data = args.data or args.against_data
+    if data:
+        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
+                      coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
+        print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
+              f"the other {report['coverage_other']:.1%}")
+    print(f"verdict: {cmp.verdict}")
+    print(json.dumps(report))
 
 
 def cmd_remap_draft(args):
@@ -3149,8 +3834,7 @@ def cmd_draft_check(args):
 def draft_check_accuracy(args, candidates):
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(args.target, args)
-    examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(args.data)]
-    examples = [ex for ex in examples if sum(ex.reply_mask)][:args.max_examples]
+    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
@@ -3216,6 +3900,9 @@ def cmd_bench(args):
         print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
     if world > 1:
         print0(f"(transformers baselines run in one process: skipped at world size {world})")
+    print0(f"a round costs {ours.round_cost:.2f} plain decode steps (measured), so the "
+           f"break-even tau of tree {tuple(TreeShape())} is {ours.round_cost:.2f}: "
+           f"{speed_verdict(ours.tau, ours.round_cost)}")
     print0(f"tau {ours.tau:.2f}, lossless {ours.lossless}, peak RSS {peak_rss_mb():.0f} MB; "
            f"all-reduces per token at W={world}: greedy {ours.greedy_allreduce[0]:.1f} "
            f"({ours.greedy_allreduce[1]:,.0f} B), speculative {ours.spec_allreduce[0]:.1f} "
@@ -3229,6 +3916,7 @@ def cmd_bench(args):
         speedup_vs_hf_generate=ratio(ours.spec_tokens_per_s, hf_plain),
         greedy_vs_hf_generate=ratio(ours.greedy_tokens_per_s, hf_plain),
         speedup_vs_hf_assisted=ratio(ours.spec_tokens_per_s, hf_assisted), world_size=world,
+        break_even_tau=round(ours.round_cost, 3),
         allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
                                        speculative=round(ours.spec_allreduce[0], 3)),
         allreduce_bytes_per_token=dict(greedy=round(ours.greedy_allreduce[1], 1),
@@ -3377,7 +4065,8 @@ def add_training_commands(sub):
     t = sub.add_parser("train", parents=[remote],
                        help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
-    t.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
+    t.add_argument("--data", help="JSONL: ShareGPT conversations or messages")
+    t.add_argument("--features", help="offline: a captured features dir instead of --data")
     t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--batch", type=int, default=8)
@@ -3397,6 +4086,12 @@ def add_training_commands(sub):
     vc.add_argument("--target", required=True)
     vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
     vc.add_argument("--data", help="JSONL chat data for t2d coverage")
+    vc.add_argument("--against-draft", help="compare the map with this drafter's")
+    vc.add_argument("--against-tokenizer", help="the tokenizer --against-draft's map lives in "
+                                                "(default: --target's)")
+    vc.add_argument("--against-data", help="compare the map with the one train would build "
+                                           "for --target from this JSONL")
+    vc.add_argument("--max-len", type=int, default=2048)
     vc.set_defaults(run=cmd_vocab_check)
     rd = sub.add_parser("remap-draft", parents=[remote],
                         help="re-map a drafter's vocab onto a new target")
@@ -3409,6 +4104,32 @@ def add_training_commands(sub):
     rd.add_argument("--seed", type=int, default=0)
     rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     rd.set_defaults(run=cmd_remap_draft)
+    cap = sub.add_parser("capture", parents=[remote],
+                         help="write target features of chat data in SpecForge's offline layout")
+    cap.add_argument("--target", required=True)
+    cap.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
+    cap.add_argument("--out", required=True, help="features dir (rows_*/data_*.ckpt)")
+    cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
+    cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    cap.add_argument("--max-len", type=int, default=2048)
+    cap.add_argument("--dtype")
+    cap.set_defaults(run=cmd_capture)
+    ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
+                                           "acceptance, expected tau and break-even")
+    ev.add_argument("--draft", required=True)
+    ev.add_argument("--features", required=True, help="captured features (held out)")
+    ev.add_argument("--target", required=True, help="its config, embedding and lm_head only")
+    ev.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    ev.add_argument("--draft-cost", type=float, default=0.05,
+                    help="one draft step in plain decode steps (measure it: bench)")
+    ev.add_argument("--verify-cost", type=float, default=1.1,
+                    help="one verify forward in plain decode steps")
+    ev.add_argument("--dtype")
+    ev.set_defaults(run=cmd_eval_draft)
+    sr = sub.add_parser("seed-replay", help="a drafter moved from K2 to K2.5, replayed on tiny "
+                                            "models: probe, vocab map, four fine-tuning arms")
+    sr.set_defaults(run=cmd_seed_replay)
     dc = sub.add_parser("draft-check", parents=[remote],
                         help="which target features does a drafter read under each engine's "
                              "convention, and which fits (with --data)?")

@@ -3827,6 +3827,244 @@ def test_remap_draft_carries_over_the_drafter_body_unchanged(golden_vocab):
 
 
 # ----------------------------------------------------------------------------------------
+# offline features: capture, eval-draft, train --features (SpecForge's offline layout)
+
+
+def run_command(argv):
+    """A subcommand in this process (so the test can instrument it), its stdout lines."""
+    args = E.build_parser().parse_args([str(a) for a in argv])
+    args.run(args)
+
+
+def chat_data(path):
+    path.write_text("\n".join(train_jsonl_line(i, m)
+                              for i, m in enumerate(train_conversations())) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def captured(train_chat_target, tmp_path_factory):
+    c = train_chat_target
+    root = tmp_path_factory.mktemp("captured")
+    data = chat_data(root / "chats.jsonl")
+    run_command(["capture", "--target", c.dir, "--data", data, "--out", root / "features"])
+    target = E.load_target(c.dir, dtype=torch.float32)
+    examples = E.training_examples(c.tok, str(data), 2048)
+    return SimpleNamespace(dir=str(root / "features"), data=str(data), target=target,
+                           examples=examples, root=root)
+
+
+def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
+                                                                        captured):
+    c, examples = train_chat_target, captured.examples
+    assert len(examples) == 18
+    for i, ex in enumerate(examples):
+        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        sample = torch.load(file, weights_only=True)
+        assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
+        T = len(ex.tokens)
+        assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
+            ex.reply_mask
+        assert sample["hidden_state"].shape == (1, T, 32)
+        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
+        logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
+        assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
+        assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
+
+
+def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
+                                                                         captured, tmp_path,
+                                                                         monkeypatch):
+    c, out = train_chat_target, tmp_path / "features"
+    real, written = E.atomic_write, []
+
+    def killed_after_7(path, write):
+        if path.endswith(".ckpt") and len(written) == 7:
+            write(f"{path}.tmp999")              # a kill mid-write leaves a temporary file
+            raise KeyboardInterrupt("killed")
+        written.append(path)
+        real(path, write)
+    monkeypatch.setattr(E, "atomic_write", killed_after_7)
+    with pytest.raises(KeyboardInterrupt):
+        run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
+    monkeypatch.setattr(E, "atomic_write", real)
+    run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
+    files = sorted(os.listdir(out / "rows_0-2000"))
+    assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
+        f"data_{i}.ckpt" for i in range(18))
+    for i in range(18):
+        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                       weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a), i
+    assert len(E.captured_examples(str(out))) == 18
+
+
+def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
+    import gzip
+    group = tmp_path / "rows_0-2000"
+    group.mkdir()
+    for i in range(3):
+        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
+            g.write(f.read())
+    examples = E.captured_examples(str(tmp_path))
+    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
+
+
+def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
+        train_chat_target, captured):
+    c = train_chat_target
+    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
+                      if m))[:64]
+    draft = train_new_draft(captured.target, kept, seed=82)   # taught the data: hits > 0
+    E.train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
+                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
+    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
+    head = E.load_target_head(c.dir, features=captured.dir)
+    offline = E.probe_draft(head, E.load_draft(str(captured.root / "probe_draft"), head),
+                            E.captured_examples(captured.dir), 0)
+    live = E.probe_draft(captured.target, live_draft, captured.examples, 0)
+    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
+    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
+    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
+
+
+def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(ds_zoo, tmp_path,
+                                                                       monkeypatch, capsys):
+    # an MoE target: its experts and attention must stay unread
+    target = ds_zoo.target("ds-v3")
+    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
+                for i in range(4)]
+    E.capture_features(target, examples, str(tmp_path / "features"),
+                       target.cfg.default_aux_layers)
+    E.save_draft(random_draft(target, seed=3), str(tmp_path / "draft"))
+    read, real = [], E.Checkpoint.read
+
+    def recording(self, name, *args, **kwargs):
+        read.append((self.path, name))
+        return real(self, name, *args, **kwargs)
+    monkeypatch.setattr(E.Checkpoint, "read", recording)
+    run_command(["eval-draft", "--draft", tmp_path / "draft", "--features", tmp_path / "features",
+                 "--target", ds_zoo.dir("ds-v3")])
+    target_reads = [name for path, name in read if path == ds_zoo.dir("ds-v3")]
+    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(report["expected_tau"]) == 7 and report["step_accuracy"][0] >= 0
+
+
+def test_offline_training_from_features_equals_online_training_step_for_step(
+        train_chat_target, captured):
+    c = train_chat_target
+    head = E.load_target_head(c.dir, features=captured.dir)
+    online, offline = captured.examples, E.captured_examples(captured.dir)
+    kept = sorted(set(t for ex in online for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
+    drafts = [train_new_draft(t, kept, seed=81) for t in (captured.target, head)]
+    cfg = train_config(steps=6, batch=4)
+    opts = [E.new_optimizer(d, cfg) for d in drafts]
+    for step in range(cfg.steps):
+        rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
+        a = E.train_step(captured.target, drafts[0], opts[0], [online[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        b = E.train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        for la, lb in zip(a.losses, b.losses):
+            assert float(la) == pytest.approx(float(lb), rel=1e-5, abs=1e-7), step
+        assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
+    for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
+        assert_close(pb.detach(), pa.detach(), name)
+
+
+def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
+    out = captured.root / "offline_draft"
+    proc = train_cli(["train", "--target", train_chat_target.dir, "--features", captured.dir,
+                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64"],
+                     cwd=captured.root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    draft = E.load_draft(str(out), captured.target)
+    assert draft.cfg.draft_vocab_size == 64
+
+
+# break-even: a round = 1 verify + k draft steps, in plain decode steps
+
+@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
+    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
+    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
+    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
+    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
+])
+def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
+                                                          slower):
+    even = E.break_even_tau(verify, draft, drafts)
+    assert even == pytest.approx(expected)
+    verdict = E.speed_verdict(tau, even)
+    assert ("makes decoding slower" in verdict) == slower
+    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
+
+
+def test_chain_stats_by_hand():
+    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
+    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
+               torch.tensor([[False, False]])]
+    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
+              torch.tensor([[True, False]])]
+    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
+                    [s.float().sum() for s in scored], correct, scored)
+    stats = E.chain_stats([r])
+    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
+    assert stats.accept_rate == [1.0, 0.5, 0.0]
+    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
+    assert stats.step_accuracy == [1.0, 0.5, 0.0]
+
+
+# vocab-check --against-*: positional d2t agreement vs the draft vocabularies as sets
+
+
+def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(golden_vocab,
+                                                                          tmp_path):
+    # The map train would build from other data of the same kind shares almost all tokens
+    # with the drafter's, but one different token early in the sorted vocabulary shifts
+    # every later d2t offset: low positional agreement, high overlap -> "remap".
+    tok1 = golden_vocab["tok1"]
+    pairs = E.synthetic_corpus(300, 10)
+    golden_write_jsonl(tmp_path / "other.jsonl", pairs)
+    end = tok1.convert_tokens_to_ids(E.END)
+    counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
+    other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
+    kept = golden_vocab["kept"].tolist()
+    proc = golden_finish(golden_cli("vocab-check", "--draft", golden_vocab["draft1"], "--target",
+                                    golden_vocab["target1"], "--draft-tokenizer",
+                                    golden_vocab["target1"], "--against-data",
+                                    tmp_path / "other.jsonl"))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["positional"] == sum(a == b for a, b in zip(kept, other))
+    assert report["overlap"] == len(set(kept) & set(other))
+    assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
+    assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
+    assert "remap the lm_head rows (remap-draft)" in proc.stdout
+
+
+def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
+        golden_vocab):
+    tok1, tok2 = golden_vocab["tok1"], golden_vocab["tok2"]
+    proc = golden_finish(golden_cli(
+        "vocab-check", "--draft", golden_vocab["draft1"], "--target", golden_vocab["target2"],
+        "--draft-tokenizer", golden_vocab["target1"], "--against-draft", golden_vocab["draft2"],
+        "--against-tokenizer", golden_vocab["target2"]))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    with safe_open(os.path.join(golden_vocab["draft2"], "model.safetensors"), framework="pt") as f:
+        ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
+    a = [tok1.convert_ids_to_tokens(i) for i in golden_vocab["kept"].tolist()]
+    b = [tok2.convert_ids_to_tokens(i) for i in ids2]
+    assert report["by_string"]
+    assert report["positional"] == sum(x == y for x, y in zip(a, b))
+    assert report["overlap"] == len(set(a) & set(b))
+    assert report["overlap"] > report["positional"]        # strings shared, offsets shifted
+
+
+# ----------------------------------------------------------------------------------------
 # the file's structure: Part I (the method) never calls Part II (tools)
 
 
