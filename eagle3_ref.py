@@ -262,9 +262,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(inv_freq, positions, scale, dtype):
-    """cos/sin tables for integer positions (T,), computed in fp32 like transformers."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (T, hs/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                                       # (T, hs)
+    """cos/sin tables for integer positions (T,), or per row (B, T), computed in fp32 like
+    transformers; per-row tables get a head axis: (B, 1, T, hs)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)       # (.., T, hs/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                      # (.., T, hs)
+    if positions.dim() == 2:
+        emb = emb[:, None]                                                       # (B, 1, T, hs)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
@@ -288,9 +291,10 @@ def causal_mask(T, start, device):
 
 
 def attention_bias(mask, dtype):
-    """bool mask (T, S), True = may attend -> additive bias: 0 allowed, -inf blocked.
-    Built once per forward pass rather than once per layer."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    """bool mask (T, S), or per row (B, T, S), True = may attend -> additive bias: 0
+    allowed, -inf blocked ((B, 1, T, S) per row). Built once per forward, not per layer."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    return bias[:, None] if mask.dim() == 3 else bias
 
 
 def attend(q, k, v, bias):
@@ -301,13 +305,21 @@ def attend(q, k, v, bias):
 
 def cache_append(kv, start, a, b):
     """Write a, b (B, heads, T, .) at slots start..start+T-1 of the cache slabs kv = (A, B)
-    and return slots 0..start+T-1 of both; without slabs, a and b themselves."""
+    and return slots 0..start+T-1 of both; without slabs, a and b themselves. With a
+    start per row (a (B,) tensor), row i is written at its own slots and the slots up to the
+    longest row's end are returned (the mask hides what a row does not own)."""
     if kv is None:
         return a, b
     T = a.shape[2]
-    kv[0][:, :, start:start + T] = a
-    kv[1][:, :, start:start + T] = b
-    return kv[0][:, :, :start + T], kv[1][:, :, :start + T]                    # (B, ., S, .)
+    if isinstance(start, int):
+        kv[0][:, :, start:start + T] = a
+        kv[1][:, :, start:start + T] = b
+        return kv[0][:, :, :start + T], kv[1][:, :, :start + T]                # (B, ., S, .)
+    for i, s in enumerate(start.tolist()):
+        kv[0][i, :, s:s + T] = a[i]
+        kv[1][i, :, s:s + T] = b[i]
+    end = int(start.max()) + T
+    return kv[0][:, :, :end], kv[1][:, :, :end]                                 # (B, ., S, .)
 
 
 def attend_cached(q, k, v, bias, kv=None, start=0):
@@ -556,7 +568,8 @@ class Target(nn.Module):
                 tally=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
         (T, start+T) bool (default causal). With a cache, K/V are written at slots
-        start..start+T-1 and the first `start` slots are the prefix.
+        start..start+T-1 and the first `start` slots are the prefix. A batch of sequences
+        with their own lengths passes start (B,), positions (B, T) and mask (B, T, S).
         Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
         of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
         aux_layers=() when no features are needed (aux is then None). The all-reduces are
@@ -750,6 +763,44 @@ class Tree(NamedTuple):
     retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
 
 
+class Preset(NamedTuple):
+    """An engine's EAGLE-3 conventions as switches; the code branches on the switches,
+    never on a preset's name (PRESETS: the official code, SGLang, vLLM). In all three the
+    output stops exactly at max_new_tokens and at the first EOS, and siblings are tried in
+    ascending node index."""
+    name: str
+    score_space: str          # tree scores: "logprob" = sum of fp32 log-softmax (official),
+                              # "prob" = running product of fp32 softmax (SGLang)
+    argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
+    draft_pos_offset: int     # 1: level tokens drafted one RoPE position late (SGLang < #25015)
+    warper_order: str         # "T-p-k" (official) or "T-k-p" (SGLang, vLLM, transformers)
+    verify: str               # sampled verification: "sequential" (official, one uniform per
+                              # tried child), "cumulative" (SGLang, one coin per tree node),
+                              # "onehot" (vLLM, u <= p(x) and an Exp(1) vector per request)
+    threshold_single: float = 1.0  # SGLang: a child with p >= this is accepted (1.0 = off)
+    threshold_acc: float = 1.0     # SGLang: accept when coin <= sum(p) / this (1.0: lossless)
+    tau: str = "decided"      # reported accept length: "decided" = mean(accepted + 1) as
+                              # decided, drafts after an EOS included (official, vLLM);
+                              # "emitted" = tokens actually emitted per round (SGLang)
+
+
+PRESETS = dict(
+    official=Preset("official", score_space="logprob", argmax_chain=False, draft_pos_offset=0,
+                    warper_order="T-p-k", verify="sequential"),
+    sglang=Preset("sglang", score_space="prob", argmax_chain=False, draft_pos_offset=0,
+                  warper_order="T-k-p", verify="cumulative", tau="emitted"),
+    vllm=Preset("vllm", score_space="prob", argmax_chain=True, draft_pos_offset=0,
+                warper_order="T-k-p", verify="onehot"))
+
+
+def as_preset(preset):
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
+    return PRESETS[preset]
+
+
 def check_tree_shape(shape, draft_vocab_size):
     for name, value in zip(shape._fields, shape):
         if not isinstance(value, int) or value < 1:
@@ -800,9 +851,19 @@ def tree_from_parents(tokens, parents):
     return Tree(tokens, parents, positions, mask, retrieve)
 
 
-def draft_log_probs(draft, h):
-    # log-softmax in fp32 whatever the model dtype: fewer exact ties than fp16/bf16 scores
-    return torch.log_softmax(draft.logits(h).float(), dim=-1)
+def draft_scores(draft, h, score_space="logprob"):
+    """Scores of the drafter's next tokens, in fp32 whatever the model dtype (fewer exact
+    ties than fp16/bf16): log-probabilities that add along a path, or (SGLang) probabilities
+    that multiply. The orders agree up to fp32 rounding and underflow to 0."""
+    logits = draft.logits(h).float()
+    return torch.log_softmax(logits, -1) if score_space == "logprob" else torch.softmax(logits, -1)
+
+
+def extend_scores(scores, child_scores, score_space):
+    """Cumulative score of each child: the path's log-probability, or its probability."""
+    if score_space == "logprob":
+        return scores[:, None] + child_scores                                   # (K, K)
+    return scores[:, None] * child_scores
 
 
 def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
@@ -854,12 +915,13 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 # scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
 
 
-def grow_tree(draft, cache, n, h_last, root, shape):
+def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
     """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
-    draft K/V go to slots n.. and are discarded by the next draft_prefix."""
-    K, device = shape.top_k, h_last.device
+    draft K/V go to slots n.. and are discarded by the next draft_prefix. The preset picks
+    the score space and the draft RoPE offset."""
+    K, device, space = shape.top_k, h_last.device, preset.score_space
     # 1) level 1: the K best children of the root
-    scores, ids = topk_first_index(draft_log_probs(draft, h_last)[0], K)    # (K,)
+    scores, ids = topk_first_index(draft_scores(draft, h_last, space)[0], K)    # (K,)
     tokens = draft.to_target_ids(ids)
     pool_scores, pool_tokens = [scores], [tokens]
     group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
@@ -869,11 +931,11 @@ def grow_tree(draft, cache, n, h_last, root, shape):
     for it in range(shape.depth):
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
-        positions = torch.full((K,), n + it, device=device)
+        positions = torch.full((K,), n + it + preset.draft_pos_offset, device=device)
         out = draft(h[None], tokens[None], positions, prefix_mask(n, tree_mask), cache,
                     n + it * K)[0]                                           # (K, D)
-        child_logp, child_ids = topk_first_index(draft_log_probs(draft, out), K)  # (K, K)
-        cum = scores[:, None] + child_logp           # (K, K) cumulative log-prob per child
+        child_scores, child_ids = topk_first_index(draft_scores(draft, out, space), K)
+        cum = extend_scores(scores, child_scores, space)    # (K, K) cumulative, per child
         pool_scores.append(cum.flatten())                                    # (K*K,)
         pool_tokens.append(draft.to_target_ids(child_ids).flatten())         # (K*K,)
         group_parent.append(inputs)                  # input r's K children form a group
@@ -918,6 +980,8 @@ class Sampling(NamedTuple):
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
+    order: str = "T-k-p"       # warpers: temperature, top-k, top-p (transformers, SGLang, vLLM)
+                               # or "T-p-k": top-p before top-k (the official EAGLE code)
 
     @property
     def greedy(self):
@@ -925,6 +989,8 @@ class Sampling(NamedTuple):
 
 
 def check_sampling(s):
+    if s.order not in ("T-k-p", "T-p-k"):
+        fail(f"warper order {s.order!r} must be 'T-k-p' or 'T-p-k'")
     if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
         fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
     if not 0 < s.top_p <= 1:
@@ -934,20 +1000,31 @@ def check_sampling(s):
 
 
 def warped_probs(logits, s):
-    """Warped distribution with transformers' semantics, in float64: temperature, then
-    top-k (keep every token >= the k-th largest logit), then top-p (drop the low tokens
-    whose cumulative probability stays <= 1 - top_p; the top token always survives).
-    Both the target's p and, in the chain scheme, the drafter's q go through it."""
+    """Warped distribution with transformers' warper semantics, in float64: temperature,
+    then top-k (keep every token >= the k-th largest logit) and top-p (drop the low tokens
+    whose cumulative probability stays <= 1 - top_p; the top token always survives) in the
+    order s.order names. Both the target's p and, in the chain scheme, the drafter's q go
+    through it."""
     x = logits.double() / s.temperature
-    if s.top_k > 0:
-        kth = torch.topk(x, min(s.top_k, x.shape[-1])).values[..., -1:]
-        x = x.masked_fill(x < kth, -math.inf)
-    if s.top_p < 1:
-        sorted_x, order = torch.sort(x, stable=True)                    # ascending
-        drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - s.top_p
-        drop[..., -1] = False
-        x = x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    for warper in ("k", "p") if s.order == "T-k-p" else ("p", "k"):
+        x = top_k_mask(x, s.top_k) if warper == "k" else top_p_mask(x, s.top_p)
     return x.softmax(-1)
+
+
+def top_k_mask(x, k):
+    if k <= 0:
+        return x
+    kth = torch.topk(x, min(k, x.shape[-1])).values[..., -1:]
+    return x.masked_fill(x < kth, -math.inf)
+
+
+def top_p_mask(x, top_p):
+    if top_p >= 1:
+        return x
+    sorted_x, order = torch.sort(x, stable=True)                        # ascending
+    drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[..., -1] = False
+    return x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
 
 
 def sample_inverse_cdf(p, u):
@@ -982,16 +1059,6 @@ class Acceptance(NamedTuple):
     accepted: int        # a = drafted tokens accepted
     bonus: int           # the target's own next token after the path
     uniforms: list       # the uniforms this round used, in order (empty when greedy)
-
-
-@torch.inference_mode()
-def verify_tree(target, cache, n, tree, aux_layers, tally=None):
-    """Target forward of the N tree nodes at cache slots n..n+N-1 -> logits (N, V), aux."""
-    device = cache[0].device
-    mask = prefix_mask(n, tree.mask.to(device))                                  # (N, n+N)
-    logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device), mask,
-                         cache, n, aux_layers, tally)
-    return logits[0], aux[0]
 
 
 def commit(cache, start, path):
@@ -1118,6 +1185,68 @@ def accept_chain(logits, drafts, q, uniforms, sampling):
     return Acceptance(torch.arange(k + 1), k, bonus, coins.used)
 
 
+# ---- the engines' sampled verification (presets) ----
+#
+# SGLang and vLLM verify samples differently from the official code, with their own random
+# numbers. Both are lossless at their defaults; the same coins give different tokens.
+
+
+def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
+                      kids=None):
+    """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
+    target distribution at every node; coins (N,): one per tree node, used by the nodes
+    that become parents (the root first); final_coin: one per request.
+    At the current node, children in ascending node index add their (unnormalised) p to a
+    running sum; a child is accepted when coin <= sum / threshold_acc or p >= threshold_single,
+    and its own coin carries on. One coin is thus an inverse-CDF draw over the children
+    (lossless at the default thresholds 1, 1; lower ones accept more and are lossy). The
+    bonus: at the last accepted node, final_coin * sum(r) through the CDF of r, r = p with
+    the rejected children's p removed (p itself after a full-depth path). `kids` (each
+    node's children in the order tried) defaults to ascending node index, as SGLang builds
+    its trees."""
+    kids, ta = kids or children_of(tree.parents), max(threshold_acc, 1e-9)
+    node, path, depth = 0, [0], tree.retrieve_indices.shape[1] - 1
+    rejected = torch.zeros_like(p[0])
+    while len(path) <= depth:
+        mass, coin = torch.zeros((), dtype=torch.float32), coins[node]
+        for child in kids[node]:
+            x = int(tree.tokens[child])
+            mass = mass + p[node, x]                     # fp32 running sum, as the kernel
+            if coin <= mass / ta or p[node, x] >= threshold_single:
+                break
+            rejected[x] = p[node, x]
+        else:
+            break                                        # every child rejected, or a leaf
+        node, rejected = child, torch.zeros_like(rejected)
+        path.append(node)
+    r = p[node] if len(path) > depth else (p[node] - rejected).clamp(min=0)
+    return Acceptance(torch.tensor(path), len(path) - 1, cdf_pick(r, final_coin), [])
+
+
+def cdf_pick(r, coin):
+    """SGLang's final draw: the first id whose fp32 cumulative sum exceeds coin * sum(r),
+    among ids with r > 0 (else the last id with r > 0, else V - 1)."""
+    cdf = r.float().cumsum(-1)
+    hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
+    live = (r > 0).nonzero()
+    return int(hit[0]) if len(hit) else int(live[-1]) if len(live) else len(r) - 1
+
+
+def accept_onehot(p, drafts, uniforms, exponentials, bonus):
+    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i (its target
+    distribution p[i]) is accepted iff p[i](x) >= uniforms[i] (float64); at the first
+    rejection the recovered token is argmax(r * (1 / E)) with r = p[i] with x zeroed and E
+    one Exp(1) vector per request (an exponential race: a sample of r / sum r); after the
+    last draft, the bonus (drawn before verification by the plain sampler)."""
+    for i, x in enumerate(drafts.tolist()):
+        if float(p[i, x]) >= float(uniforms[i]):
+            continue
+        r = p[i].clone()
+        r[x] = 0
+        return Acceptance(torch.arange(i + 1), i, int((r * (1 / exponentials)).argmax()), [])
+    return Acceptance(torch.arange(len(drafts) + 1), len(drafts), bonus, [])
+
+
 # ----------------------------------------------------------------------------------------
 # 8. generation
 #
@@ -1141,21 +1270,28 @@ def check_generation_args(input_ids, max_new_tokens, capacity, reserve=0):
              f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
 
 
-def check_speculative_args(target, draft, input_ids, max_new_tokens, sampling, tree, scheme):
-    """Every argument of speculative_generate checked before any work -> the TreeShape to
-    run (a chain of depth+1 sampled drafts keeps only the depth)."""
+def check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree, scheme,
+                           preset):
+    """Every argument of speculative decoding checked before any work -> the TreeShape to
+    run (a chain of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
     check_sampling(sampling)
     if scheme not in SCHEMES:
         fail(f"scheme={scheme!r} must be one of {SCHEMES}")
     if scheme == "chain" and sampling.greedy:
         fail(f"scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
              f"use scheme='tree' (a greedy chain is a tree with top_k=1)")
+    if scheme == "chain" and preset.verify != "sequential":
+        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
+             f"its own drafts: use scheme='tree'")
     shape = TreeShape(*tree)
-    if scheme == "chain":
+    if scheme == "chain" or preset.argmax_chain:
         shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
-                          reserve=shape.total_tokens)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        fail("prompts must be a non-empty list of (1, T) token-id tensors")
+    for ids in prompts:
+        check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
+                              reserve=shape.total_tokens)
     return shape
 
 
@@ -1215,9 +1351,11 @@ def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, comm=N
 
 
 def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None, comm=None):
-    """Plain sampling: one uniform per token, inverse CDF of the warped distribution."""
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+                    seed=0, eos_token_id=None, comm=None, preset="official"):
+    """Plain sampling: one uniform per token, inverse CDF of the warped distribution (warped
+    in the preset's order: the distribution its speculative decoding keeps)."""
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
+                        order=as_preset(preset).warper_order)
     return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
                                    eos_token_id, comm)
 
@@ -1227,8 +1365,10 @@ class Round(NamedTuple):
     path: torch.Tensor    # accepted node indices, root first
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
-    uniforms: list        # this round's uniforms in draw order (sampling only)
-    comm: dict            # {draft, verify, decide: Tally}: the collectives it sent
+    uniforms: list        # this round's uniforms in draw order (official sampling only)
+    comm: dict            # {draft, verify, decide: Tally}: the collectives it took part in
+                          # (the verify forward is shared by all rows of a batch)
+    draws: dict = None    # SGLang / vLLM sampling: their random numbers, in their layout
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
     draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
 
@@ -1241,87 +1381,197 @@ class SpecResult(NamedTuple):
     prefill_comm: dict    # {prefill, decide: Tally}: the collectives before round 1
 
 
-class Caches(NamedTuple):
-    target: KVCache       # the target's K/V: n valid slots, then room for one tree
-    draft: KVCache        # the drafter's K/V: n valid positions, then tree scratch slots
-
-
 class RoundState(NamedTuple):
-    """Where a round starts. The target's cache holds n tokens; the drafter's holds all but
-    the last m of them, whose features arrived with the last verify (the prompt's with the
-    prefill) and are encoded at the start of the next round, as the official code does."""
+    """Where a sequence's next round starts. The target's cache holds n tokens; the
+    drafter's holds all but the last m, whose features arrived with the last verify (the
+    prompt's with the prefill) and are encoded at the start of the round, as the official
+    code does."""
     n: int                   # tokens in the target's cache (the accepted prefix)
     root: int                # the target's last token: the next tree's root
     features: torch.Tensor   # (1, m, 3*D_t) target features of the last m cached tokens
     next_tokens: torch.Tensor  # (1, m) the token after each of them (pair convention)
 
 
-def speculation_round(target, draft, caches, state, shape, scheme, sampling, uniforms,
-                      record_logits=False):
-    """One round: encode the newly accepted tokens in the drafter, draft a tree (or sample a
-    chain), verify it in one target pass, accept, and keep the accepted nodes' target K/V
-    (commit). Returns the Round and the state the next round starts from."""
-    device, m = state.features.device, state.features.shape[1]
-    comm = new_comm("draft", "verify", "decide")
-    # 1) drafter: pair (feature of token i, token i+1) for the m new tokens
-    h_last = draft_prefix(draft, caches.draft, state.n - m, state.features, state.next_tokens)
-    root = torch.tensor(state.root, device=device)
-    # 2) draft, 3) verify, 4) accept
+class Caches(NamedTuple):
+    target: tuple         # the target's (L, B, ...) KVCache or LatentCache: one row per sequence
+    drafts: list          # one drafter KVCache per sequence
+
+
+class Randomness(NamedTuple):
+    """A sequence's random numbers: one seeded generator; the official scheme reads it as a
+    stream of uniforms, the engines' schemes draw their tensors from it."""
+    generator: torch.Generator
+    uniforms: object      # uniform_stream(generator)
+
+
+def row_cache(cache, b):
+    """Row b of a batched cache as a batch-1 cache of views (writes land in the batch)."""
+    return type(cache)(*(slab[:, b:b + 1] for slab in cache))
+
+
+def draft_row(draft, cache, state, shape, scheme, preset, sampling, uniforms, tally):
+    """Steps 1-2 for one sequence: encode its newly accepted tokens (pair: feature of token
+    i, token i+1), then draft its tree (or sample a chain). -> (tree, q or None, uniforms)."""
+    m = state.features.shape[1]
+    h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
+    root = torch.tensor(state.root, device=h_last.device)
     if scheme == "chain":
-        tree, q, drafting_uniforms = draft_chain(draft, caches.draft, state.n, h_last, root,
-                                                 shape.depth + 1, uniforms, sampling,
-                                                 comm["draft"])
-        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers,
-                                  comm["verify"])
-        acc = accept_chain(logits, tree.tokens[1:], q, uniforms, sampling)
-    else:
-        tree, q, drafting_uniforms = grow_tree(draft, caches.draft, state.n, h_last, root,
-                                               shape), None, []
-        logits, aux = verify_tree(target, caches.target, state.n, tree, draft.cfg.aux_layers,
-                                  comm["verify"])
-        acc = (accept_greedy(logits, tree) if sampling.greedy else
-               accept_sampled(logits, tree, uniforms, sampling))
-    acc = broadcast_acceptance(acc, len(tree.tokens), device, comm["decide"])
-    # 5) commit: the accepted nodes' K/V move to the front of the target's free slots
-    path = acc.path.to(device)
-    new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
-    state = RoundState(commit(caches.target, state.n, path), acc.bonus, aux[path][None],
-                       new_tokens[None].to(device))
-    recorded = (logits.float().cpu(), None if q is None else q.cpu()) if record_logits else ()
-    return Round(tree, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
-                 comm, *recorded), state
+        return draft_chain(draft, cache, state.n, h_last, root, shape.depth + 1, uniforms,
+                           sampling, tally)
+    return grow_tree(draft, cache, state.n, h_last, root, shape, preset), None, []
+
+
+@torch.inference_mode()
+def verify_trees(target, cache, ns, trees, aux_layers, tally=None):
+    """Step 3: one target forward over every sequence's tree. Row b's N_b nodes go to cache
+    slots n_b.., at positions n_b + depth, each seeing its row's prefix and its ancestors;
+    trees are padded to the widest with nodes that see only the prefix and themselves.
+    -> per row (logits (N_b, V), aux (N_b, 3*D))."""
+    B, N, device = len(trees), max(len(t.tokens) for t in trees), cache[0].device
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
+    mask = torch.zeros(B, N, max(ns) + N, dtype=torch.bool)                     # (B, N, S)
+    for b, (n, t) in enumerate(zip(ns, trees)):
+        k = len(t.tokens)
+        tokens[b, :k], positions[b, :k] = t.tokens, n + t.positions
+        mask[b, :, :n] = True
+        mask[b, :, n:n + N] = torch.eye(N, dtype=torch.bool)
+        mask[b, :k, n:n + k] = t.mask
+    logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache,
+                         torch.tensor(ns), aux_layers, tally)
+    return [(logits[b, :len(t.tokens)], aux[b, :len(t.tokens)]) for b, t in enumerate(trees)]
+
+
+@torch.inference_mode()
+def verify_tree(target, cache, n, tree, aux_layers, tally=None):
+    """One sequence's verify: target forward of the N tree nodes at cache slots n..n+N-1 ->
+    logits (N, V), aux (N, 3*D)."""
+    return verify_trees(target, cache, [n], [tree], aux_layers, tally)[0]
+
+
+def engine_draws(preset, tree, vocab, generator):
+    """The random numbers an engine draws for one sequence's verification, in its order:
+    SGLang one float32 coin per tree node, then one final coin; vLLM the plain sampler's
+    Exp(1) vector for the bonus, one float64 uniform per draft, then one Exp(1) vector for
+    the recovered token."""
+    N, state = len(tree.tokens), generator.get_state()  # the state replays them all
+    if preset.verify == "cumulative":
+        return dict(coins=torch.rand(N, generator=generator),
+                    final_coin=torch.rand(1, generator=generator), generator_state=state)
+    return dict(bonus_exponentials=torch.empty(vocab).exponential_(generator=generator),
+                draft_uniforms=torch.rand(N - 1, dtype=torch.float64, generator=generator),
+                exponentials=torch.empty(vocab).exponential_(generator=generator),
+                generator_state=state)
+
+
+def accept_row(logits, tree, q, scheme, preset, sampling, randomness):
+    """Step 4 for one sequence -> (Acceptance, the engine's draws or None)."""
+    if sampling.greedy:
+        return accept_greedy(logits, tree), None
+    if scheme == "chain":
+        return accept_chain(logits, tree.tokens[1:], q, randomness.uniforms, sampling), None
+    if preset.verify == "sequential":
+        return accept_sampled(logits, tree, randomness.uniforms, sampling), None
+    draws = engine_draws(preset, tree, logits.shape[-1], randomness.generator)
+    p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
+    if preset.verify == "cumulative":
+        return accept_cumulative(p, tree, draws["coins"], draws["final_coin"][0],
+                                 preset.threshold_single, preset.threshold_acc), draws
+    bonus = int((p[-1] * (1 / draws["bonus_exponentials"])).argmax())
+    return accept_onehot(p, tree.tokens[1:], draws["draft_uniforms"], draws["exponentials"],
+                         bonus), draws
+
+
+def speculation_round(target, draft, caches, states, active, shape, scheme, preset, sampling,
+                      randomness, record_logits=False):
+    """One round for the sequences in `active` (states: every sequence's RoundState; a
+    finished one rides along in the batched verify with its root alone, its result unused):
+    1-2) each sequence drafts, 3) one target forward verifies all trees, 4) each is accepted
+    (rank 0 decides and broadcasts), 5) each commits its accepted nodes' target K/V.
+    Returns {row: Round} and the new states."""
+    device, drafted, comms = caches[0][0].device, {}, {}
+    for b in active:
+        comms[b] = new_comm("draft", "decide")
+        drafted[b] = draft_row(draft, caches.drafts[b], states[b], shape, scheme, preset,
+                               sampling, randomness[b].uniforms, comms[b]["draft"])
+    trees = [drafted[b][0] if b in active else tree_from_parents(
+        torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
+    verify = new_comm("verify")
+    verified = verify_trees(target, caches.target, [s.n for s in states], trees,
+                            draft.cfg.aux_layers, verify["verify"])
+    rounds, states = {}, list(states)
+    for b in active:
+        (tree, q, drafting_uniforms), (logits, aux) = drafted[b], verified[b]
+        acc, draws = accept_row(logits, tree, q, scheme, preset, sampling, randomness[b])
+        acc = broadcast_acceptance(acc, len(tree.tokens), device, comms[b]["decide"])
+        path = acc.path.to(device)
+        new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
+        n = commit(row_cache(caches.target, b), states[b].n, path)
+        states[b] = RoundState(n, acc.bonus, aux[path][None], new_tokens[None].to(device))
+        recorded = ((logits.float().cpu(), None if q is None else q.cpu())
+                    if record_logits else ())
+        rounds[b] = Round(tree, acc.path, acc.accepted, acc.bonus,
+                          drafting_uniforms + acc.uniforms, dict(comms[b], **verify), draws,
+                          *recorded)
+    return rounds, states
 
 
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
-                         record_logits=False):
-    """EAGLE-3 speculative decoding. Greedy output equals greedy_generate token for token;
-    sampled output has exactly the distribution of sample_generate. `tree` is the
-    TreeShape (tree top-k, depth, total tokens); top_k is the *sampling* top-k."""
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    shape = check_speculative_args(target, draft, input_ids, max_new_tokens, sampling, tree,
-                                   scheme)
-    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
-    n, comm = input_ids.shape[1], new_comm("prefill", "decide")
-    caches = Caches(target=target.new_cache(n + max_new_tokens + shape.total_tokens),
-                    draft=draft.new_cache(n + max_new_tokens + shape.top_k * shape.depth))
-    # prefill: the target's first token is the root of round 1
-    logits, aux = target(input_ids, cache=caches.target, aux_layers=draft.cfg.aux_layers,
-                         tally=comm["prefill"])
-    root, first_uniforms = next_token(logits[0, -1], sampling, uniforms, comm["decide"])
-    next_tokens = torch.cat([input_ids[0, 1:], torch.tensor([root], device=input_ids.device)])
-    state = RoundState(n, root, aux, next_tokens[None])
-    out, rounds = [], []
-    done = emit(out, [root], max_new_tokens, eos_token_id)
-    while not done:
-        r, state = speculation_round(target, draft, caches, state, shape, scheme, sampling,
-                                     uniforms, record_logits)
-        rounds.append(r)
-        done = emit(out, r.tree.tokens[r.path[1:]].tolist() + [r.bonus], max_new_tokens,
-                    eos_token_id)
-    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds, first_uniforms,
-                      comm)
+                         record_logits=False, preset="official"):
+    """EAGLE-3 speculative decoding of one prompt (1, T). Greedy output equals
+    greedy_generate token for token; sampled output has exactly the distribution of
+    sample_generate. `tree` is the TreeShape (tree top-k, depth, total tokens); top_k is the
+    *sampling* top-k; `preset` names the conventions followed ("official", "sglang",
+    "vllm" or a Preset)."""
+    return speculative_generate_batch(
+        target, draft, [input_ids], max_new_tokens, temperature=temperature, top_p=top_p,
+        top_k=top_k, tree=tree, seed=seed, eos_token_id=eos_token_id, scheme=scheme,
+        record_logits=record_logits, preset=preset)[0]
+
+
+@torch.inference_mode()
+def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
+                               top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
+                               scheme="tree", record_logits=False, preset="official"):
+    """Speculative decoding of B prompts (each (1, T_b), lengths may differ) as the engines
+    batch it: each sequence drafts its own tree, one target forward verifies all B trees
+    (per-row positions and masks over per-row cache lengths), each is accepted, committed
+    and stopped on its own. Row b draws its random numbers from its own generator, seeded
+    seed + b. -> one SpecResult per prompt."""
+    preset = as_preset(preset)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
+                        order=preset.warper_order)
+    shape = check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree,
+                                   scheme, preset)
+    B, longest = len(prompts), max(ids.shape[1] for ids in prompts)
+    caches = Caches(target.new_cache(longest + max_new_tokens + shape.total_tokens, batch=B),
+                    [draft.new_cache(ids.shape[1] + max_new_tokens + shape.top_k * shape.depth)
+                     for ids in prompts])
+    randomness = [Randomness(g, uniform_stream(g)) for g in
+                  (torch.Generator().manual_seed(seed + b) for b in range(B))]
+    out, rounds, states, first, comms = [[] for _ in prompts], [[] for _ in prompts], [], [], []
+    for b, ids in enumerate(prompts):  # prefill: each target's first token roots round 1
+        comms.append(new_comm("prefill", "decide"))
+        logits, aux = target(ids, cache=row_cache(caches.target, b),
+                             aux_layers=draft.cfg.aux_layers, tally=comms[b]["prefill"])
+        root, used = next_token(logits[0, -1], sampling, randomness[b].uniforms,
+                                comms[b]["decide"])
+        first.append(used)
+        next_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=ids.device)])
+        states.append(RoundState(ids.shape[1], root, aux, next_tokens[None]))
+    active = [b for b in range(B) if not emit(out[b], [states[b].root], max_new_tokens,
+                                              eos_token_id)]
+    while active:
+        batch, states = speculation_round(target, draft, caches, states, active, shape, scheme,
+                                          preset, sampling, randomness, record_logits)
+        for b, r in batch.items():
+            rounds[b].append(r)
+        active = [b for b in active if not emit(out[b], batch[b].tree.tokens[
+            batch[b].path[1:]].tolist() + [batch[b].bonus], max_new_tokens, eos_token_id)]
+    return [SpecResult(torch.tensor(out[b]), [r.accepted + 1 for r in rounds[b]], rounds[b],
+                       first[b], comms[b]) for b in range(B)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -2612,13 +2862,17 @@ def build_assistant_lm(target_dir, path, seed=0):
 # The README documents every field.
 
 GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
+GOLDEN_PROMPT = "Tell me a story about anna the cat."
 FULL_SCORES_MAX_VOCAB = 4096   # logits / draft probabilities over larger vocabularies are
 GOLDEN_TOP = 20                # stored as their top-20 values and ids plus a row checksum
 SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may differ by
                                # fp32 round-off; uniforms and integers must match exactly
 
 
-def golden_tensors(input_ids, result):
+def golden_tensors(input_ids, result, preset=PRESETS["official"]):
+    """One sequence's trace: the prompt, the output and, per round, the tree (ours and the
+    engine's layout), the target logits at its nodes, the accepted path, the bonus and the
+    random numbers used, in the preset's layout."""
     t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
              accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
              first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
@@ -2633,7 +2887,110 @@ def golden_tensors(input_ids, result):
         golden_rows(t, p + "logits", r.logits)
         if r.draft_probs is not None:
             golden_rows(t, p + "draft_probs", r.draft_probs)
+        if preset.verify == "cumulative":          # SGLang's own tree tensors
+            t.update({p + "sglang." + k: v for k, v in sglang_tree(r.tree).items()})
+        for name, x in (r.draws or {}).items():    # the engine's random numbers
+            if x.is_floating_point() and x.shape[-1] > FULL_SCORES_MAX_VOCAB:
+                golden_rows(t, p + name, x)        # an Exp(1) vector over a large vocab
+            else:
+                t[p + name] = x
     return {k: v.contiguous() for k, v in t.items()}
+
+
+def sglang_tree(tree):
+    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them for one
+    request: retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next
+    sibling (ascending node index; -1 for none). The rest of SGLang's tree is the Tree's own:
+    draft_tokens = tokens, positions = seq_len + positions, retrive_index = b * N + node."""
+    N = len(tree.tokens)
+    first, sibling = torch.full((N,), -1), torch.full((N,), -1)
+    for parent, kids in enumerate(children_of(tree.parents)):
+        if kids:
+            first[parent] = kids[0]
+            sibling[kids[:-1]] = torch.tensor(kids[1:], dtype=torch.long)
+    return dict(retrive_next_token=first, retrive_next_sibling=sibling)
+
+
+# ---- the engines' own functions, reproduced from their inputs (their tests, golden replay) ----
+
+
+def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_lens, topk,
+                      num_draft_tokens):
+    """SGLang's organize_draft_results + build_tree_kernel_efficient from their inputs:
+    score_list[i] (B, 1 or k, k) running products, token_list[i] (B, k or k*k),
+    parents_list[i] (B, k+1 or k) -> (Trees, dict of SGLang's tensors). Its pool, flat
+    indices and parent slots are exactly our select_tree's."""
+    trees, out = [], dict(positions=[], retrive_index=[], retrive_next_token=[],
+                          retrive_next_sibling=[], draft_tokens=[])
+    for b in range(len(verified_id)):
+        scores = torch.cat([x[b].flatten() for x in score_list])
+        tokens = torch.cat([x[b].flatten() for x in token_list])
+        group_parent = torch.cat([x[b] for x in parents_list[:-1]])
+        tree = select_tree(scores, tokens, group_parent, torch.tensor(verified_id[b]),
+                           num_draft_tokens, topk)
+        trees.append(tree)
+        lists = sglang_tree(tree)
+        out["positions"].append(seq_lens[b] + tree.positions)
+        out["retrive_index"].append(b * num_draft_tokens + torch.arange(num_draft_tokens))
+        out["retrive_next_token"].append(lists["retrive_next_token"])
+        out["retrive_next_sibling"].append(lists["retrive_next_sibling"])
+        out["draft_tokens"].append(tree.tokens)
+    flat = ("positions", "draft_tokens")
+    return trees, {k: torch.cat(v) if k in flat else torch.stack(v) for k, v in out.items()}
+
+
+def sglang_linked_tree(tokens, next_token, next_sibling):
+    """A Tree, and each node's children in SGLang's visiting order, from one request's
+    linked lists (SGLang's own tests write them by hand, not always in node order)."""
+    N = len(tokens)
+    parents, kids = torch.full((N,), -1), [[] for _ in range(N)]
+    for node in range(N):
+        child = int(next_token[node])
+        while child != -1:
+            parents[child] = node
+            kids[node].append(child)
+            child = int(next_sibling[child])
+    return tree_from_parents(torch.as_tensor(tokens), parents), kids
+
+
+def sglang_verify_outputs(accepts, retrive_index, num_spec_step):
+    """SGLang's verify outputs from per-request Acceptances: predicts (B*N,) with, at each
+    accepted node, the next accepted token (the bonus at the last), -1 elsewhere;
+    accept_index (B, num_spec_step) global node indices; accept_token_num (B,)."""
+    B, N = retrive_index.shape
+    predicts = torch.full((B * N,), -1)
+    accept_index = torch.full((B, num_spec_step), -1)
+    for b, (acc, tokens) in enumerate(accepts):
+        path = retrive_index[b, acc.path]
+        accept_index[b, :len(path)] = path
+        predicts[path[:-1]] = tokens[acc.path[1:]]
+        predicts[path[-1]] = acc.bonus
+    return predicts, accept_index, torch.tensor([acc.accepted for acc, _ in accepts])
+
+
+def vllm_greedy_output(drafts, target_argmax, bonus, max_spec_len):
+    """vLLM's rejection sampler output for greedy requests: per request the accepted
+    drafts, then the target's token at the first mismatch or the bonus, -1 padded to
+    max_spec_len + 1. Verified as our chain: node i's logits are one-hot at the target's
+    token after i drafts (the bonus after all of them)."""
+    out = torch.full((len(drafts), max_spec_len + 1), -1)
+    for b, (d, t, x) in enumerate(zip(drafts, target_argmax, bonus)):
+        chain = tree_from_parents(torch.tensor([0] + list(d)), torch.arange(-1, len(d)))
+        rows = torch.tensor(list(t) + [x])
+        logits = F.one_hot(rows, int(max(rows.max(), max(d, default=0))) + 1).float()
+        acc = accept_greedy(logits, chain)
+        emitted = list(d[:acc.accepted]) + [acc.bonus]
+        out[b, :len(emitted)] = torch.tensor(emitted)
+    return out
+
+
+def golden_batch_tensors(prompts, results, preset):
+    """A batch's trace: each sequence's tensors, named rowBB.<field> (batch size 1 keeps
+    the plain names of version 1)."""
+    if len(results) == 1:
+        return golden_tensors(prompts[0], results[0], preset)
+    return {f"row{b:02d}.{k}": v for b, (ids, r) in enumerate(zip(prompts, results))
+            for k, v in golden_tensors(ids, r, preset).items()}
 
 
 def golden_rows(t, name, x):
@@ -2665,20 +3022,31 @@ def read_golden(path):
     return header, {k: f.get_tensor(k) for k in f.keys()}
 
 
+def golden_where(name):
+    """'row01.round0003.path' -> 'row 1, round 3, field path'."""
+    parts = []
+    if name.startswith("row"):
+        parts.append(f"row {int(name[3:5])}")
+        name = name[6:]
+    if name.startswith("round"):
+        parts.append(f"round {int(name[5:9])}")
+        name = name[10:]
+    return ", ".join(parts + [f"field {name}"])
+
+
 def first_divergence(expected, actual):
-    """The first field (in round order) where two traces differ, as a readable line, or
-    None. Logits and draft probabilities compare within SCORES_ATOL; everything else
-    exactly."""
+    """The first field (in row and round order) where two traces differ, as a readable
+    line, or None. Logits and draft probabilities compare within SCORES_ATOL (fp32
+    round-off); everything else, random numbers included, exactly."""
     for name in sorted(set(expected) | set(actual)):
-        in_round = name.startswith("round")
-        where = f"round {int(name[5:9])}, field {name[10:]}" if in_round else f"field {name}"
+        where = golden_where(name)
         if name not in expected or name not in actual:
             return f"{where}: present only in the {'re-run' if name in actual else 'file'}"
         e, a = expected[name], actual[name]
         if e.shape != a.shape:
             return f"{where}: shape {tuple(e.shape)} in the file, {tuple(a.shape)} re-run"
-        tol = SCORES_ATOL if e.is_floating_point() and "uniforms" not in name else 0
-        bad = ((e.double() - a.double()).abs() > tol).nonzero()
+        scores = e.is_floating_point() and ("logits" in name or "draft_probs" in name)
+        bad = ((e.double() - a.double()).abs() > (SCORES_ATOL if scores else 0)).nonzero()
         if len(bad):
             index = tuple(bad[0].tolist())
             return (f"{where}, index {index if len(index) > 1 else index[0]}: "
@@ -2686,17 +3054,31 @@ def first_divergence(expected, actual):
     return None
 
 
+def golden_prompts(cfg):
+    """The prompts a golden config records: input_ids (one) or prompts (a batch)."""
+    return cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]
+
+
+def golden_preset(cfg):
+    """The preset a golden config records (its switches), official for older traces."""
+    return Preset(**cfg["preset"]) if "preset" in cfg else PRESETS["official"]
+
+
 def golden_run(cfg):
-    """Run speculative decoding as described by a golden header -> (input_ids, result)."""
+    """Run speculative decoding as described by a golden header -> (prompts, results)."""
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     draft = load_draft(cfg["draft"], target,
                        aux_convention=cfg.get("aux_convention", "specforge"))
-    ids = torch.tensor([cfg["input_ids"]], device=target.lm_head.weight.device)
-    result = speculative_generate(
-        target, draft, ids, cfg["max_new_tokens"], temperature=cfg["temperature"],
+    device = target.lm_head.weight.device
+    prompts = [torch.tensor([ids], device=device) for ids in golden_prompts(cfg)]
+    results = speculative_generate_batch(
+        target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
-        eos_token_id=cfg["eos_token_id"], scheme=cfg["scheme"], record_logits=True)
-    return ids, result
+        eos_token_id=cfg["eos_token_id"], scheme=cfg["scheme"], record_logits=True,
+        preset=golden_preset(cfg))
+    return prompts, results
+
+
 # ----------------------------------------------------------------------------------------
 # 15. drafter diagnostics: does its vocab map fit this target, which features does it read?
 
@@ -2921,6 +3303,17 @@ def aux_fit(target, draft, examples, pad_id, candidates):
 # 16. benchmark: speed against what a user would pick instead, measured in one run
 
 
+def reported_tau(result, preset):
+    """The accept length as the preset's engine reports it: mean(accepted + 1) per round as
+    decided, drafts after an EOS included (official; vLLM's 1 + accepted / drafts), or the
+    tokens each round actually emitted (SGLang)."""
+    if not result.rounds:
+        return 0.0
+    if preset.tau == "emitted":
+        return (len(result.tokens) - 1) / len(result.rounds)
+    return sum(result.accept_lengths) / len(result.accept_lengths)
+
+
 def peak_rss_mb():
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -2982,6 +3375,31 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
 def greedy_with_comm(target, ids, max_new_tokens, eos):
     comm = new_comm("prefill", "decode", "decide")
     return greedy_generate(target, ids, max_new_tokens, eos, comm=comm), comm
+
+
+def measure_presets(target, draft, prompts, max_new_tokens, eos, repeats=2, batch=4):
+    """Greedy speculative decoding under each preset at batch size 1 (tokens/s, our tau and
+    the engine's own figure), and the official preset with the prompts batched by `batch`
+    against the same prompts one at a time."""
+    out = {}
+    for name, preset in PRESETS.items():
+        results, seconds = best_time(lambda: [speculative_generate(
+            target, draft, ids, max_new_tokens, eos_token_id=eos, preset=preset)
+            for ids in prompts], repeats)
+        tokens = sum(len(r.tokens) for r in results)
+        lengths = [a for r in results for a in r.accept_lengths]
+        out[name] = dict(tokens_per_s=round(tokens / seconds, 1),
+                         tau=round(sum(lengths) / len(lengths), 3),
+                         engine_tau=round(sum(reported_tau(r, preset) * len(r.rounds)
+                                              for r in results) /
+                                          sum(len(r.rounds) for r in results), 3))
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    results, seconds = best_time(lambda: [r for g in groups for r in speculative_generate_batch(
+        target, draft, g, max_new_tokens, eos_token_id=eos)], repeats)
+    tokens = sum(len(r.tokens) for r in results)
+    out[f"official_batch{batch}"] = dict(tokens_per_s=round(tokens / seconds, 1),
+                                         sequential_tokens_per_s=out["official"]["tokens_per_s"])
+    return out
 
 
 class Timed(NamedTuple):
@@ -3569,6 +3987,19 @@ def tree_shape(args):
     return TreeShape(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
 
 
+def preset_of(args):
+    """--preset, with the SGLang thresholds and draft RoPE offset when given."""
+    preset = as_preset(args.preset)
+    for flag in ("threshold_single", "threshold_acc", "draft_pos_offset"):
+        if getattr(args, flag) is not None:
+            preset = preset._replace(**{flag: getattr(args, flag)})
+    if preset.threshold_single < 1 or preset.threshold_acc < 1:
+        print(f"note: threshold_single={preset.threshold_single:g}, threshold_acc="
+              f"{preset.threshold_acc:g} < 1 accept more drafts than p allows: the output is "
+              f"no longer distributed as plain sampling (lossy)", file=sys.stderr)
+    return preset
+
+
 def cmd_generate(args):
     if args.top_k and not args.temperature:
         fail("--top-k is the sampling top-k and needs --temperature > 0; "
@@ -3579,10 +4010,11 @@ def cmd_generate(args):
     tokenizer = load_tokenizer(target_dir, args)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
     t0 = time.perf_counter()
+    preset = preset_of(args)
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
-        eos_token_id=eos_ids(tokenizer, target_dir), scheme=args.scheme)
+        eos_token_id=eos_ids(tokenizer, target_dir), scheme=args.scheme, preset=preset)
     seconds = time.perf_counter() - t0
     if args.show_tree:
         for i, r in enumerate(result.rounds):
@@ -3590,7 +4022,9 @@ def cmd_generate(args):
             print0(render_tree(r.tree, r.path, tokenizer))
     print0(tokenizer.decode(result.tokens))
     tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
-    print0(f"tau {tau:.2f} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
+    engine = (f" | {preset.name} reports {reported_tau(result, preset):.2f}"
+              if preset.tau != "decided" else "")   # the engine counts accept length its way
+    print0(f"tau {tau:.2f}{engine} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
     if args.comm:
         print0(f"collectives at world size {world_info()[1]} (nothing is sent at 1):")
@@ -3706,16 +4140,18 @@ def golden_config(args):
     """The run a new golden trace records (the header's `config`)."""
     target_dir, draft_dir = model_dirs(args)
     if args.prompt_ids:
-        prompt_ids = [int(x) for x in args.prompt_ids.split(",")]
+        prompts = [parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")]
     else:
         tokenizer = load_tokenizer(target_dir, args)
-        prompt_ids = encode_prompt(tokenizer, args.prompt, True, "cpu")[0].tolist()
-    return dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir),
-                input_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                tree=list(tree_shape(args)), scheme=args.scheme, seed=args.seed,
-                dtype=args.dtype or "float32", eos_token_id=args.eos_token_id,
-                aux_convention=args.aux_convention)
+        prompts = [encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
+                   for text in args.prompt or [GOLDEN_PROMPT]]
+    batch = dict(input_ids=prompts[0]) if len(prompts) == 1 else dict(prompts=prompts)
+    return dict(target=os.path.abspath(target_dir), draft=os.path.abspath(draft_dir), **batch,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, tree=list(tree_shape(args)),
+                scheme=args.scheme, seed=args.seed, dtype=args.dtype or "float32",
+                eos_token_id=args.eos_token_id, aux_convention=args.aux_convention,
+                preset=preset_of(args)._asdict())
 
 
 def cmd_golden(args):
@@ -3724,18 +4160,21 @@ def cmd_golden(args):
         header, expected = read_golden(args.check)
         cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
                                                           ("draft", args.draft)) if v})
-        ids, result = golden_run(cfg)
-        diff = first_divergence(expected, golden_tensors(ids, result))
+        prompts, results = golden_run(cfg)
+        diff = first_divergence(expected, golden_batch_tensors(prompts, results,
+                                                               golden_preset(cfg)))
         print0("match" if diff is None else f"first divergence: {diff}")
         return 0 if diff is None else 1
     if not args.out:
         fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
     cfg = golden_config(args)
-    ids, result = golden_run(cfg)
+    prompts, results = golden_run(cfg)
     header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
                   transformers=transformers.__version__)
-    write_golden(args.out, header, golden_tensors(ids, result))
-    print0(f"wrote {args.out}: {len(result.rounds)} rounds, {len(result.tokens)} tokens")
+    write_golden(args.out, header, golden_batch_tensors(prompts, results, golden_preset(cfg)))
+    rounds, tokens = sum(len(r.rounds) for r in results), sum(len(r.tokens) for r in results)
+    print0(f"wrote {args.out}: {rounds} rounds, {tokens} tokens"
+           + (f" ({len(results)} sequences)" if len(results) > 1 else ""))
 
 
 def cmd_vocab_check(args):
@@ -3908,6 +4347,16 @@ def cmd_bench(args):
            f"({ours.greedy_allreduce[1]:,.0f} B), speculative {ours.spec_allreduce[0]:.1f} "
            f"({ours.spec_allreduce[1]:,.0f} B)")
 
+    presets = measure_presets(target, draft, prompts, args.max_new_tokens, eos)
+    print0(f"{'preset (greedy)':34s} {'tokens/s':>9s} {'tau':>6s} {'engine tau':>10s}")
+    for name, row in presets.items():
+        if "tau" in row:
+            print0(f"{name:34s} {row['tokens_per_s']:9.1f} {row['tau']:6.2f} "
+                   f"{row['engine_tau']:10.2f}")
+    batched = presets["official_batch4"]
+    print0(f"{'official, batches of 4':34s} {batched['tokens_per_s']:9.1f}  (one at a time: "
+           f"{batched['sequential_tokens_per_s']:.1f})")
+
     def ratio(a, b):
         return round(a / b.tokens_per_s, 3) if b else None
     print0(json.dumps(dict(
@@ -3921,7 +4370,8 @@ def cmd_bench(args):
                                        speculative=round(ours.spec_allreduce[0], 3)),
         allreduce_bytes_per_token=dict(greedy=round(ours.greedy_allreduce[1], 1),
                                        speculative=round(ours.spec_allreduce[1], 1)),
-        peak_rss_mb=round(peak_rss_mb(), 1), seconds=round(time.time() - t0, 1))))
+        presets=presets, peak_rss_mb=round(peak_rss_mb(), 1),
+        seconds=round(time.time() - t0, 1))))
 
 
 def parse_numbers(text, kind, what, count=None):
@@ -4012,6 +4462,16 @@ def flag_groups():
     sampling.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     sampling.add_argument("--seed", type=int, default=0)
     sampling.add_argument("--scheme", default="tree", help=f"one of {SCHEMES}")
+    sampling.add_argument("--preset", default="official", choices=list(PRESETS),
+                          help="whose conventions: tree scores, verification, random numbers, "
+                               "warper order (README: the difference table)")
+    sampling.add_argument("--threshold-single", type=float,
+                          help="sglang: accept a child with p >= this (default 1: lossless)")
+    sampling.add_argument("--threshold-acc", type=float,
+                          help="sglang: accept when coin <= sum p / this (default 1: lossless)")
+    sampling.add_argument("--draft-pos-offset", type=int, choices=(0, 1),
+                          help="1: draft the tree's levels one RoPE position late, as SGLang "
+                               "before sgl-project/sglang#25015")
     return models, tree, sampling
 
 
@@ -4030,8 +4490,10 @@ def add_commands(sub):
                         help="write (--out) or re-check (--check) a golden trace")
     gd.add_argument("--out")
     gd.add_argument("--check")
-    gd.add_argument("--prompt", default="Tell me a story about anna the cat.")
-    gd.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    gd.add_argument("--prompt", action="append",
+                    help=f"chat prompt text (repeat for a batch; default {GOLDEN_PROMPT!r})")
+    gd.add_argument("--prompt-ids", help="token ids instead of --prompt: 1,2,3 (one "
+                                         "sequence) or 1,2,3;4,5 (a batch)")
     gd.add_argument("--max-new-tokens", type=int, default=64)
     gd.add_argument("--eos-token-id", type=int)
     gd.set_defaults(run=cmd_golden)

@@ -1023,6 +1023,12 @@ def tp_worker(job_file, out_dir):
                                                 job["new_tokens"], tree=E.TreeShape(*shape))
                          for shape in job["shapes"]],
             comm=comm_of_runs(target, draft, job["prompt"], case["spec_prompt"]))
+    case = job["targets"][0]                           # batches under each preset
+    target = E.load_target(case["dir"])
+    draft = E.load_draft(case["draft"], target)
+    results["batch"] = {(preset, temperature): [r.tokens for r in E.speculative_generate_batch(
+        target, draft, BATCH_PROMPTS, 16, temperature=temperature, tree=E.TreeShape(2, 2, 7),
+        seed=5, preset=preset)] for preset in E.PRESETS for temperature in (0.0, 0.9)}
     # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
     # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
     case = job["targets"][0]
@@ -1038,7 +1044,7 @@ def tp_worker(job_file, out_dir):
         speculative=[E.speculative_generate(target, draft, case["spec_prompt"], job["new_tokens"],
                                             tree=E.TreeShape(*shape)) for shape in job["shapes"]])
     for r in results.values():  # keep plain tensors and lists: what torch.load reads back
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "speculative" in r:
             r["speculative"] = [(x.tokens, x.accept_lengths) for x in r["speculative"]]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -1090,6 +1096,17 @@ def test_tensor_parallel_speculative_generate_equals_single_process(speculation,
             assert accepts0 == accepts1 == one.accept_lengths, (name, shape)
             deepest = max(deepest, max(accepts0) - 1)
     assert deepest >= 2, "no round accepted two drafts under tensor parallelism"
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_tensor_parallel_batches_equal_single_process(speculation, tp_run, preset):
+    s = speculation[TP_TARGETS[0]]
+    for temperature in (0.0, 0.9):
+        expected = [r.tokens.tolist() for r in E.speculative_generate_batch(
+            s.target, s.draft, BATCH_PROMPTS, 16, temperature=temperature,
+            tree=E.TreeShape(2, 2, 7), seed=5, preset=preset)]
+        for rank in tp_run.ranks:
+            assert [t.tolist() for t in rank["batch"][(preset, temperature)]] == expected
 
 
 def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
@@ -1704,6 +1721,7 @@ class Case(NamedTuple):
     scheme: str
     shape: E.TreeShape
     draft: str                         # key of vocab6_drafts
+    preset: str = "official"           # whose tree builder (score space, draft positions)
 
 
 CASES = {
@@ -1784,15 +1802,15 @@ def vocab6_drafts(vocab6_target):
 
 def hf_warped_probs(scores, sampling):
     """softmax after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
-    TopPLogitsWarper (the order transformers' generate applies them); scores (B, V)."""
+    TopPLogitsWarper (the order transformers' generate applies them), or with top-p before
+    top-k when sampling.order says so (the official EAGLE code's order); scores (B, V)."""
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     scores = scores.double()
-    warpers = [TemperatureLogitsWarper(sampling.temperature)]
-    if sampling.top_k > 0:
-        warpers.append(TopKLogitsWarper(sampling.top_k))
-    if sampling.top_p < 1:
-        warpers.append(TopPLogitsWarper(sampling.top_p))
+    top_k = [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+    top_p = [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []
+    warpers = [TemperatureLogitsWarper(sampling.temperature)] + (
+        top_k + top_p if sampling.order == "T-k-p" else top_p + top_k)
     for warp in warpers:
         scores = warp(None, scores)
     return scores.softmax(-1)
@@ -1875,14 +1893,16 @@ class TreeRounds:
     """Lazy table ctx -> (tree, verify logits (N, V)) from the real grow_tree and
     verify_tree; trees and target logits do not depend on the sampling settings."""
 
-    def __init__(self, target, draft, shape):
+    def __init__(self, target, draft, shape, preset="official"):
         self.target, self.draft, self.shape, self.rounds = target, draft, shape, {}
+        self.preset = E.PRESETS[preset]
 
     @torch.no_grad()
     def __getitem__(self, ctx):
         if ctx not in self.rounds:
             target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
-            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, self.shape)
+            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, self.shape,
+                               self.preset)
             self.rounds[ctx] = tree, E.verify_tree(self.target, target_cache, n, tree,
                                                    self.draft.cfg.aux_layers)[0]
         return self.rounds[ctx]
@@ -1972,7 +1992,7 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
         draft = vocab6_drafts[case.draft]
         if case.scheme == "tree":
             key = (case, None)  # trees and target logits do not depend on the sampling
-            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape))
+            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape, case.preset))
             run, default_accept = replay_tree, E.accept_sampled
         else:
             key = (case, sampling)  # the drafter's q is warped like the target
@@ -2411,6 +2431,460 @@ def test_unknown_scheme_rejected(vocab6_target, vocab6_drafts):
     with pytest.raises(E.Eagle3Error, match=r"scheme='beam'.*one of"):
         E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
                                temperature=1.0, scheme="beam")
+
+# ----------------------------------------------------------------------------------------
+# presets: the engines' own conventions (SGLang, vLLM) and the official warper order
+
+T1_K4_P08 = {order: E.Sampling(temperature=1.0, top_k=4, top_p=0.8, order=order)
+             for order in ("T-k-p", "T-p-k")}   # both warpers on: their order matters
+
+
+def test_official_warper_order_is_top_p_before_top_k():
+    # the official EAGLE code warps temperature -> top-p -> top-k; transformers (and SGLang,
+    # vLLM) temperature -> top-k -> top-p. On these logits the two keep different tokens.
+    # p = [.4, .2, .1, .1, .1, .1], top-k 2, top-p 0.5: top-p first keeps {0, 1} (.4 < .5),
+    # then top-k keeps both; top-k first renormalises {0, 1} to [2/3, 1/3], and top-p keeps 0
+    logits = torch.tensor([[0.4, 0.2, 0.1, 0.1, 0.1, 0.1]], dtype=torch.float64).log()
+    warped = {}
+    for order in ("T-k-p", "T-p-k"):
+        sampling = E.Sampling(temperature=1.0, top_k=2, top_p=0.5, order=order)
+        warped[order] = E.warped_probs(logits, sampling)
+        torch.testing.assert_close(warped[order], hf_warped_probs(logits, sampling), rtol=0,
+                                   atol=1e-12)
+    assert warped["T-p-k"][0].tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0, 0, 0])
+    assert warped["T-k-p"][0].tolist() == pytest.approx([1, 0, 0, 0, 0, 0])
+    assert E.PRESETS["official"].warper_order == "T-p-k"
+    assert E.PRESETS["sglang"].warper_order == E.PRESETS["vllm"].warper_order == "T-k-p"
+
+
+# hand-worked SGLang tree sampling: tree 0 -> {1, 2}, 1 -> {3}; node i holds token i.
+# p rows (fp32-exact binary fractions) are the target's distribution after each node.
+SG_P = torch.tensor([[0.125, 0.5, 0.25, 0.125],    # after the root
+                     [0.5, 0.25, 0.125, 0.125],    # after node 1
+                     [0.25, 0.25, 0.25, 0.25],     # after node 2 (a leaf)
+                     [0.0, 0.5, 0.5, 0.0]])        # after node 3 (a leaf)
+SG_TREE = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))
+
+
+def sglang_hand(coins, final, ts=1.0, ta=1.0):
+    acc = E.accept_cumulative(SG_P, SG_TREE, torch.tensor(coins), torch.tensor(final), ts, ta)
+    return acc.path.tolist(), acc.accepted, acc.bonus
+
+
+def test_sglang_rejects_a_sibling_then_accepts_the_next_on_the_same_coin():
+    # root coin 0.6: node 1 (token 1) mass 0.5 < 0.6 -> reject; node 2 mass 0.75 >= 0.6 ->
+    # accept. Node 2 is a leaf: bonus from p2 (nothing rejected there), final 0.3 * 1 = 0.3 in
+    # CDF [.25, .5, .75, 1] -> token 1. Node 2's coin (0.99) is never used.
+    assert sglang_hand([0.6, 0.0, 0.99, 0.0], 0.3) == ([0, 2], 1, 1)
+
+
+def test_sglang_full_depth_path_draws_the_bonus_from_the_leaf():
+    # root coin 0.25 <= 0.5 -> node 1; node 1's coin 0.1 <= p1(3) = 0.125 -> node 3 (depth 2,
+    # the tree's full depth): bonus from p3 unmodified, 0.75 * 1 in CDF [0, .5, 1, 1] -> 2
+    assert sglang_hand([0.25, 0.1, 0.0, 0.0], 0.75) == ([0, 1, 3], 2, 2)
+
+
+def test_sglang_all_children_rejected_bonus_from_the_unnormalised_residual():
+    # root coin 0.9 > 0.5 and > 0.75: both rejected; r = p0 - [0, .5, .25, 0] = [.125, 0, 0,
+    # .125] (not renormalised): final 0.6 * 0.25 = 0.15 in CDF [.125, .125, .125, .25] -> 3
+    assert sglang_hand([0.9, 0.0, 0.0, 0.0], 0.6) == ([0], 0, 3)
+
+
+def test_sglang_accepts_on_equality_coin_le_mass():
+    # coin exactly 0.5 = p0(1): accepted ("<="); node 1's coin 0.5 > 0.125 -> node 3 rejected;
+    # r = p1 - [0, 0, 0, .125]: 0.99 * .875 = .866 in CDF [.5, .75, .875, .875] -> token 2
+    assert sglang_hand([0.5, 0.5, 0.0, 0.0], 0.99) == ([0, 1], 1, 2)
+
+
+def test_sglang_lossy_thresholds_accept_beyond_p():
+    # coin 0.9 rejects node 1 at the default thresholds ...
+    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0) == ([0], 0, 0)
+    # ... threshold_single 0.4: p0(1) = 0.5 >= 0.4 accepts outright (then p1(3) = .125 < .4)
+    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0, ts=0.4) == ([0, 1], 1, 0)
+    # ... threshold_acc 0.5: 0.9 <= 0.5 / 0.5 accepts node 1; node 1: 0.9 > 0.125 / 0.5
+    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0, ta=0.5) == ([0, 1], 1, 0)
+
+
+# hand-worked vLLM rejection sampling of a chain of argmax drafts (q one-hot)
+VL_P = torch.tensor([[0.125, 0.5, 0.25, 0.125],    # at draft 1 (token 1)
+                     [0.5, 0.25, 0.125, 0.125],    # at draft 2 (token 3)
+                     [0.25, 0.25, 0.25, 0.25]])    # after both: the bonus position
+VL_E = torch.tensor([1.0, 0.1, 2.0, 0.5])         # the request's Exp(1) vector
+
+
+def test_vllm_accepts_iff_p_at_least_u_and_recovers_argmax_r_over_e():
+    # draft 1: p(1) = 0.5 >= 0.5 accepts (">=" : equality accepts); draft 2: p(3) = .125 < 0.2
+    # rejects; r = p2 with token 3 zeroed = [.5, .25, .125, 0]; r / E = [.5, 2.5, .0625, 0]
+    # -> argmax 1, though p2's own argmax is token 0
+    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.5, 0.2],
+                          dtype=torch.float64), VL_E, bonus=3)
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0, 1], 1, 1)
+
+
+def test_vllm_all_drafts_accepted_emits_the_presampled_bonus():
+    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.5, 0.1],
+                          dtype=torch.float64), VL_E, bonus=2)
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0, 1, 2], 2, 2)
+
+
+def test_vllm_first_rejection_zeroes_the_draft_in_r():
+    # draft 1 rejected (0.4 < 0.6): r = p1 with token 1 zeroed = [.125, 0, .25, .125];
+    # r / E = [.125, 0, .125, .25] -> token 3 (token 1 would win with p / E: 5.0)
+    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.6, 0.0],
+                          dtype=torch.float64), VL_E, bonus=0)
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 3)
+
+
+# losslessness of the engines' sampled verification, by chi-square against the enumeration
+
+PRESET_CASES = {  # name -> (Case, sampling)
+    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), "T-k-p"),
+    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), "T-k-p"),
+    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), "T-k-p"),
+    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), "T-p-k"),
+}
+
+
+def preset_accept(preset, generator):
+    """speculative_generate's acceptance for the preset, its random numbers drawn from
+    `generator` exactly as the real loop draws them (E.accept_row)."""
+    randomness = E.Randomness(generator, E.uniform_stream(generator))
+
+    def accept(logits, tree, uniforms, sampling):
+        return E.accept_row(logits, tree, None, "tree", E.PRESETS[preset]._replace(
+            **PRESET_OVERRIDES.get(preset, {})), sampling, randomness)[0]
+    return accept
+
+
+PRESET_OVERRIDES = {}
+
+
+def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
+    g = torch.Generator().manual_seed(seed)
+    uniforms, accept = E.uniform_stream(g), make_accept(preset, g)
+    return [replay(uniforms, accept=accept) for _ in range(TRIALS)]
+
+
+@pytest.mark.parametrize("name", list(PRESET_CASES))
+def test_each_presets_sampled_verification_is_lossless(name, vocab6_replay, vocab6_exact_law):
+    case, order = PRESET_CASES[name]
+    sampling = T1_K4_P08[order]
+    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset)
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
+    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
+
+
+def sglang_residual_ignoring_rejections(preset, generator):
+    """Broken: the final token drawn from p itself, as if no child had been rejected."""
+    def accept(logits, tree, uniforms, sampling):
+        p = E.warped_probs(logits, sampling).float()
+        coins, final = torch.rand(len(tree.tokens), generator=generator), \
+            torch.rand(1, generator=generator)
+        acc = E.accept_cumulative(p, tree, coins, final[0])
+        node = int(acc.path[-1])
+        return acc._replace(bonus=E.cdf_pick(p[node], final[0]))
+    return accept
+
+
+def vllm_recovered_keeping_the_draft(preset, generator):
+    """Broken: the recovered token drawn from p without zeroing the rejected draft."""
+    def accept(logits, tree, uniforms, sampling):
+        p = E.warped_probs(logits, sampling).float()
+        V = p.shape[-1]
+        bonus_e = torch.empty(V).exponential_(generator=generator)
+        u = torch.rand(len(tree.tokens) - 1, dtype=torch.float64, generator=generator)
+        e = torch.empty(V).exponential_(generator=generator)
+        for i, x in enumerate(tree.tokens[1:].tolist()):
+            if float(p[i, x]) < float(u[i]):
+                return E.Acceptance(torch.arange(i + 1), i, int((p[i] / e).argmax()), [])
+        return E.Acceptance(torch.arange(len(u) + 1), len(u), int((p[-1] / bonus_e).argmax()),
+                            [])
+    return accept
+
+
+@pytest.mark.parametrize("name, broken", [
+    ("sglang-tree-2-2-5", sglang_residual_ignoring_rejections),
+    ("vllm-chain-3", vllm_recovered_keeping_the_draft)])
+def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_replay,
+                                                       vocab6_exact_law):
+    case, order = PRESET_CASES[name]
+    sampling = T1_K4_P08[order]
+    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset, make_accept=broken)
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
+    assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
+
+
+def test_sglang_lossy_thresholds_change_the_distribution(vocab6_replay, vocab6_exact_law,
+                                                         monkeypatch):
+    case, order = PRESET_CASES["sglang-tree-2-2-5"]
+    sampling = T1_K4_P08[order]
+    monkeypatch.setitem(PRESET_OVERRIDES, "sglang", dict(threshold_acc=0.5))
+    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset)
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
+    assert p < ALPHA, f"threshold_acc 0.5 left the distribution unchanged (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("name", list(PRESET_CASES))
+def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target, vocab6_drafts,
+                                                            vocab6_replay):
+    """The real loop under each preset draws its random numbers as the replay above does,
+    so the chi-square tests sample speculative_generate itself."""
+    case, order = PRESET_CASES[name]
+    sampling = T1_K4_P08[order]
+    replay = vocab6_replay(case, sampling)
+    for seed in range(20):
+        result = E.speculative_generate(
+            vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
+            top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset)
+        g = torch.Generator().manual_seed(seed)
+        expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
+                          n_tokens=REPLAY_TOKENS)
+        assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_each_preset_greedy_equals_plain_greedy(speculation, preset):
+    for name in ("llama", "qwen3"):
+        s = speculation[name]
+        for kind in ("memorized", "fresh"):
+            result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
+                                            tree=E.TreeShape(3, 3, 12), preset=preset)
+            assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
+
+
+def test_sglang_before_pr_25015_drafts_levels_one_position_late():
+    # level j's tokens are consumed at position n + j - 1 (official, SGLang since PR #25015),
+    # one later before it; the trees are the same (positions do not reach the scripted scores)
+    for offset in (0, 1):
+        drafter = MarkovDrafter(HAND_TABLE)
+        preset = E.PRESETS["sglang"]._replace(draft_pos_offset=offset)
+        E.grow_tree(drafter, None, 10, F.one_hot(torch.tensor([0]), 6).float(),
+                    torch.tensor(0), E.TreeShape(2, 3, 8), preset)
+        assert [c["positions"] for c in drafter.calls] == [[10 + offset] * 2, [11 + offset] * 2,
+                                                           [12 + offset] * 2]
+
+# the engines' own test cases, reproduced from their inputs (sgl-project/sglang and
+# vllm-project/vllm test files; the commit each was read at is named)
+
+SGL_SCORES = [  # build_eagle_tree.py self-test, sglang@009db01a: bs 2, topk 4, 4 steps, ndt 8
+    [[[7.1127e-01, 2.8292e-01, 2.2995e-03, 1.7357e-03]],
+     [[9.7476e-01, 2.2219e-02, 6.5031e-04, 1.3212e-04]]],
+    [[[6.9142e-01, 1.2863e-02, 1.6873e-03, 1.1871e-03],
+      [2.4787e-01, 1.8818e-02, 1.4204e-02, 9.2235e-04],
+      [2.2971e-03, 1.6700e-06, 1.8737e-07, 8.3146e-08],
+      [1.2771e-03, 2.4374e-04, 1.7832e-04, 1.1947e-05]],
+     [[8.4832e-02, 6.6068e-02, 5.8304e-02, 5.7851e-02],
+      [2.3616e-03, 1.1243e-03, 5.4368e-04, 2.7768e-04],
+      [2.5286e-04, 1.5578e-04, 2.8817e-05, 1.2888e-05],
+      [1.2834e-04, 2.5417e-06, 1.1279e-06, 1.6088e-08]]],
+    [[[6.6438e-01, 2.6997e-02, 2.4236e-05, 4.0821e-06],
+      [2.4402e-01, 2.8409e-03, 5.0935e-04, 2.9022e-04],
+      [1.6178e-02, 2.0567e-03, 4.5892e-04, 3.0034e-05],
+      [1.3023e-02, 5.0497e-04, 3.6371e-04, 8.7750e-05]],
+     [[2.3263e-02, 2.0054e-02, 9.3990e-03, 2.7783e-03],
+      [6.4156e-02, 5.5506e-04, 1.0429e-04, 9.7211e-05],
+      [4.9950e-02, 5.0630e-03, 9.0068e-04, 3.3656e-04],
+      [7.5817e-03, 8.5731e-04, 6.9972e-04, 6.0793e-04]]],
+    [[[6.6420e-01, 1.0525e-04, 6.5864e-05, 1.2253e-06],
+      [1.3019e-01, 1.0461e-01, 5.2083e-03, 1.6777e-03],
+      [2.0103e-02, 6.7335e-03, 1.2625e-04, 1.0364e-05],
+      [1.5142e-02, 7.0819e-04, 9.6595e-05, 8.7951e-05]],
+     [[5.8608e-02, 1.8840e-03, 7.8535e-04, 4.4400e-04],
+      [1.2185e-02, 2.0684e-03, 1.7418e-03, 1.4327e-03],
+      [6.2455e-03, 6.1487e-03, 2.6862e-03, 1.8034e-03],
+      [1.8590e-03, 1.6151e-03, 1.2481e-03, 3.6038e-04]]]]
+SGL_TOKENS = [
+    [[29896, 29906, 29900, 29945], [13, 2, 29871, 28956]],
+    [[29889, 29974, 29945, 29900, 29974, 29922, 29930, 29958, 29889, 29974, 29930, 29945,
+      29974, 29922, 29930, 29958],
+     [22550, 4136, 16492, 8439, 29871, 2, 3001, 13, 2, 13, 29906, 29946, 2, 13, 29871, 259]],
+    [[29946, 29945, 29953, 29906, 29896, 29945, 29900, 29906, 29896, 29945, 29906, 29953,
+      29896, 29945, 29906, 29946],
+     [29871, 2, 29901, 29889, 29871, 2, 395, 259, 29901, 29871, 2, 29889, 3001, 1234, 7146,
+      2186]],
+    [[29946, 29974, 29945, 29930, 29889, 29922, 29974, 29930, 29974, 29946, 29930, 29922,
+      29889, 29974, 29945, 29922],
+     [29941, 29906, 2, 29946, 29871, 450, 319, 14990, 29946, 29941, 2, 29906, 29871, 2, 3001,
+      13]]]
+SGL_PARENTS = [[[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]], [[4, 8, 9, 10], [4, 5, 6, 7]],
+               [[20, 24, 21, 28], [24, 28, 20, 21]], [[36, 40, 41, 44], [36, 40, 44, 45]]]
+
+
+def test_sglang_preset_reproduces_sglangs_build_eagle_tree_self_test():
+    trees, out = E.sglang_build_tree(
+        [torch.tensor(x) for x in SGL_SCORES], [torch.tensor(x) for x in SGL_TOKENS],
+        [torch.tensor(x) for x in SGL_PARENTS], [29974, 13], [5, 10], topk=4,
+        num_draft_tokens=8)
+    assert out["positions"].tolist() == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
+    assert out["retrive_index"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7],
+                                             [8, 9, 10, 11, 12, 13, 14, 15]]
+    assert out["retrive_next_token"].tolist() == [[1, 3, 4, 5, 6, 7, -1, -1],
+                                                  [1, 2, -1, 6, -1, -1, 7, -1]]
+    assert out["retrive_next_sibling"].tolist() == [[-1, 2, -1, -1, -1, -1, -1, -1],
+                                                    [-1, -1, 3, 4, 5, -1, -1, -1]]
+    assert out["draft_tokens"].tolist() == [29974, 29896, 29906, 29889, 29974, 29946, 29896,
+                                            29946, 13, 13, 22550, 4136, 16492, 8439, 29871,
+                                            29941]
+
+
+def test_sglang_product_scores_grow_the_tree_official_log_probabilities_grow():
+    # SGLang multiplies fp32 probabilities where the official code adds log-probabilities:
+    # the same ranking (up to fp32 rounding), so the same tree from the same drafter
+    probs = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
+                         3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
+    drafter = MarkovDrafter(probs)
+    tree = E.grow_tree(drafter, None, 3, F.one_hot(torch.tensor([0]), 6).float(),
+                       torch.tensor(0), E.TreeShape(2, 2, 6), E.PRESETS["sglang"])
+    official = E.grow_tree(MarkovDrafter(probs), None, 3, F.one_hot(torch.tensor([0]), 6).float(),
+                           torch.tensor(0), E.TreeShape(2, 2, 6))
+    assert tree.tokens.tolist() == official.tokens.tolist()       # same order, other space
+    assert tree.parents.tolist() == official.parents.tolist()
+
+
+SGL_CANDIDATES = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]  # test_eagle_utils.py, sglang@9bfd52e8
+SGL_RETRIVE_INDEX = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+SGL_NEXT_TOKEN = [[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]
+SGL_NEXT_SIBLING = [[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]
+
+
+def sglang_test_logits():
+    """The test's target logits (2, 6, 20): 1 everywhere, 10 at a few (request, node, token)
+    and at token 18 of every row left without a 10."""
+    logits = torch.ones(2, 6, 20)
+    for b, node, token in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
+        logits[b, node, token] = 10
+    logits[..., 18][logits.max(-1).values < 10] = 10
+    return logits
+
+
+def sglang_test_run(accept):
+    """accept(logits of one request (6, 20), Tree, visiting order) -> Acceptance, for both
+    requests; then SGLang's output tensors."""
+    logits, accepts = sglang_test_logits(), []
+    for b in range(2):
+        tree, kids = E.sglang_linked_tree(SGL_CANDIDATES[b], SGL_NEXT_TOKEN[b],
+                                          SGL_NEXT_SIBLING[b])
+        accepts.append((accept(logits[b], tree, kids), tree.tokens))
+    predicts, index, num = E.sglang_verify_outputs(accepts, torch.tensor(SGL_RETRIVE_INDEX), 4)
+    return predicts.tolist(), index.tolist(), num.tolist()
+
+
+def test_sglang_preset_reproduces_sglangs_greedy_verify_kernel_test():
+    got = sglang_test_run(lambda logits, tree, kids: E.accept_greedy(logits, tree))
+    assert got == ([3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],
+                   [[0, 3, 4, 5], [6, 10, 11, -1]], [3, 2])
+
+
+@pytest.mark.parametrize("ts, ta, predicts, index, num", [   # test_speculative_sampling.py
+    (1, 1, [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5], [6, 10, 11, -1]],
+     [3, 2]),
+    (0, 0, [1, 2, 18, -1, -1, -1, 11, -1, -1, -1, 12, 18], [[0, 1, 2, -1], [6, 10, 11, -1]],
+     [2, 2]),
+])
+def test_sglang_preset_reproduces_sglangs_tree_sampling_kernel_test(ts, ta, predicts, index,
+                                                                    num):
+    # temperature 0.01 makes the fp32 probabilities exactly one-hot, so any coins give the
+    # test's outputs; its hand-written linked lists visit the root's children 4 before 1
+    g = torch.Generator().manual_seed(0)
+
+    def accept(logits, tree, kids):
+        p = torch.softmax(logits / 0.01, -1)
+        return E.accept_cumulative(p, tree, torch.rand(6, generator=g),
+                                   torch.rand((), generator=g), ts, ta, kids=kids)
+    assert sglang_test_run(accept) == (predicts, index, num)
+
+
+def test_sglang_preset_reproduces_sglangs_cpu_hand_cases():
+    # test/srt/cpu/test_spec_kernels.py, sglang@3da9e7e6: topk 2, 2 steps, 4 draft tokens;
+    # the pool is given by its selected indices: scores that select exactly them
+    trees, out = E.sglang_build_tree([torch.tensor([[[0.6, 0.3]]]), torch.tensor([[[0.5, 0.1],
+                                      [0.05, 0.01]]])], [torch.tensor([[1, 2]]),
+                                      torch.tensor([[3, 4, 5, 6]])],
+                                     [torch.tensor([[-1, 0, 1]]), torch.tensor([[2, 3]])], [0],
+                                     [5], topk=2, num_draft_tokens=4)
+    assert out["retrive_next_token"].tolist() == [[1, 3, -1, -1]]
+    assert out["retrive_next_sibling"].tolist() == [[-1, 2, -1, -1]]
+    assert out["positions"].tolist() == [5, 6, 6, 7]
+    assert trees[0].mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0],
+                                            [1, 1, 0, 1]]
+    # the greedy chain hand case: drafts 3, 4, 5 after the root 10; targets 3, 4, 9, 9
+    chain, kids = E.sglang_linked_tree([10, 3, 4, 5], [1, 2, 3, -1], [-1, -1, -1, -1])
+    acc = E.accept_greedy(F.one_hot(torch.tensor([3, 4, 9, 9]), 12).float(), chain)
+    predicts, index, num = E.sglang_verify_outputs([(acc, chain.tokens)],
+                                                   torch.tensor([[0, 1, 2, 3]]), 4)
+    assert (predicts.tolist(), index.tolist(), num.tolist()) == ([3, 4, 9, -1], [[0, 1, 2, -1]],
+                                                                 [2])
+    # the topk = 1 chain, 3 steps: seq_lens 7 and 12, a causal mask, consecutive positions
+    trees, out = E.sglang_build_tree(
+        [torch.tensor([[[0.9]], [[0.9]]]), torch.tensor([[[0.8]], [[0.8]]]),
+         torch.tensor([[[0.7]], [[0.7]]])], [torch.tensor([[1], [1]]), torch.tensor([[2], [2]]),
+                                             torch.tensor([[3], [3]])],
+        [torch.tensor([[-1, 0], [-1, 0]]), torch.tensor([[1], [1]]), torch.tensor([[2], [2]])],
+        [0, 0], [7, 12], topk=1, num_draft_tokens=4)
+    assert out["positions"].tolist() == [7, 8, 9, 10, 12, 13, 14, 15]
+    assert all(t.mask.int().tolist() == torch.ones(4, 4).tril().int().tolist() for t in trees)
+    assert out["retrive_next_token"].tolist() == [[1, 2, 3, -1]] * 2
+
+
+@pytest.mark.parametrize("drafts, targets, bonus, expected", [  # vLLM test_rejection_sampler.py
+    ([[1, 2, 3]], [[1, 2, 3]], [4], [[1, 2, 3, 4]]),                    # perfect match
+    ([[1, 2, 3]], [[1, 5, 3]], [4], [[1, 5, -1, -1]]),                  # early mismatch
+    ([[1, 2], [3]], [[1, 2], [3]], [5, 4], [[1, 2, 5], [3, 4, -1]]),    # multiple sequences
+    ([[1]], [[1]], [2], [[1, 2]]),                                      # single token
+    ([[]], [[]], [5], [[5]]),                                           # empty sequence
+    ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8, 6]], [6, 9],
+     [[1, 2, 7, -1], [4, 8, -1, -1]]),                                  # multiple mismatches
+    ([[1, 2]], [[1, 2]], [3], [[1, 2, 3]]),                             # parametrized 1
+    ([[1]], [[2]], [3], [[2, -1]]),                                     # parametrized 2
+    ([[1, 2], [3, 4]], [[1, 5], [3, 4]], [6, 7], [[1, 5, -1], [3, 4, 7]]),  # parametrized 3
+])
+def test_vllm_preset_reproduces_vllms_greedy_rejection_sampler_tests(drafts, targets, bonus,
+                                                                     expected):
+    max_spec_len = max(len(d) for d in drafts)
+    assert E.vllm_greedy_output(drafts, targets, bonus, max_spec_len).tolist() == expected
+
+
+
+# batches: B prompts of different lengths, one verify forward for all trees
+
+BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7, 12))]
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, preset):
+    s = speculation["llama"]
+    prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
+    results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
+                                           tree=E.TreeShape(3, 3, 12), preset=preset)
+    for ids, r in zip(prompts, results):
+        assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
+    assert max(results[3].accept_lengths) >= 3
+
+
+def test_batch_rows_that_finish_early_stop_emitting(speculation):
+    s = speculation["llama"]
+    eos = int(s.reference["memorized"][5])           # the 6th greedy token of row 0
+    results = E.speculative_generate_batch(s.target, s.draft, [s.prompts["memorized"]] +
+                                           BATCH_PROMPTS[1:3], 20, tree=E.TreeShape(2, 2, 6),
+                                           eos_token_id=eos)
+    for ids, r in zip([s.prompts["memorized"]] + BATCH_PROMPTS[1:3], results):
+        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
+    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation, preset):
+    # row b draws from its own generator seeded seed + b, so it is exactly the batch-1 run
+    # with that seed: each row keeps the (tested lossless) distribution of a single run
+    s = speculation["qwen3"]
+    results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16,
+                                           temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
+                                           seed=40, preset=preset)
+    for b, (ids, r) in enumerate(zip(BATCH_PROMPTS, results)):
+        single = E.speculative_generate(s.target, s.draft, ids, 16, temperature=0.9, top_k=8,
+                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, preset=preset)
+        assert r.tokens.tolist() == single.tokens.tolist(), b
+        assert r.accept_lengths == single.accept_lengths
 
 # ----------------------------------------------------------------------------------------
 # training: vocab mapping, the TTT loss, data parallelism, resume, the train/generate CLI (SPEC §6)
@@ -3626,6 +4100,76 @@ def test_golden_check_names_round_field_index_and_both_values_of_a_flipped_token
     assert re.search(r"\bround 2\b", lines[0]) and "tree_tokens" in lines[0], lines[0]
     assert re.search(r"\bindex 3\b", lines[0]), lines[0]
     assert f"file {new}, re-run {old}" in lines[0], lines[0]
+
+
+BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
+
+
+@pytest.fixture(scope="module")
+def batch_golden(golden_models):
+    """A batch of 3 prompts under each engine preset, sampled (their random numbers in the
+    file), written twice; then the SGLang one re-checked after flipping row 1's token."""
+    root, runs = golden_models["root"], {}
+    for preset in ("sglang", "vllm"):
+        args = ["golden", "--target", golden_models["target"], "--draft", golden_models["draft"],
+                "--prompt-ids", BATCH_GOLDEN_PROMPTS, "--max-new-tokens", 16, "--tree-top-k", 3,
+                "--depth", 2, "--total-tokens", 8, "--preset", preset, "--temperature", 0.8,
+                "--seed", 7]
+        files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
+        procs = golden_finish(*[golden_cli(*args, "--out", f) for f in files])
+        runs[preset] = [(f, p, golden_read(f) if os.path.isfile(f) else None)
+                        for f, p in zip(files, procs)]
+    file, _, (header, tensors) = runs["sglang"][0]
+    name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
+    flipped = dict(tensors, **{name: tensors[name].clone()})
+    old = int(flipped[name][2])
+    flipped[name][2] = (old + 1) % GOLDEN_VOCAB
+    save_file(flipped, str(root / "batch-flipped.safetensors"),
+              metadata={"eagle3_golden": json.dumps(header)})
+    check = golden_finish(golden_cli("golden", "--check", root / "batch-flipped.safetensors"),
+                          golden_cli("golden", "--check", file))
+    return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+
+
+@pytest.mark.parametrize("preset", ["sglang", "vllm"])
+def test_batch_golden_trace_is_bit_identical_across_two_runs(batch_golden, preset):
+    (_, pa, a), (_, pb, b) = batch_golden.runs[preset]
+    assert a is not None and b is not None, pa.stderr[-2000:] + pb.stderr[-2000:]
+    (ha, ta), (hb, tb) = a, b
+    assert ha == hb and sorted(ta) == sorted(tb)
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert ha["config"]["prompts"] == [[3, 1, 4], [1, 5, 9, 2, 6], [5, 3]]
+    assert ha["config"]["preset"] == E.PRESETS[preset]._asdict()
+    rows = {k.split(".")[0] for k in ta}
+    assert rows == {"row00", "row01", "row02"}
+
+
+def test_batch_golden_records_each_engines_random_numbers_in_its_layout(batch_golden):
+    (_, _, (_, sg)), (_, _, (_, vl)) = batch_golden.runs["sglang"][0], batch_golden.runs["vllm"][0]
+    nodes = sg["row00.round0000.tree_tokens"].shape[0]
+    assert sg["row00.round0000.coins"].shape == (nodes,) and sg["row00.round0000.coins"].dtype == \
+        torch.float32
+    assert sg["row00.round0000.final_coin"].shape == (1,)
+    assert sg["row00.round0000.sglang.retrive_next_token"].shape == (nodes,)
+    drafts = vl["row00.round0000.tree_tokens"].shape[0] - 1      # a chain of argmax drafts
+    assert vl["row00.round0000.parents"].tolist() == list(range(-1, drafts))
+    assert vl["row00.round0000.draft_uniforms"].shape == (drafts,)
+    assert vl["row00.round0000.draft_uniforms"].dtype == torch.float64
+    assert vl["row00.round0000.exponentials"].shape == (GOLDEN_VOCAB,)
+    # the generator state before a round's draws regenerates them exactly
+    g = torch.Generator()
+    g.set_state(vl["row01.round0002.generator_state"])
+    assert torch.equal(torch.empty(GOLDEN_VOCAB).exponential_(generator=g),
+                       vl["row01.round0002.bonus_exponentials"])
+
+
+def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(batch_golden):
+    flipped, untouched = batch_golden.check
+    assert untouched.returncode == 0 and untouched.stdout.strip() == "match", untouched.stderr
+    assert flipped.returncode == 1, flipped.stdout + flipped.stderr[-2000:]
+    line = flipped.stdout.strip()
+    assert line.startswith("first divergence: row 1, round 1, field tree_tokens, index 2:"), line
+    assert f"file {batch_golden.new}, re-run {batch_golden.old}" in line, line
 
 
 def test_golden_check_refuses_another_format_version_in_one_line(golden_checks):
