@@ -81,6 +81,12 @@ def fail(message):
     raise Eagle3Error(message)
 
 
+def why(e):
+    """A library's exception as 'Type: its first sentence', for a one-line error."""
+    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+    return f"{type(e).__name__}: {text[:160]}"
+
+
 @dataclass
 class TargetConfig:
     family: str
@@ -962,6 +968,7 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     if input_ids.shape != (1, T + 1):
         fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
              f"be (1, {T + 1}): the {T} featured tokens plus the root")
+    check_token_ids(input_ids, draft.cfg.vocab_size)
     cache = draft.new_cache(T + top_k * depth)
     h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
     return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
@@ -1256,11 +1263,29 @@ def accept_onehot(p, drafts, uniforms, exponentials, bonus):
 SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
 
 
-def check_generation_args(input_ids, max_new_tokens, capacity, reserve=0):
+def check_token_ids(ids, vocab_size, what="input_ids"):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        fail(f"{what} holds token id {bad}, outside the target vocab [0, {vocab_size}): the "
+             f"prompt was encoded for another model, or is not a token-id tensor")
+
+
+def check_eos(eos_token_id, vocab_size):
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+    for t in ids:
+        if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
+            fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
+
+
+def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reserve=0):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        fail(f"input_ids must be a torch.long tensor of token ids, got "
+             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         fail("the prompt is empty: input_ids has shape (1, 0); give at least one token")
+    check_token_ids(input_ids, vocab_size)
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
     need = input_ids.shape[1] + max_new_tokens + reserve
@@ -1271,7 +1296,7 @@ def check_generation_args(input_ids, max_new_tokens, capacity, reserve=0):
 
 
 def check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree, scheme,
-                           preset):
+                           preset, eos_token_id):
     """Every argument of speculative decoding checked before any work -> the TreeShape to
     run (a chain of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
     check_sampling(sampling)
@@ -1289,9 +1314,10 @@ def check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tre
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         fail("prompts must be a non-empty list of (1, T) token-id tensors")
+    check_eos(eos_token_id, target.cfg.vocab_size)
     for ids in prompts:
         check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
-                              reserve=shape.total_tokens)
+                              target.cfg.vocab_size, reserve=shape.total_tokens)
     return shape
 
 
@@ -1328,7 +1354,9 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
     """Plain decoding with a KV cache: one target forward per token. The collectives are
     counted into `comm` (new_comm("prefill", "decode", "decide")) when one is given."""
     check_sampling(sampling)
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions)
+    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
+                          target.cfg.vocab_size)
+    check_eos(eos_token_id, target.cfg.vocab_size)
     comm = comm if comm is not None else new_comm("prefill", "decode", "decide")
     uniforms = uniform_stream(torch.Generator().manual_seed(seed))
     n = input_ids.shape[1]
@@ -1544,7 +1572,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                         order=preset.warper_order)
     shape = check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree,
-                                   scheme, preset)
+                                   scheme, preset, eos_token_id)
     B, longest = len(prompts), max(ids.shape[1] for ids in prompts)
     caches = Caches(target.new_cache(longest + max_new_tokens + shape.total_tokens, batch=B),
                     [draft.new_cache(ids.shape[1] + max_new_tokens + shape.top_k * shape.depth)
@@ -1716,6 +1744,14 @@ class TrainConfig(NamedTuple):
     seed: int = 0
 
 
+def check_train_config(cfg):
+    for name in ("steps", "batch", "ttt_steps", "eval_every", "save_every"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            fail(f"TrainConfig {name}={getattr(cfg, name)!r} must be a positive integer")
+    if not cfg.lr > 0:
+        fail(f"TrainConfig lr={cfg.lr!r} must be > 0")
+
+
 def batch_indices(n, batch, step, seed):
     """The examples of global step `step`: a fixed function of (seed, step), so a resumed
     run sees exactly the batches the uninterrupted run would have seen."""
@@ -1812,8 +1848,19 @@ TINY_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_co
 
 
 def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+    """A JSON object from a file, or a one-line error naming the file and where it breaks."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        fail(f"{path!r} does not exist")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if hasattr(e, "lineno") else ""
+        fail(f"{path!r} is not valid JSON ({getattr(e, 'msg', e)}{where}); fix the file or "
+             f"restore it from the model's source")
+    if not isinstance(obj, dict):
+        fail(f"{path!r} holds a JSON {type(obj).__name__}; expected an object {{...}}")
+    return obj
 
 
 def write_json(path, obj):
@@ -1877,6 +1924,8 @@ def target_config(c):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     c.head_dim = head_dim
     deepseek = family == "deepseek_v3"
+    if not deepseek:  # MLA's rotary width is qk_rope_head_dim, checked where it is read
+        check_head_dim(head_dim, f"the {family} target's config")
     inv_freq, rope_scale = rope_inv_freq(c)
     return TargetConfig(
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -1887,6 +1936,12 @@ def target_config(c):
         tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
         inv_freq=inv_freq, rope_scale=rope_scale,
         mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
+
+
+def check_head_dim(head_dim, where):
+    if head_dim % 2:
+        fail(f"{where} gives head_dim={head_dim}: RoPE rotates pairs of dims, so it must be "
+             f"even (set head_dim, or heads that divide hidden_size into even widths)")
 
 
 def yarn_mscale(factor, mscale):
@@ -1947,18 +2002,25 @@ def read_target_config(path):
         fail(f"model_type={family!r} in {path}/config.json is not supported; "
              f"supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family not in ("deepseek_v3", "kimi_k2", "kimi_k25"):
-        return target_config(AutoConfig.from_pretrained(path))
+        return target_config(validated(lambda: AutoConfig.from_pretrained(path),
+                                       f"{path}/config.json"))
     text = text_config(read_config_json(path))
     if text.get("qk_rope_head_dim", 0) % 2:
         fail(f"qk_rope_head_dim={text['qk_rope_head_dim']} in {path}/config.json must be even: "
              f"RoPE rotates pairs of dims")
     drop = ("model_type", "architectures", "auto_map", "quantization_config")
+    return target_config(validated(lambda: DeepseekV3Config.from_dict(
+        {k: v for k, v in text.items() if k not in drop}), f"{path}/config.json (DeepSeek-V3)"))
+
+
+def validated(make_config, what):
+    """A transformers config, with its own validation of the fields (a chained, multi-line
+    exception) turned into our one-line error naming the file."""
     try:
-        config = DeepseekV3Config.from_dict({k: v for k, v in text.items() if k not in drop})
-    except (ValueError, TypeError) as e:  # transformers' own validation of the fields
-        fail(f"{path}/config.json is not a valid DeepSeek-V3 config: "
-             f"{str(e).strip().splitlines()[-1].strip()}")
-    return target_config(config)
+        return make_config()
+    except Exception as e:  # ValueError, TypeError, huggingface_hub's validation error
+        cause = e.__cause__ or e
+        fail(f"{what} is not a valid config: {str(cause).strip().splitlines()[-1].strip()}")
 
 
 class BinWeights(NamedTuple):
@@ -1981,7 +2043,7 @@ def open_weights(file):
         state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         return BinWeights(state)
     except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
-        fail(f"cannot read weight file {file!r} ({type(e).__name__}: {e}); "
+        fail(f"cannot read weight file {file!r} ({why(e)}); "
              f"the file is corrupt or truncated, re-download or re-save it")
 
 
@@ -2041,7 +2103,7 @@ class Checkpoint:
         except Eagle3Error:
             raise
         except Exception as e:
-            fail(f"cannot read {name!r} from {file!r} ({type(e).__name__}: {e}); "
+            fail(f"cannot read {name!r} from {file!r} ({why(e)}); "
                  f"the file is corrupt or truncated")
 
     def dequantise(self, name, x, dim, lo):
@@ -2197,7 +2259,10 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     if arch not in DRAFT_ARCHITECTURES:
         fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
              f"expected one of {DRAFT_ARCHITECTURES}")
-    c = LlamaConfig.from_dict({k: v for k, v in raw.items() if k not in ("architectures",)})
+    where = "the drafter config" if isinstance(path_or_dict, dict) else \
+        os.path.join(path_or_dict, "config.json")
+    c = validated(lambda: LlamaConfig.from_dict(
+        {k: v for k, v in raw.items() if k != "architectures"}), where)
     if "rope_theta" not in raw and "rope_parameters" not in raw:
         c.rope_parameters = {"rope_type": "default", "rope_theta": DRAFT_ROPE_BASE}
     if c.vocab_size != target_cfg.vocab_size:
@@ -2213,11 +2278,12 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     draft_vocab_size = raw.get("draft_vocab_size", c.vocab_size)
     stored_map = weight_keys is None or bool({"d2t", "t2d"} & set(weight_keys))
     has_vocab_map = "draft_vocab_size" in raw and (draft_vocab_size != c.vocab_size or stored_map)
+    head_dim = raw.get("head_dim") or c.hidden_size // c.num_attention_heads
+    check_head_dim(head_dim, where)
     inv_freq, rope_scale = rope_inv_freq(c)
     return DraftConfig(
         hidden_size=c.hidden_size, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        head_dim=raw.get("head_dim") or c.hidden_size // c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
         intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
         vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden, aux_layers=aux_layers,
@@ -2370,19 +2436,34 @@ class Progress:
 def read_conversations(path):
     """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
     content}) -> lists of {role, content}."""
+    if not os.path.isfile(path):
+        fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [conversation(line, f"{path}:{line_no}")
+                    for line_no, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        fail(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
+
+
+def conversation(line, where):
     roles = dict(human="user", user="user", gpt="assistant", assistant="assistant",
                  system="system")
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+             f"JSON object with 'messages' or 'conversations'")
+    turns = (row.get("messages") or row.get("conversations")) if isinstance(row, dict) else None
+    if not isinstance(turns, list) or not turns:
+        fail(f"{where} has neither a 'messages' nor a 'conversations' list")
     out = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            turns = row.get("messages") or row.get("conversations")
-            if not turns:
-                fail(f"{path}:{line_no} has neither 'messages' nor 'conversations'")
-            out.append([dict(role=roles.get(t.get("role", t.get("from")), "user"),
-                             content=t.get("content", t.get("value", ""))) for t in turns])
+    for t in turns:
+        content = t.get("content", t.get("value")) if isinstance(t, dict) else None
+        if not isinstance(content, str):
+            fail(f"{where}: turn {t!r:.60} is not {{role, content}} or {{from, value}} with "
+                 f"a text content")
+        out.append(dict(role=roles.get(t.get("role", t.get("from")), "user"), content=content))
     return out
 
 
@@ -2451,14 +2532,19 @@ def save_train_state(path, draft, opt, step):
 
 
 def load_train_state(path, draft, opt):
+    """The step to resume from: 0 when no checkpoint was written yet (the run was stopped
+    before its first one); a truncated or foreign file is refused."""
+    if not os.path.exists(path):
+        print0(f"--resume: no {path} yet, starting from step 0")
+        return 0
     try:
         state = torch.load(path, map_location=draft.fc.weight.device, weights_only=True)
-    except Exception as e:
-        fail(f"cannot resume from {path!r} ({type(e).__name__}: {e}); the checkpoint is "
-             f"truncated or corrupt: delete it to start over")
-    draft.load_state_dict(state["draft"])
-    opt.load_state_dict(state["optimizer"])
-    return state["step"]
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["optimizer"])
+        return int(state["step"])
+    except Exception as e:  # unpickling, missing entries and shape mismatches alike
+        fail(f"cannot resume from {path!r} ({why(e)}); the checkpoint "
+             f"is truncated, corrupt or not ours: delete it to start over")
 
 
 def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False,
@@ -2468,6 +2554,7 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
     --resume) every save_every steps. Returns the last held-out per-step accuracy; each
     evaluation is also appended to `curve` as (step, accuracies) when one is given."""
     rank, world = world_info()
+    check_train_config(cfg)
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
@@ -2567,7 +2654,7 @@ def captured_files(path):
         if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
             for name in os.listdir(os.path.join(path, group)):
                 stem = name[:-3] if name.endswith(".gz") else name
-                if stem.startswith("data_") and stem.endswith(".ckpt"):
+                if stem.startswith("data_") and stem.endswith(".ckpt") and stem[5:-5].isdigit():
                     found[int(stem[5:-5])] = os.path.join(path, group, name)
     if not found:
         fail(f"no rows_*/data_*.ckpt(.gz) files in {path!r}: capture features first")
@@ -2582,7 +2669,7 @@ def read_captured(file):
         fields = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
         return {k: sample[k] for k in fields}
     except Exception as e:  # unpickling and missing fields alike: not a capture file
-        fail(f"cannot read captured features {file!r} ({type(e).__name__}: {e}); expected "
+        fail(f"cannot read captured features {file!r} ({why(e)}); expected "
              f"a dict with input_ids, loss_mask, hidden_state and aux_hidden_state")
 
 
@@ -3013,8 +3100,13 @@ def write_golden(path, header, tensors):
 
 
 def read_golden(path):
-    f = open_weights(path)
-    header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
+    from safetensors import safe_open
+    try:
+        f = safe_open(path, framework="pt")
+        header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
+    except Exception as e:  # not safetensors, truncated, or a broken header: not a trace
+        fail(f"{path!r} is not a golden trace ({why(e)}); write one "
+             f"with `golden --out`")
     if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
         fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
              f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
@@ -4138,10 +4230,10 @@ def cmd_eval_draft(args):
 
 def golden_config(args):
     """The run a new golden trace records (the header's `config`)."""
+    prompts = [parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")] \
+        if args.prompt_ids else None
     target_dir, draft_dir = model_dirs(args)
-    if args.prompt_ids:
-        prompts = [parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")]
-    else:
+    if prompts is None:
         tokenizer = load_tokenizer(target_dir, args)
         prompts = [encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
                    for text in args.prompt or [GOLDEN_PROMPT]]
@@ -4375,15 +4467,18 @@ def cmd_bench(args):
 
 
 def parse_numbers(text, kind, what, count=None):
-    """'1.5,2,3' -> numbers, or a one-line error naming the flag."""
-    try:
-        values = [kind(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or (count and len(values) != count):
-        fail(f"{what} {text!r} must be {count or 'a list of'} comma-separated "
-             f"{kind.__name__} values")
-    return values
+    """'1.5,2,3' -> numbers, or a one-line error naming the flag and the bad item."""
+    items = text.split(",")
+    for x in items:
+        try:
+            kind(x)
+        except ValueError:
+            fail(f"{what} {text!r}: {x.strip()!r} is not {'an' if kind is int else 'a'} "
+                 f"{kind.__name__}; expected "
+                 f"{count or 'a list of'} comma-separated {kind.__name__} values")
+    if count and len(items) != count:
+        fail(f"{what} {text!r} must be {count} comma-separated {kind.__name__} values")
+    return [kind(x) for x in items]
 
 
 def cmd_comm_plan(args):
@@ -4441,9 +4536,16 @@ AUX_CONVENTION_FLAG = dict(
          "when the first id is 1), sglang-legacy (+1 always)")
 
 
+def remote_code_flag():
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--trust-remote-code", action="store_true",
+                        help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
+    return remote
+
+
 def flag_groups():
     """Parent parsers for the flags that generate, golden and bench share."""
-    models = argparse.ArgumentParser(add_help=False)
+    models = argparse.ArgumentParser(add_help=False, parents=[remote_code_flag()])
     models.add_argument("--target", help="Hugging Face model dir (default: the tiny demo target)")
     models.add_argument("--draft", help="EAGLE-3 drafter dir, official or SpecForge layout "
                                         "(default: the tiny demo drafter)")
@@ -4453,8 +4555,6 @@ def flag_groups():
     tree.add_argument("--tree-top-k", type=int, default=TOP_K, help="the draft tree's top-k")
     tree.add_argument("--depth", type=int, default=DEPTH)
     tree.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
-    models.add_argument("--trust-remote-code", action="store_true",
-                        help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
     models.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -4521,9 +4621,7 @@ def add_commands(sub):
 
 
 def add_training_commands(sub):
-    remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument("--trust-remote-code", action="store_true",
-                        help="run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer)")
+    remote = remote_code_flag()
     t = sub.add_parser("train", parents=[remote],
                        help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
@@ -4566,6 +4664,10 @@ def add_training_commands(sub):
     rd.add_argument("--seed", type=int, default=0)
     rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     rd.set_defaults(run=cmd_remap_draft)
+
+
+def add_probe_commands(sub):
+    remote = remote_code_flag()
     cap = sub.add_parser("capture", parents=[remote],
                          help="write target features of chat data in SpecForge's offline layout")
     cap.add_argument("--target", required=True)
@@ -4603,12 +4705,78 @@ def add_training_commands(sub):
     dc.set_defaults(run=cmd_draft_check)
 
 
+POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len", "tp",
+                  "draft_vocab_size", "max_examples", "tree_top_k", "depth", "total_tokens",
+                  "draft_cost", "verify_cost")
+
+
+def check_numbers(args):
+    """The counts, sizes and rates a command takes are > 0 (refused before any work)."""
+    for name in POSITIVE_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            fail(f"--{name.replace('_', '-')} {value} must be > 0")
+
+
+PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
+    target="dir", draft="dir", init_draft="dir", draft_tokenizer="dir", against_draft="dir",
+    against_tokenizer="dir", assistant="dir", features="dir", data="file",
+    against_data="file", check="file", config="any")
+FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; the others write a dir
+
+
+def check_paths(args):
+    """Every path a command reads exists, is of the right kind and is readable, and --out
+    can be written: before anything loads, so a typo is one line naming the flag (never a
+    hub lookup answering for a local path, never a traceback after minutes of work)."""
+    for name, kind in PATH_FLAGS.items():
+        path = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            what = dict(dir="directory", file="file", any="file or directory")[kind]
+            fail(f"{flag} {path!r} does not exist; expected a local {what}")
+        if kind == "dir" and not os.path.isdir(path):
+            fail(f"{flag} {path!r} is a file; expected a directory (the one holding it?)")
+        if kind == "file" and not os.path.isfile(path):
+            fail(f"{flag} {path!r} is a directory; expected a file")
+        if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+            fail(f"{flag} {path!r} is not readable: check its permissions")
+    out = getattr(args, "out", None)
+    if out is not None:
+        check_output(out, args.command in FILE_OUTPUTS)
+
+
+def check_output(out, is_file):
+    if is_file and os.path.isdir(out):
+        fail(f"--out {out!r} is a directory; expected the path of the file to write")
+    if not is_file and os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out!r} is a file; expected a directory to write into")
+    parent = os.path.dirname(os.path.abspath(out))
+    if is_file and not os.path.isdir(parent):
+        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
+    while not os.path.exists(parent):  # a dir output is created with its missing parents
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line like every other error (usage: --help)."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser():
-    p = argparse.ArgumentParser(description="EAGLE-3 reference: with no command, run the tiny "
-                                            "end-to-end demo (train a drafter, decode, report).")
+    p = Parser(description="EAGLE-3 reference: with no command, run the tiny end-to-end "
+                           "demo (train a drafter, decode, report).")
     sub = p.add_subparsers(dest="command")
     add_commands(sub)
     add_training_commands(sub)
+    add_probe_commands(sub)
     p.set_defaults(run=cmd_demo)
     return p
 
@@ -4619,6 +4787,8 @@ def main(argv=None):
     transformers.utils.logging.disable_progress_bar()
     args = build_parser().parse_args(argv)
     try:
+        check_paths(args)
+        check_numbers(args)
         init_distributed()
         code = args.run(args) or 0
     except Eagle3Error as e:  # wrong input: one line, no traceback

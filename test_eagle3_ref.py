@@ -9,15 +9,19 @@ this same file as the torchrun worker:
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 test_eagle3_ref.py tp JOB OUT
 """
+import argparse
 import ast
 import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -322,6 +326,20 @@ def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
         E.load_target(str(tmp_path))
 
 
+def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
+    # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
+    # transformers' own validation catches the target's explicit head_dim (in one line of
+    # ours); a drafter's head width from hidden_size / heads slips past it.
+    config = dict(random_hf_model("llama").config.to_dict(), head_dim=9)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(E.Eagle3Error, match=r"config.json is not a valid config: RoPE requires "
+                                            r"an even rotary dimension.*head_dim.*9"):
+        E.read_target_config(str(tmp_path / "target"))
+    with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
+        E.read_draft_config(draft_config_dict(num_attention_heads=HIDDEN), zoo.target("llama").cfg)
+
+
 @pytest.mark.parametrize("world", [3, 4])   # 3: neither head count divides; 4: the kv heads
 def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
     cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
@@ -394,11 +412,39 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
 
 
-GENERATORS = {  # the two generation entry points must check their inputs alike
+GENERATORS = {  # the generation entry points must check their inputs alike
     "greedy": lambda target, draft, ids, n: E.greedy_generate(target, ids, n),
+    "sample": lambda target, draft, ids, n: E.sample_generate(target, ids, n, seed=1),
     "speculative": lambda target, draft, ids, n: E.speculative_generate(
         target, draft, ids, n, tree=E.TreeShape(2, 2, 6)),
 }
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, generate, bad):
+    # a forward would fail deep in the embedding (IndexError), or read another row silently
+    ids = random_prompt(0)
+    ids[0, 5] = bad
+    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside the target vocab "
+                                            rf"\[0, {VOCAB}\)"):
+        GENERATORS[generate](zoo.target("llama"), plain_draft, ids, 5)
+    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
+        E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), ids, 2, 2, 6)
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+def test_eos_outside_the_vocab_and_non_id_prompts_are_refused(zoo, plain_draft, generate):
+    target = zoo.target("llama")
+    with pytest.raises(E.Eagle3Error, match=r"must be a torch.long tensor of token ids"):
+        GENERATORS[generate](target, plain_draft, random_prompt(0).float(), 5)
+    eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
+           "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
+           "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
+                                                         eos_token_id=VOCAB + 3)}[generate]
+    with pytest.raises(E.Eagle3Error, match=r"eos_token_id=-?\d+ is not a token id of the "
+                                            rf"target vocab \[0, {VOCAB}\)"):
+        eos()
 
 
 @pytest.fixture(scope="module")
@@ -1152,13 +1198,17 @@ MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between impl
 
 
 def ds_hf_model(name):
+    overrides, seed = DS_TARGETS[name]
+    return ds_random_model(dict(DS_BASE, **overrides), seed)
+
+
+def ds_random_model(config, seed):
     """A transformers DeepseekV3ForCausalLM with eager attention and experts, weights
     ~ N(0, 0.2), norm gains ~ 1 + N(0, 0.2) and a random score-correction bias: the
     defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    overrides, seed = DS_TARGETS[name]
-    model = randomized(DeepseekV3Config(**DS_BASE, **overrides), seed, std=0.2)
+    model = randomized(DeepseekV3Config(**config), seed, std=0.2)
     model.set_attn_implementation("eager")
     model.set_experts_implementation("eager")
     with torch.no_grad():
@@ -3314,7 +3364,7 @@ def test_resume_from_truncated_train_state_is_refused(train_target, train_checkp
     shutil.copytree(train_checkpoint, out)
     train_truncate(os.path.join(out, "train_state.pt"))
     draft = train_new_draft(t.target, t.kept, seed=52)
-    with pytest.raises(E.Eagle3Error, match="truncated or corrupt"):
+    with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
         E.train_draft(t.target, draft, t.examples, [], train_config(steps=4), out, TRAIN_PAD,
                       resume=True)
 
@@ -3755,23 +3805,29 @@ def golden_models(tmp_path_factory):
         draft.d2t.copy_(kept - torch.arange(len(kept)))
         draft.t2d.zero_()
         draft.t2d[kept] = True
-    prompt = torch.tensor([GOLDEN_PROMPT])
-    with torch.no_grad():  # prompt + 40 greedy tokens
+    ttt_sharpen(draft, target, hf, GOLDEN_PROMPT, new_tokens=40, steps=40)
+    E.save_draft(draft, str(root / "draft"))
+    return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
+
+
+def ttt_sharpen(draft, target, hf, prompt, new_tokens, steps):
+    """Adam steps (lr 1e-2) of the 3-step TTT loss on transformers' greedy continuation of
+    `prompt`: the drafter learns the target's text, so acceptance paths go deep (SPEC §9)."""
+    prompt = torch.tensor([prompt])
+    with torch.no_grad():
         text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           max_new_tokens=40)
+                           max_new_tokens=new_tokens)
         logits, aux = target(text, aux_layers=draft.cfg.aux_layers)
     params = E.trainable(draft)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=1e-2)
-    for _ in range(40):
+    for _ in range(steps):
         loss = E.ttt_loss(draft, aux, text, torch.ones_like(text), logits, steps=3).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
     draft.requires_grad_(False)
-    E.save_draft(draft, str(root / "draft"))
-    return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
 
 
 def golden_args(models, out, kind):
@@ -4513,7 +4569,7 @@ def test_offline_training_from_features_equals_online_training_step_for_step(
         b = E.train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
                          c.tok.pad_token_id, step, cfg)
         for la, lb in zip(a.losses, b.losses):
-            assert float(la) == pytest.approx(float(lb), rel=1e-5, abs=1e-7), step
+            assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
         assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
     for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
         assert_close(pb.detach(), pa.detach(), name)
@@ -4609,6 +4665,672 @@ def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strin
 
 
 # ----------------------------------------------------------------------------------------
+# wrong input through the CLI: one `error:` line naming the value, exit code 2, no traceback
+
+
+def refused(proc):
+    """The one error line of a refused CLI run; nothing else reaches stderr."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-1000:], proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def cli_here(argv, capsys):
+    """main(argv) in this process: the command's code path without the interpreter start."""
+    with pytest.raises(SystemExit) as stopped:
+        E.main(argv)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=stopped.value.code, stdout=out.out, stderr=out.err)
+
+
+def cli_path_flags():
+    """(command, dest) of every path-taking flag of every command, read off the parser."""
+    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(command, action.dest) for command, parser in sub.choices.items()
+            for action in parser._actions if action.dest in E.PATH_FLAGS or action.dest == "out"]
+
+
+def cli_path_kind(command, dest):
+    if dest == "out":
+        return "out_file" if command in E.FILE_OUTPUTS else "out_dir"
+    return E.PATH_FLAGS[dest]
+
+
+def cli_required_argv(command, tmp_path):
+    """`command` with a value for each required flag that passes every path check."""
+    (tmp_path / "a_dir").mkdir(exist_ok=True)
+    (tmp_path / "a_file").write_text("{}\n")
+    value = dict(dir=tmp_path / "a_dir", file=tmp_path / "a_file", any=tmp_path / "a_dir",
+                 out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "out")
+    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    argv = [command]
+    for action in sub.choices[command]._actions:
+        if action.required:
+            given = value[cli_path_kind(command, action.dest)] \
+                if action.dest in E.PATH_FLAGS or action.dest == "out" else \
+                dict(prompt="hi", tp="2")[action.dest]
+            argv += [action.option_strings[-1], str(given)]
+    return argv
+
+
+def cli_with(argv, flag, path):
+    """argv with `flag` set to `path` (replacing the value it had)."""
+    if flag in argv:
+        argv = argv[:argv.index(flag)] + argv[argv.index(flag) + 2:]
+    return argv + [flag, str(path)]
+
+
+@pytest.mark.parametrize("command,dest", cli_path_flags(), ids=lambda x: x)
+def test_every_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(command, dest, tmp_path,
+                                                                         capsys, monkeypatch):
+    # checked before anything loads: a typo costs one line, not minutes of loading, and a
+    # missing local dir is never handed to the hub as a repo id
+    flag, kind = "--" + dest.replace("_", "-"), cli_path_kind(command, dest)
+    argv = cli_required_argv(command, tmp_path)
+    missing = tmp_path / "no_such" / "thing" if kind == "out_file" else tmp_path / "no_such"
+    if kind != "out_dir":  # a missing output dir is created
+        line = refused(cli_here(cli_with(argv, flag, missing), capsys))
+        assert f"{flag} {str(missing)!r}" in line and "does not exist" in line, line
+    wrong = dict(dir=(tmp_path / "a_file", "is a file; expected a directory"),
+                 file=(tmp_path / "a_dir", "is a directory; expected a file"),
+                 out_file=(tmp_path / "a_dir", "is a directory; expected the path of the file"),
+                 out_dir=(tmp_path / "a_file", "is a file; expected a directory")).get(kind)
+    if wrong:
+        line = refused(cli_here(cli_with(argv, flag, wrong[0]), capsys))
+        assert f"{flag} {str(wrong[0])!r} {wrong[1]}" in line, line
+    # unreadable (or, for --out, unwritable): os.access says no, as it does for a user
+    # without the permission (root passes every permission check, so it is asked here)
+    (tmp_path / "locked_dir").mkdir()
+    (tmp_path / "locked_file").write_text("{}\n")
+    blocked = str(tmp_path / ("locked_dir" if kind in ("dir", "any") else
+                              "locked_file" if kind == "file" else ""))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: os.path.abspath(p) != os.path.abspath(
+        blocked) and real_access(p, mode))
+    path = dict(out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "new_out").get(
+        kind, blocked)
+    line = refused(cli_here(cli_with(argv, flag, path), capsys))
+    assert flag in line and ("not readable" in line or "cannot be written" in line), line
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(train_chat_target, train_generate_setup, tmp_path_factory):
+    """A working target dir, drafter dir and chat file, and broken copies of each."""
+    c, root = train_chat_target, tmp_path_factory.mktemp("bad_inputs")
+    chats = root / "chats.jsonl"
+    chats.write_text("\n".join(train_jsonl_line(i, m)
+                               for i, m in enumerate(train_conversations())) + "\n")
+    lines = chats.read_text().splitlines()
+    broken_chats = root / "broken.jsonl"
+    broken_chats.write_text("\n".join(lines[:2] + [lines[2][:-7]] + lines[3:]) + "\n")
+    turnless = root / "turnless.jsonl"
+    turnless.write_text("\n".join(lines[:4] + ['{"messages": ["hi", "there"]}']) + "\n")
+    target, draft = root / "target", root / "draft"
+    shutil.copytree(c.dir, target)
+    shutil.copytree(train_generate_setup.draft_dir, draft)
+    (target / "config.json").write_text('{"model_type": "llama", "hidden_size": 32,\n')
+    (draft / "config.json").write_text("{'architectures': ['LlamaForCausalLMEagle3']}")
+    heads = root / "draft_heads"
+    shutil.copytree(train_generate_setup.draft_dir, heads)
+    edit_draft_dir(str(heads), config=lambda raw: raw.update(num_attention_heads=5))
+    no_tokenizer = root / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(c.dir, name), no_tokenizer)
+    return SimpleNamespace(root=root, target=c.dir, draft=train_generate_setup.draft_dir,
+                           vocab=c.vocab, chats=str(chats), broken_chats=str(broken_chats),
+                           turnless=str(turnless),
+                           broken_target=str(target), broken_draft=str(draft),
+                           draft_heads=str(heads), no_tokenizer=str(no_tokenizer))
+
+
+BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the line must say)
+    # the six that used to end in a traceback, run as a user runs them
+    "target config.json is not JSON": (lambda b: [
+        "generate", "--target", b.broken_target, "--draft", b.draft, "--prompt", "hi"],
+        r"config.json' is not valid JSON \(.* at line 2 column 1\)"),
+    "a data line is not JSON": (lambda b: [
+        "train", "--target", b.target, "--data", b.broken_chats, "--out", str(b.root / "o1")],
+        r"broken.jsonl:3 is not valid JSON"),
+    "--data does not exist": (lambda b: [
+        "train", "--target", b.target, "--data", str(b.root / "nope.jsonl"), "--out",
+        str(b.root / "o2")], r"--data '.*nope.jsonl' does not exist; expected a local file"),
+    "--prompt-ids are not integers": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4;5,x1",
+        "--out", str(b.root / "g.safetensors")], r"--prompt-ids '5,x1': 'x1' is not an int"),
+    "--prompt-ids outside the vocab": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", f"3,{b.vocab},4",
+        "--out", str(b.root / "g.safetensors")],
+        r"token id (\d+), outside the target vocab \[0, \1\)"),
+    "vocab-check --draft dir does not exist": (lambda b: [
+        "vocab-check", "--draft", str(b.root / "nope"), "--target", b.target],
+        r"--draft '.*nope' does not exist; expected a local directory$"),
+}
+BAD_INPUTS_HERE = {  # the other error classes, through main() in this process
+    "drafter config.json is not JSON": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.broken_draft, "--prompt", "hi"],
+        r"draft/config.json' is not valid JSON \(Expecting property name .* column 2\)"),
+    "drafter config transformers rejects": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.draft_heads, "--prompt", "hi"],
+        r"draft_heads/config.json is not a valid config: The hidden size \(32\) is not a "
+        r"multiple of the number of attention heads \(5\)"),
+    "a data line whose turns are not chat turns": (lambda b: [
+        "train", "--target", b.target, "--data", b.turnless, "--out", str(b.root / "o4")],
+        r"turnless.jsonl:5: turn 'hi' is not \{role, content\} or \{from, value\}"),
+    "golden --check on a drafter's weights": (lambda b: [
+        "golden", "--check", os.path.join(b.draft, "model.safetensors")],
+        r"model.safetensors' is not a golden trace of format 'eagle3-ref-golden'"),
+    "golden --check on a text file": (lambda b: ["golden", "--check", b.chats],
+                                      r"chats.jsonl' is not a golden trace \("),
+    "chain at temperature 0": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.draft, "--prompt", "hi", "--scheme",
+        "chain"], r"scheme='chain' samples its drafts and needs temperature > 0"),
+    "EOS outside the vocab": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4",
+        "--eos-token-id", "100000", "--out", str(b.root / "g.safetensors")],
+        r"eos_token_id=100000 is not a token id of the target vocab"),
+    "a model dir without a tokenizer": (lambda b: [
+        "generate", "--target", b.no_tokenizer, "--draft", b.draft, "--prompt", "hi"],
+        r"no tokenizer in '.*no_tokenizer' \(none of tokenizer.json"),
+    "an option argparse rejects": (lambda b: [
+        "generate", "--prompt", "hi", "--max-new-tokens", "ten"],
+        r"argument --max-new-tokens: invalid int value: 'ten'"),
+    "a count that is not positive": (lambda b: [
+        "train", "--target", b.target, "--data", b.chats, "--out", str(b.root / "o3"),
+        "--batch", "0"], r"--batch 0 must be > 0"),
+    "a list with a bad number": (lambda b: ["comm-plan", "--config", b.target, "--tp", "2",
+                                            "--tau", "1.5,two"], r"'two' is not a float"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_error_line_with_exit_code_2(bad_inputs, name):
+    argv, expected = BAD_INPUTS[name]
+    line = refused(train_cli(argv(bad_inputs), cwd=bad_inputs.root))
+    assert re.search(expected, line), line
+    assert "repo" not in line.lower() and "hub" not in line.lower(), line
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS_HERE)
+def test_every_error_class_is_one_line_naming_the_value(bad_inputs, name, capsys):
+    argv, expected = BAD_INPUTS_HERE[name]
+    line = refused(cli_here(argv(bad_inputs), capsys))
+    assert re.search(expected, line), line
+    assert "must be one of ('tree', 'chain')" not in line and "weight file" not in line, line
+
+
+# ----------------------------------------------------------------------------------------
+# interrupted writes: a SIGKILL leaves the previous complete file or the new one, never half
+
+
+KILLABLE = """
+import os, sys, time
+import eagle3_ref
+# Stop at the n-th file the command renames into place, in one of three states: its temp
+# file cut short (a kill while the bytes are written), complete but not yet renamed, or
+# renamed. The test then sends SIGKILL.
+n, state = int(os.environ["STOP_AT_WRITE"]), os.environ["STOP_STATE"]
+rename, seen = os.replace, []
+
+def replace(src, dst):
+    seen.append(dst)
+    if len(seen) == n:
+        if state == "cut":
+            with open(src, "r+b") as f:
+                f.truncate(os.path.getsize(src) * int(os.environ["STOP_CUT_PERCENT"]) // 100)
+        if state == "renamed":
+            rename(src, dst)
+        print("STOPPED", state, dst, flush=True)
+        time.sleep(600)
+    rename(src, dst)
+
+os.replace = replace
+eagle3_ref.main(sys.argv[1:])
+"""
+
+
+def run_killed(argv, cwd, write, state, cut_percent=50):
+    """Run the CLI, SIGKILL it where KILLABLE stops (write `write`, in `state`). -> the file
+    it was writing, or None when the command finished first."""
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here, STOP_AT_WRITE=str(write),
+               STOP_STATE=state, STOP_CUT_PERCENT=str(cut_percent))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, *map(str, argv)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line.startswith("STOPPED"):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            return line.split()[2]
+    assert proc.wait(timeout=240) == 0, "the command failed before it was stopped"
+    return None
+
+
+def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
+        train_chat_target, train_cli_run, tmp_path):
+    # 17 training conversations, batch 2: 8 steps, each saving model.safetensors,
+    # config.json and train_state.pt (3 renames). The uninterrupted run is train_cli_run.
+    c, rng = train_chat_target, random.Random(15)
+    assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
+    out = tmp_path / "run"
+    argv = ["train", "--target", c.dir, "--data", str(c.root / "chats.jsonl"), "--out", str(out),
+            "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"]
+    files = ("model.safetensors", "config.json", "train_state.pt")   # each step, in order
+    target, kills = E.load_target(c.dir, dtype=torch.float32), []
+    for name, state in (("train_state.pt", "cut"), ("model.safetensors", "whole"),
+                        ("config.json", "renamed"), ("train_state.pt", "renamed"),
+                        ("model.safetensors", "cut")):
+        write = 3 * rng.randint(0, 1) + files.index(name) + 1  # this or the next step
+        stopped = run_killed(argv + ["--resume"] * bool(kills), tmp_path, write, state,
+                             rng.randint(1, 99))
+        assert stopped == str(out / name), (stopped, name)
+        kills.append((write, state, name))
+        if os.path.isfile(out / "train_state.pt"):   # what is there under its name is whole
+            step = torch.load(out / "train_state.pt", weights_only=True)["step"]
+            assert 1 <= step <= 8
+        if os.path.isfile(out / "config.json") and os.path.isfile(out / "model.safetensors"):
+            E.load_draft(str(out), target)
+    proc = train_cli(argv + ["--resume"], cwd=tmp_path)
+    assert proc.returncode == 0, (kills, proc.stderr[-3000:])
+    straight, resumed = (load_file(os.path.join(d, "model.safetensors"))
+                         for d in (train_cli_run.out, out))
+    assert sorted(straight) == sorted(resumed)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), (name, kills)
+    assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 8
+
+
+def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path,
+                                                                      capsys):
+    trace = str(tmp_path / "trace.safetensors")
+    for state in ("cut", "whole"):   # killed before the rename: nothing under the name
+        stopped = run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, state)
+        assert stopped == trace and not os.path.exists(trace)
+        leftovers = [f for f in os.listdir(tmp_path) if f.startswith("trace.safetensors.tmp")]
+        assert leftovers, os.listdir(tmp_path)
+        for name in leftovers:       # a cut-short temp file is refused, not half-checked
+            if state == "cut":
+                line = refused(cli_here(["golden", "--check", str(tmp_path / name)], capsys))
+                assert "is not a golden trace" in line, line
+            os.remove(tmp_path / name)
+        line = refused(cli_here(["golden", "--check", trace], capsys))
+        assert "does not exist" in line
+    # a complete trace, then a rewrite killed mid-way: the complete one is still there
+    proc = train_cli([str(a) for a in golden_args(golden_models, trace, "sampled")], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = open(trace, "rb").read()
+    run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, "cut", 70)
+    assert open(trace, "rb").read() == before
+    check = train_cli(["golden", "--check", trace], cwd=tmp_path)
+    assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# the losslessness fuzzer: random targets, drafters, trees and prompts (-m fuzz --fuzz-cases N)
+
+FUZZ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
+FUZZ_ROPE = (None, "linear", "dynamic", "llama3", "yarn")
+FUZZ_PRESETS = ("official", "sglang", "vllm")
+FUZZ_W2_EVERY = 10   # case seeds 9, 19, 29, ... also run at world size 2 (one torchrun launch)
+NEAR_TIE = 1e-4      # fp32 top-2 logit gap below which two implementations may pick apart
+COIN_TIE = 1e-6      # |u - p(x)| (or a uniform this close to a CDF edge) for a sampled decision
+
+
+class NearTie(UserWarning):
+    """A divergence at a near-tie: reported, not failed (the issue of floating point)."""
+
+
+class FuzzCase(NamedTuple):
+    seed: int
+    family: str
+    config: dict          # the transformers config fields of the target
+    draft: dict           # the drafter's config.json fields
+    kept: list            # draft vocab (ascending target ids); None: the whole vocab, no map
+    sharpen: bool         # a few TTT steps on the target's greedy text (deeper acceptance)
+    shape: tuple          # (tree top-k, depth, total tokens) of both runs
+    prompt: list
+    eos: int              # or None
+    max_new_tokens: int
+    preset: str           # of the greedy run
+    temperature: float    # the sampled run (official preset): tree or chain
+    top_p: float
+    top_k: int
+    scheme: str
+    world: int
+
+    def describe(self):
+        return (f"seed {self.seed}: {self.family} L={self.config['num_hidden_layers']} "
+                f"D={self.config['hidden_size']} V={self.config['vocab_size']} "
+                f"heads {self.config['num_attention_heads']}/{self.config['num_key_value_heads']}"
+                f" rope={fuzz_rope_name(self.config)} tied={self.config['tie_word_embeddings']} "
+                f"draft vocab {len(self.kept) if self.kept else 'full'} tree {self.shape} "
+                f"prompt {len(self.prompt)} eos {self.eos} new {self.max_new_tokens} "
+                f"{self.preset}; T={self.temperature} p={self.top_p} k={self.top_k} "
+                f"{self.scheme}; W={self.world}. Rerun: python -m pytest -m fuzz "
+                f"--fuzz-first-seed {self.seed} --fuzz-cases 1")
+
+
+def fuzz_rope_name(config):
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get("rope_type") or rope.get("type") or "default"
+
+
+def fuzz_rope(rng, family):
+    """Random RoPE: the default or a scaled type, with the original context short enough
+    (32-64 positions) that the scaling changes the positions generation reaches."""
+    kind, theta = rng.choice(FUZZ_ROPE), rng.choice([1e4, 1e5, 5e5])
+    original = rng.choice([32, 64])
+    params = dict(rope_type=kind or "default", rope_theta=theta)
+    if kind in ("linear", "dynamic"):
+        params.update(factor=rng.choice([2.0, 4.0]))
+    if kind == "llama3":
+        params.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=original)
+    if kind == "yarn":
+        params.update(factor=rng.choice([2.0, 4.0]), original_max_position_embeddings=original)
+    if family == "deepseek_v3":   # DeepSeek's config reads rope_scaling (YaRN or none)
+        return dict(rope_theta=theta, rope_scaling=None if kind != "yarn" else dict(
+            type="yarn", factor=params["factor"], original_max_position_embeddings=original,
+            beta_fast=rng.choice([1, 32]), beta_slow=1, mscale=1.0,
+            mscale_all_dim=rng.choice([0.707, 1.0])))
+    return dict(rope_parameters=params)
+
+
+def fuzz_target_config(rng, family, world):
+    V, L = rng.randint(12, 40), rng.randint(7, 9)
+    heads = rng.choice([2, 4, 6] if world == 1 else [2, 4])
+    base = dict(vocab_size=V, num_hidden_layers=L, num_attention_heads=heads,
+                max_position_embeddings=256, rms_norm_eps=rng.choice([1e-6, 1e-5]),
+                tie_word_embeddings=rng.random() < 0.3, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None, **fuzz_rope(rng, family))
+    if family == "deepseek_v3":
+        groups = rng.choice([1, 2, 4])
+        per_group = rng.choice([2, 3]) if groups > 1 else rng.choice([4, 6])
+        kept_groups = rng.randint(1, groups)
+        return dict(base, hidden_size=rng.choice([32, 48, 64]), num_key_value_heads=heads,
+                    intermediate_size=rng.choice([64, 96]), num_nextn_predict_layers=0,
+                    q_lora_rank=rng.choice([None, 16, 32]), kv_lora_rank=rng.choice([8, 16, 24]),
+                    qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rng.choice([4, 8]),
+                    v_head_dim=rng.choice([8, 12, 16]), n_routed_experts=groups * per_group,
+                    n_group=groups, topk_group=kept_groups,
+                    num_experts_per_tok=rng.randint(1, kept_groups * per_group),
+                    n_shared_experts=rng.choice([1, 2]), first_k_dense_replace=rng.randint(0, 3),
+                    moe_intermediate_size=rng.choice([16, 32]), norm_topk_prob=rng.random() < 0.8,
+                    routed_scaling_factor=round(rng.uniform(1.0, 3.0), 3))
+    kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0 and d % world == 0])
+    config = dict(base, hidden_size=heads * rng.choice([8, 12, 16]), num_key_value_heads=kv,
+                  intermediate_size=rng.choice([32, 64, 96]))
+    if family == "qwen3" or rng.random() < 0.3:   # a head_dim that is not hidden / heads
+        config["head_dim"] = rng.choice([8, 16, 24])
+    if family == "mistral":
+        config["sliding_window"] = None
+    return config
+
+
+def fuzz_case(seed):
+    rng = random.Random(seed)
+    world = 2 if seed % FUZZ_W2_EVERY == FUZZ_W2_EVERY - 1 else 1
+    family = FUZZ_FAMILIES[seed % len(FUZZ_FAMILIES)]
+    config = fuzz_target_config(rng, family, world)
+    V, D = config["vocab_size"], config["hidden_size"]
+    heads = rng.choice([h for h in (2, 4, 8) if D % (2 * h) == 0])   # even head widths
+    draft = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=D,
+                 intermediate_size=rng.choice([32, 64, 128]), num_attention_heads=heads,
+                 num_key_value_heads=rng.choice([d for d in (1, 2, 4, 8) if heads % d == 0]),
+                 rms_norm_eps=1e-6, max_position_embeddings=256,
+                 rope_theta=rng.choice([1e4, 5e5]), vocab_size=V, tie_word_embeddings=False)
+    kept = sorted(rng.sample(range(V), rng.randint(V // 2, V - 1))) if rng.random() < 0.6 \
+        else None
+    top_k = rng.randint(1, min(4, len(kept) if kept else V))
+    depth = rng.randint(1, 5)
+    shape = (top_k, depth, rng.randint(2, min(top_k + depth * top_k ** 2 + 1, 40)))
+    return FuzzCase(
+        seed=seed, family=family, config=config, draft=draft, kept=kept,
+        sharpen=rng.random() < 0.6, shape=shape,
+        prompt=[rng.randrange(V) for _ in range(rng.randint(1, 20))],
+        eos=rng.randrange(V) if rng.random() < 0.4 else None,
+        max_new_tokens=rng.randint(1, 48), preset=rng.choice(FUZZ_PRESETS),
+        temperature=rng.choice([0.5, 0.8, 1.0, 1.3]),
+        top_p=1.0 if rng.random() < 0.5 else round(rng.uniform(0.6, 0.98), 3),
+        top_k=0 if rng.random() < 0.6 else rng.randint(1, V),
+        scheme=rng.choice(["tree", "chain"]), world=world)
+
+
+def fuzz_hf_model(case):
+    if case.family == "deepseek_v3":
+        return ds_random_model(case.config, case.seed)
+    return randomized(AutoConfig.for_model(case.family, **case.config), case.seed,
+                      std=(0.2, 0.25, 0.3)[case.seed % 3])
+
+
+def fuzz_draft(case, target, hf):
+    """The case's drafter: random, and for most cases sharpened by 25 TTT steps on the
+    target's greedy continuation of the prompt, so acceptance paths go several deep."""
+    raw = dict(case.draft, **({} if case.kept is None else dict(draft_vocab_size=len(case.kept))))
+    draft = E.init_draft(E.new_draft(E.read_draft_config(raw, target.cfg), target), case.seed,
+                         std=0.1)
+    if case.kept is not None:
+        kept = torch.tensor(case.kept)
+        draft.d2t.copy_(kept - torch.arange(len(kept)))
+        draft.t2d.zero_()
+        draft.t2d[kept] = True
+    if case.sharpen:
+        ttt_sharpen(draft, target, hf, case.prompt, new_tokens=32, steps=25)
+    return draft.eval()
+
+
+def fuzz_runs(case, target, draft):
+    """The two runs of a case -> (greedy tokens, sampled run as plain lists)."""
+    prompt = torch.tensor([case.prompt])
+    greedy = E.speculative_generate(target, draft, prompt, case.max_new_tokens,
+                                    tree=E.TreeShape(*case.shape), eos_token_id=case.eos,
+                                    preset=case.preset)
+    sampled = E.speculative_generate(
+        target, draft, prompt, case.max_new_tokens, temperature=case.temperature,
+        top_p=case.top_p, top_k=case.top_k, tree=E.TreeShape(*case.shape), seed=case.seed,
+        eos_token_id=case.eos, scheme=case.scheme, record_logits=True)
+    rounds = [dict(tokens=r.tree.tokens.tolist(), parents=r.tree.parents.tolist(),
+                   uniforms=list(r.uniforms),
+                   q=None if r.draft_probs is None else r.draft_probs.double())
+              for r in sampled.rounds]
+    return greedy.tokens.tolist(), dict(tokens=sampled.tokens.tolist(), rounds=rounds,
+                                        first=list(sampled.first_uniforms))
+
+
+class FuzzBuilt(NamedTuple):
+    case: FuzzCase
+    hf: object
+    target: object
+    draft: object
+    dir: str              # target/ and draft/ saved here
+
+
+def fuzz_build(case, root):
+    hf = fuzz_hf_model(case)
+    hf.save_pretrained(os.path.join(root, "target"))
+    target = E.load_target(os.path.join(root, "target"))
+    draft = fuzz_draft(case, target, hf)
+    E.save_draft(draft, os.path.join(root, "draft"))
+    return FuzzBuilt(case, hf, target, draft, root)
+
+
+def top2_gap(target, ids):
+    with torch.no_grad():
+        top = target(torch.tensor([ids]))[0][0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_greedy(built, tokens, hf_tokens, what):
+    """Token for token equal to transformers, or a near-tie reported with its gap."""
+    case = built.case
+    if tokens == hf_tokens:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), None)
+    assert i is not None, f"{what}: lengths {len(tokens)} vs {len(hf_tokens)}; {case.describe()}"
+    gap = top2_gap(built.target, case.prompt + tokens[:i])
+    assert gap < NEAR_TIE, (f"{what}: token {i} is {tokens[i]}, transformers' {hf_tokens[i]} "
+                            f"(top-2 gap {gap:.2e}); {case.describe()}")
+    warnings.warn(NearTie(f"{what} near-tie at token {i}: top-2 gap {gap:.1e}; "
+                          f"{case.describe()}"))
+
+
+def fuzz_pick(p, u):
+    """Inverse CDF (the documented contract) -> (token, distance of u from the edges of its
+    interval, in probability)."""
+    cdf = torch.cumsum(p, 0) / p.sum()
+    token = min(int((cdf <= u).sum()), int(p.nonzero().max()))
+    low = float(cdf[token - 1]) if token else 0.0
+    return token, min(u - low, float(cdf[token]) - u)
+
+
+def replay_sampled(built, run, sampling):
+    """The sampled run decided afresh: transformers' warped distributions at each output
+    position, the recorded tree (or chain with its q) and the recorded uniforms, under the
+    documented rules (accept_sampled, accept_chain). -> (tokens, smallest margin of a
+    decision, uniforms used in all)."""
+    case, tokens = built.case, run["tokens"]
+    ids = torch.tensor([case.prompt + tokens])
+    with torch.no_grad():
+        p_all = hf_warped_probs(built.hf(ids, attention_mask=torch.ones_like(ids)).logits[0],
+                                sampling)
+    T, out, margins = len(case.prompt), [], [1.0]
+
+    def p_next():  # the distribution of the next output token, given the output so far
+        return p_all[T - 1 + len(out)].clone()
+
+    def emit(token):  # True when the replay has produced as much as the run did
+        out.append(token)
+        return len(out) == case.max_new_tokens or token == case.eos or out != tokens[:len(out)]
+
+    token, margin = fuzz_pick(p_next(), run["first"][0])
+    margins.append(margin)
+    if emit(token):
+        return out, min(margins)
+    for r in run["rounds"]:
+        coins, p = iter(r["uniforms"]), p_next()
+        if case.scheme == "chain":
+            drafts = r["tokens"][1:]
+            for i, x in enumerate(drafts):              # the drafts came from q by inverse CDF
+                assert fuzz_pick(r["q"][i], next(coins))[0] == x, case.describe()
+            for i, x in enumerate(drafts):
+                u = next(coins)
+                margins.append(abs(u * float(r["q"][i, x]) - float(p[x])))
+                if u * r["q"][i, x] >= p[x]:
+                    residual = (p - r["q"][i]).clamp(min=0)
+                    token, margin = fuzz_pick(residual if residual.sum() > 0 else p, next(coins))
+                    break
+                if emit(x):
+                    return out, min(margins)
+                p = p_next()
+            else:
+                token, margin = fuzz_pick(p, next(coins))
+        else:
+            node, kids = 0, {}
+            for child, parent in enumerate(r["parents"]):
+                kids.setdefault(parent, []).append(child)
+            while True:
+                for child in kids.get(node, []):
+                    x, u = r["tokens"][child], next(coins)
+                    margins.append(abs(u - float(p[x])))
+                    if u < p[x]:
+                        break
+                    p[x] = 0
+                    p = p / p.sum()
+                else:
+                    break                                 # all rejected, or a leaf
+                node = child
+                if emit(x):
+                    return out, min(margins)
+                p = p_next()
+            token, margin = fuzz_pick(p, next(coins))
+        margins.append(margin)
+        if emit(token):
+            return out, min(margins)
+        assert next(coins, None) is None, f"round used fewer uniforms than recorded; " \
+                                          f"{case.describe()}"
+    return out, min(margins)
+
+
+def check_sampled(built, run, what):
+    case = built.case
+    stream = E.uniform_stream(torch.Generator().manual_seed(case.seed))
+    used = run["first"] + [u for r in run["rounds"] for u in r["uniforms"]]
+    assert used == [next(stream) for _ in used], f"{what}: not the seeded uniforms; " \
+                                                 f"{case.describe()}"
+    sampling = E.Sampling(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
+                          order=E.PRESETS["official"].warper_order)
+    replayed, margin = replay_sampled(built, run, sampling)
+    if replayed == run["tokens"]:
+        return
+    assert margin < COIN_TIE, (f"{what}: output {run['tokens']} but its uniforms give "
+                               f"{replayed} (closest decision {margin:.1e}); {case.describe()}")
+    warnings.warn(NearTie(f"{what} near-tie: a uniform within {margin:.1e} of p; "
+                          f"{case.describe()}"))
+
+
+def pytest_generate_tests(metafunc):
+    if "fuzz_seed" in metafunc.fixturenames:
+        first = metafunc.config.getoption("fuzz_first_seed")
+        seeds = range(first, first + metafunc.config.getoption("fuzz_cases"))
+        metafunc.parametrize("fuzz_seed", seeds, ids=[f"seed{s}" for s in seeds])
+
+
+@pytest.fixture(scope="module")
+def fuzz_w2(request, tmp_path_factory):
+    """The world-size-2 runs of this session's W = 2 cases, in one torchrun launch (made
+    on first use) -> {seed: [rank 0 runs, rank 1 runs]}."""
+    first = request.config.getoption("fuzz_first_seed")
+    cases = [fuzz_case(s) for s in range(first, first + request.config.getoption("fuzz_cases"))]
+    cases = [c for c in cases if c.world == 2]
+    root = tmp_path_factory.mktemp("fuzz_w2")
+    for case in cases:
+        fuzz_build(case, str(root / str(case.seed)))
+    torch.save([(case.seed, str(root / str(case.seed))) for case in cases], root / "job.pt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.abspath(__file__), "fuzz", str(root / "job.pt"), str(root)],
+        env=golden_env(), capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [torch.load(root / f"rank{r}.pt") for r in (0, 1)]
+    return {seed: [ranks[0][seed], ranks[1][seed]] for seed in ranks[0]}
+
+
+def fuzz_worker(job_file, out_dir):
+    rank = E.init_distributed().rank
+    results = {}
+    for seed, root in torch.load(job_file):
+        target = E.load_target(os.path.join(root, "target"))
+        draft = E.load_draft(os.path.join(root, "draft"), target)
+        results[seed] = fuzz_runs(fuzz_case(seed), target, draft)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.fuzz
+def test_fuzz_greedy_equals_transformers_and_samples_replay(fuzz_seed, tmp_path, request):
+    # greedy: token for token transformers' greedy generate (with its KV cache); sampled:
+    # the output is what the seeded uniforms give under the documented rules, with
+    # transformers' distributions. W = 2 cases: the same from a torchrun launch, both ranks.
+    case = fuzz_case(fuzz_seed)
+    built = fuzz_build(case, str(tmp_path))
+    prompt = torch.tensor([case.prompt])
+    with torch.no_grad():
+        hf = built.hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                               max_new_tokens=case.max_new_tokens, eos_token_id=case.eos,
+                               pad_token_id=case.eos)[0, prompt.shape[1]:].tolist()
+    greedy, sampled = fuzz_runs(case, built.target, built.draft)
+    check_greedy(built, greedy, hf, "greedy")
+    check_sampled(built, sampled, "sampled")
+    if case.world == 2:
+        for rank, (greedy2, sampled2) in enumerate(request.getfixturevalue("fuzz_w2")[case.seed]):
+            check_greedy(built, greedy2, hf, f"greedy at W=2, rank {rank}")
+            check_sampled(built, sampled2, f"sampled at W=2, rank {rank}")
+
+
+# ----------------------------------------------------------------------------------------
 # the file's structure: Part I (the method) never calls Part II (tools)
 
 
@@ -4655,7 +5377,7 @@ def finish_worker():
 
 
 WORKERS = {"tp": tp_worker, "worker": sampling_tp_worker, "train_worker": train_dp_worker,
-           "ds_tp": ds_tp_worker}
+           "ds_tp": ds_tp_worker, "fuzz": fuzz_worker}
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in WORKERS:
