@@ -81,12 +81,6 @@ def fail(message):
     raise Eagle3Error(message)
 
 
-def why(e):
-    """A library's exception as 'Type: its first sentence', for a one-line error."""
-    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
-    return f"{type(e).__name__}: {text[:160]}"
-
-
 @dataclass
 class TargetConfig:
     family: str
@@ -317,14 +311,11 @@ def cache_append(kv, start, a, b):
     if kv is None:
         return a, b
     T = a.shape[2]
-    if isinstance(start, int):
-        kv[0][:, :, start:start + T] = a
-        kv[1][:, :, start:start + T] = b
-        return kv[0][:, :, :start + T], kv[1][:, :, :start + T]                # (B, ., S, .)
-    for i, s in enumerate(start.tolist()):
+    starts = [start] * a.shape[0] if isinstance(start, int) else start.tolist()
+    for i, s in enumerate(starts):
         kv[0][i, :, s:s + T] = a[i]
         kv[1][i, :, s:s + T] = b[i]
-    end = int(start.max()) + T
+    end = max(starts) + T
     return kv[0][:, :, :end], kv[1][:, :, :end]                                 # (B, ., S, .)
 
 
@@ -340,10 +331,6 @@ class KVCache(NamedTuple):
     k: torch.Tensor  # (L, B, Hkv/W, S, hs)
     v: torch.Tensor  # (L, B, Hkv/W, S, hs)
 
-    @property
-    def capacity(self):
-        return self.k.shape[3]
-
 
 class LatentCache(NamedTuple):
     """The MLA cache (deepseek_v3), as production engines keep it: per token and layer the
@@ -351,10 +338,6 @@ class LatentCache(NamedTuple):
     re-expands the latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
     latent: torch.Tensor  # (L, B, 1, S, r)
     k_pe: torch.Tensor    # (L, B, 1, S, dr)
-
-    @property
-    def capacity(self):
-        return self.latent.shape[3]
 
 
 def new_kv_cache(n_layers, n_kv_heads, head_dim, length, dtype, device, batch=1):
@@ -823,6 +806,13 @@ def check_tree_shape(shape, draft_vocab_size):
         fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
 
 
+def check_token_ids(ids, vocab_size):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        fail(f"input_ids holds token id {bad}, outside the target vocab [0, {vocab_size}): "
+             f"the prompt was encoded for another model, or is not a token-id tensor")
+
+
 def topk_first_index(x, k):
     """torch.topk along the last dim with ties broken toward the lower index. It equals
     torch.topk whenever values are distinct; on ties it is reproducible across devices and
@@ -857,7 +847,7 @@ def tree_from_parents(tokens, parents):
     return Tree(tokens, parents, positions, mask, retrieve)
 
 
-def draft_scores(draft, h, score_space="logprob"):
+def draft_scores(draft, h, score_space):
     """Scores of the drafter's next tokens, in fp32 whatever the model dtype (fewer exact
     ties than fp16/bf16): log-probabilities that add along a path, or (SGLang) probabilities
     that multiply. The orders agree up to fp32 rounding and underflow to 0."""
@@ -933,7 +923,8 @@ def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
     group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
     inputs = torch.arange(K, device=device)          # pool indices of this level's nodes
     h = h_last.expand(K, -1)                         # (K, D) the output that drafted them
-    tree_mask = torch.eye(K, dtype=torch.bool, device=device)  # (K, K) over tree slots
+    eye = torch.eye(K, dtype=torch.bool, device=device)
+    tree_mask = eye                                  # (K, K) over tree slots
     for it in range(shape.depth):
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
@@ -952,7 +943,6 @@ def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
         rows = best // K                             # which input each one hangs under
         inputs = K + it * K * K + best
         tokens, h = pool_tokens[-1][best], out[rows]                         # (K,), (K, D)
-        eye = torch.eye(K, dtype=torch.bool, device=device)
         tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
     return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),
                        torch.cat(group_parent), root, shape.total_tokens, K)
@@ -1155,6 +1145,7 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tally
     and the uniforms used."""
     device, V = h_last.device, draft.cfg.vocab_size
     coins, tokens, q_rows = Recorder(uniforms), [], []
+    in_target = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=device))
     h = h_last[None]                                                # (1, 1, D)
     for i in range(length):
         q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
@@ -1162,7 +1153,7 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tally
                                           device=device), tally)
         token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
         q = torch.zeros(V, dtype=torch.float64, device=device)
-        q[draft.to_target_ids(torch.arange(len(q_draft), device=device))] = q_draft  # (V,)
+        q[in_target] = q_draft                                      # (V,)
         tokens.append(token)
         q_rows.append(q)
         if i < length - 1:  # pair (output that drafted it, token) at position n+i
@@ -1263,16 +1254,8 @@ def accept_onehot(p, drafts, uniforms, exponentials, bonus):
 SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
 
 
-def check_token_ids(ids, vocab_size, what="input_ids"):
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        fail(f"{what} holds token id {bad}, outside the target vocab [0, {vocab_size}): the "
-             f"prompt was encoded for another model, or is not a token-id tensor")
-
-
 def check_eos(eos_token_id, vocab_size):
-    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-    for t in ids:
+    for t in eos_list(eos_token_id):
         if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
             fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
 
@@ -1321,11 +1304,15 @@ def check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tre
     return shape
 
 
-def is_eos(token, eos_token_id):
+def eos_list(eos_token_id):
+    """None, one id, or several (Llama-3 lists more than one) -> a list of ids."""
     if eos_token_id is None:
-        return False
-    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-    return int(token) in ids
+        return []
+    return list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+
+
+def is_eos(token, eos_token_id):
+    return int(token) in eos_list(eos_token_id)
 
 
 def emit(out, tokens, max_new_tokens, eos_token_id):
@@ -1462,9 +1449,9 @@ def verify_trees(target, cache, ns, trees, aux_layers, tally=None):
     for b, (n, t) in enumerate(zip(ns, trees)):
         k = len(t.tokens)
         tokens[b, :k], positions[b, :k] = t.tokens, n + t.positions
-        mask[b, :, :n] = True
-        mask[b, :, n:n + N] = torch.eye(N, dtype=torch.bool)
-        mask[b, :k, n:n + k] = t.mask
+        local = torch.eye(N, dtype=torch.bool)           # padding nodes see themselves
+        local[:k, :k] = t.mask
+        mask[b, :, :n + N] = prefix_mask(n, local)
     logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache,
                          torch.tensor(ns), aux_layers, tally)
     return [(logits[b, :len(t.tokens)], aux[b, :len(t.tokens)]) for b, t in enumerate(trees)]
@@ -1594,10 +1581,13 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
     while active:
         batch, states = speculation_round(target, draft, caches, states, active, shape, scheme,
                                           preset, sampling, randomness, record_logits)
-        for b, r in batch.items():
-            rounds[b].append(r)
-        active = [b for b in active if not emit(out[b], batch[b].tree.tokens[
-            batch[b].path[1:]].tolist() + [batch[b].bonus], max_new_tokens, eos_token_id)]
+        still = []
+        for b in active:
+            rounds[b].append(batch[b])
+            accepted = states[b].next_tokens[0].tolist()    # the accepted drafts + the bonus
+            if not emit(out[b], accepted, max_new_tokens, eos_token_id):
+                still.append(b)
+        active = still
     return [SpecResult(torch.tensor(out[b]), [r.accepted + 1 for r in rounds[b]], rounds[b],
                        first[b], comms[b]) for b in range(B)]
 
@@ -1861,6 +1851,12 @@ def read_json(path):
     if not isinstance(obj, dict):
         fail(f"{path!r} holds a JSON {type(obj).__name__}; expected an object {{...}}")
     return obj
+
+
+def why(e):
+    """A library's exception as 'Type: its first sentence', for a one-line error."""
+    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0]
+    return f"{type(e).__name__}: {text[:160]}"
 
 
 def write_json(path, obj):
@@ -4096,13 +4092,13 @@ def cmd_generate(args):
     if args.top_k and not args.temperature:
         fail("--top-k is the sampling top-k and needs --temperature > 0; "
              "the draft tree's top-k is --tree-top-k")
+    preset = preset_of(args)
     target_dir, draft_dir = model_dirs(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
     tokenizer = load_tokenizer(target_dir, args)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
     t0 = time.perf_counter()
-    preset = preset_of(args)
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
@@ -4148,16 +4144,16 @@ def cmd_train(args):
     if bool(args.data) == bool(args.features):
         fail("train needs exactly one of --data FILE.jsonl (online: the target runs) and "
              "--features DIR (offline: captured features, the target's lm_head only)")
-    if args.features:   # only the embedding and lm_head of the target are read
-        target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                                  args.features)
-        examples = captured_examples(args.features)
-    else:
-        target = load_target(args.target, dtype=parse_dtype(args.dtype))
-        examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len)
+    examples = captured_examples(args.features) if args.features else training_examples(
+        load_tokenizer(args.target, args), args.data, args.max_len)   # the data first: cheap
     if len(examples) < 2:
         fail(f"{args.data or args.features} gives {len(examples)} usable conversations (with "
              f"an assistant turn, at most --max-len {args.max_len} tokens); need at least 2")
+    if args.features:   # only the embedding and lm_head of the target are read
+        target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                                  args.features)
+    else:
+        target = load_target(args.target, dtype=parse_dtype(args.dtype))
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -4325,7 +4321,7 @@ def vocab_check_against(args, target_tok, draft_tok):
 
 
 def cmd_remap_draft(args):
-    target = load_target(args.target, dtype=torch.float32)
+    target = load_target_head(args.target)   # the drafter's embedding and the vocab: no layers
     target_tok = load_tokenizer(args.target, args)
     draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
     size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
@@ -4400,7 +4396,12 @@ def bench_setup(args):
 def hf_baselines(target_dir, assistant_dir, prompts, n, eos, dtype, device):
     """transformers generate, and assisted generation with a small LM when there is one."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
+        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); its baselines are "
+              f"skipped", file=sys.stderr)
+        return None, None
     plain, assisted = time_hf(hf, prompts, n, eos), None
     if assistant_dir:
         small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).to(device).eval()
@@ -4409,6 +4410,9 @@ def hf_baselines(target_dir, assistant_dir, prompts, n, eos, dtype, device):
 
 
 def cmd_bench(args):
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
+             f"(the first token comes from the prefill); use at least 2")
     t0, world = time.time(), world_info()[1]
     target_dir, draft_dir, assistant_dir, texts = bench_setup(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
@@ -4418,8 +4422,11 @@ def cmd_bench(args):
     chat = args.target is None or args.chat
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
     ours = measure_decoding(target, draft, prompts, args.max_new_tokens, eos=eos)
+    presets = measure_presets(target, draft, prompts, args.max_new_tokens, eos)
+    dtype = target.lm_head.weight.dtype
+    del target, draft                      # transformers' copy of the weights comes next
     hf_plain, hf_assisted = (hf_baselines(target_dir, assistant_dir, prompts, args.max_new_tokens,
-                                          eos, target.lm_head.weight.dtype, device)
+                                          eos, dtype, device)
                              if world == 1 else (None, None))
     rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)]
     baselines = (("transformers generate", hf_plain),
@@ -4439,7 +4446,6 @@ def cmd_bench(args):
            f"({ours.greedy_allreduce[1]:,.0f} B), speculative {ours.spec_allreduce[0]:.1f} "
            f"({ours.spec_allreduce[1]:,.0f} B)")
 
-    presets = measure_presets(target, draft, prompts, args.max_new_tokens, eos)
     print0(f"{'preset (greedy)':34s} {'tokens/s':>9s} {'tau':>6s} {'engine tau':>10s}")
     for name, row in presets.items():
         if "tau" in row:
@@ -4490,8 +4496,15 @@ def cmd_comm_plan(args):
     for link in args.link or list(LINKS):  # a preset, or ALPHA_US,GBPS named link1, link2, ..
         name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
         links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+        if links[name].alpha_us < 0 or links[name].gbps <= 0:
+            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
     taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
-    shapes = plan_shapes([parse_numbers(t, int, "--tree", 3) for t in args.tree or []])
+    if min(taus) < 1:
+        fail(f"--tau {args.tau!r}: an accept length is >= 1 (the bonus token alone is 1)")
+    extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    for shape in extra:
+        check_tree_shape(shape, cfg.vocab_size)
+    shapes = plan_shapes(extra)
     rows = comm_plan(cfg, args.tp, dtype.itemsize, shapes, taus, links,
                      args.fusion_saving_us, args.draft_sharded)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
@@ -4561,7 +4574,8 @@ def flag_groups():
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
     sampling.add_argument("--seed", type=int, default=0)
-    sampling.add_argument("--scheme", default="tree", help=f"one of {SCHEMES}")
+    sampling.add_argument("--scheme", default="tree", choices=SCHEMES,
+                          help="tree: the official dynamic tree; chain: a sampled chain")
     sampling.add_argument("--preset", default="official", choices=list(PRESETS),
                           help="whose conventions: tree scores, verification, random numbers, "
                                "warper order (README: the difference table)")
