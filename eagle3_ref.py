@@ -29,13 +29,14 @@ Launch lines:
     python eagle3_ref.py                          # tiny end-to-end demo on a CPU
     torchrun --nproc_per_node=2 eagle3_ref.py     # the same, tensor parallel (gloo on CPU)
     python eagle3_ref.py bench                    # tokens/s against transformers
-    torchrun --nproc_per_node=8 eagle3_ref.py generate --chat --prompt "Hello" \\
-        --target ~/models/Llama-3.1-8B-Instruct \\
-        --draft ~/models/EAGLE3-LLaMA3.1-Instruct-8B      # real checkpoints, NCCL, bf16
+    torchrun --nproc_per_node=8 eagle3_ref.py generate --chat --prompt "Hello"
+        --target ~/models/Llama-3.1-8B-Instruct
+        --draft ~/models/EAGLE3-LLaMA3.1-Instruct-8B      # (one line) real checkpoints, NCCL
 """
 import argparse
 import json
 import math
+import operator
 import os
 import sys
 import time
@@ -110,32 +111,6 @@ class TargetConfig:
 
 
 @dataclass
-class MLAConfig:
-    """DeepSeek-V3 multi-head latent attention (head_dim above = qk_rope_head_dim)."""
-    q_lora_rank: int           # q = q_b(norm(q_a(x))); None: one plain q_proj
-    kv_lora_rank: int          # r: the normalised latent the KV cache holds per token
-    qk_nope_head_dim: int      # dn: per-head key/query part without position
-    qk_rope_head_dim: int      # dr: the rotated part; one k_pe head shared by all heads
-    v_head_dim: int            # dv: may differ from dn
-    softmax_scale: float       # (dn + dr)^-0.5 times the YaRN mscale^2, as transformers
-    latent_eps: float          # eps of q_a/kv_a_layernorm: 1e-6 in transformers, always
-
-
-@dataclass
-class MoEConfig:
-    """DeepSeek-V3 sigmoid-routed mixture of experts ("noaux_tc" routing)."""
-    n_routed: int              # E routed experts
-    n_shared: int              # shared experts: one SwiGLU of width n_shared*width, every token
-    top_k: int                 # experts per token
-    n_group: int               # expert groups (Kimi: 1, no group limit)
-    topk_group: int            # groups a token may route into
-    width: int                 # moe_intermediate_size, each expert's SwiGLU width
-    norm_topk_prob: bool       # renormalise the k weights to sum 1
-    scaling: float             # routed_scaling_factor, applied after the renormalisation
-    first_dense: int           # first_k_dense_replace: layers below it keep a dense MLP
-
-
-@dataclass
 class DraftConfig:
     hidden_size: int
     n_heads: int
@@ -156,50 +131,14 @@ class DraftConfig:
 # ----------------------------------------------------------------------------------------
 # 2. distributed helpers
 #
-# Tensor parallelism (TP) runs one process per device under torchrun. Every rank holds a
-# slice of every big weight; the only communication of the forward pass is one all_reduce
-# after each row-parallel matmul. Without torchrun everything below degrades to W = 1.
-
-
-class Dist(NamedTuple):
-    rank: int
-    local_rank: int
-    world: int
-    device: torch.device
-
-
-def init_distributed():
-    """Read torchrun's environment and join the process group (nccl on GPUs, else gloo)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # before init_process_group: NCCL binds to this device
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    return Dist(rank, local_rank, world, device)
-
-
-def world_info():
-    """(rank, world) of the current TP group; (0, 1) when no process group exists."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def is_rank0():
-    return world_info()[0] == 0
-
-
-def print0(*args, **kwargs):
-    if is_rank0():
-        print(*args, **kwargs, flush=True)
+# Tensor parallelism (TP) runs one process per device under torchrun (the process group is
+# joined at launch by init_distributed, with the tools). Every rank holds a slice of every big
+# weight; the only communication of the forward pass is one all_reduce after each
+# row-parallel matmul. Without torchrun every group has size W = 1 and sends nothing.
 
 
 class Tally(NamedTuple):
-    """The collectives one phase of a run sent: calls and payload bytes per op. The two
-    wrappers below add to the tally they are handed; at W = 1 nothing is sent or counted."""
+    """The collectives sent through a group: calls and payload bytes per op."""
     calls: Counter
     bytes: Counter
 
@@ -207,26 +146,41 @@ class Tally(NamedTuple):
         self.calls[op] += 1
         self.bytes[op] += x.numel() * x.element_size()
 
+    def copy(self):
+        return Tally(Counter(self.calls), Counter(self.bytes))
 
-def new_comm(*phases):
-    """{phase: Tally}: where a run's collectives went (prefill, draft, verify, decide)."""
-    return {phase: Tally(Counter(), Counter()) for phase in phases}
+    def since(self, mark):
+        """What was sent after `mark` (an earlier copy of this tally)."""
+        return Tally(self.calls - mark.calls, self.bytes - mark.bytes)
 
 
-def all_reduce(x, world, tally=None):
+class Group(NamedTuple):
+    """The tensor-parallel group as the collectives see it: its size W and a tally of what
+    they sent through it. A loaded target creates its own (no global counter); the
+    replicated drafter uses a group of one, which sends and counts nothing."""
+    size: int
+    sent: Tally
+
+
+def new_group(size):
+    return Group(size, Tally(Counter(), Counter()))
+
+
+LOCAL = new_group(1)  # no tensor parallelism: the drafter, replicated on every rank
+
+
+def all_reduce(x, group):
     """Sum the partial results of a row-parallel matmul over the W ranks holding slices."""
-    if world > 1:
-        if tally is not None:
-            tally.add("all_reduce", x)
+    if group.size > 1:
+        group.sent.add("all_reduce", x)
         dist.all_reduce(x)
     return x
 
 
-def broadcast0(x, tally=None):
+def broadcast0(x, group):
     """Rank 0's tensor on every rank: decisions (tokens, accepted paths) are made once."""
-    if world_info()[1] > 1:
-        if tally is not None:
-            tally.add("broadcast", x)
+    if group.size > 1:
+        group.sent.add("broadcast", x)
         dist.broadcast(x, src=0)
     return x
 
@@ -332,14 +286,6 @@ class KVCache(NamedTuple):
     v: torch.Tensor  # (L, B, Hkv/W, S, hs)
 
 
-class LatentCache(NamedTuple):
-    """The MLA cache (deepseek_v3), as production engines keep it: per token and layer the
-    normalised latent and the rotated shared rope key, not per-head K/V. Attention
-    re-expands the latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
-    latent: torch.Tensor  # (L, B, 1, S, r)
-    k_pe: torch.Tensor    # (L, B, 1, S, dr)
-
-
 def new_kv_cache(n_layers, n_kv_heads, head_dim, length, dtype, device, batch=1):
     shape = (n_layers, batch, n_kv_heads, length, head_dim)
     return KVCache(torch.zeros(shape, dtype=dtype, device=device),
@@ -347,10 +293,10 @@ def new_kv_cache(n_layers, n_kv_heads, head_dim, length, dtype, device, batch=1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, world, in_dim=None, qkv_bias=False, qk_norm=False):
+    def __init__(self, cfg, tp, in_dim=None, qkv_bias=False, qk_norm=False):
         super().__init__()
-        self.world = world  # 1 for the replicated drafter, even under torchrun
-        self.H, self.Hkv, self.hs = cfg.n_heads // world, cfg.n_kv_heads // world, cfg.head_dim
+        self.tp = tp  # a group of one for the replicated drafter, even under torchrun
+        self.H, self.Hkv, self.hs = cfg.n_heads // tp.size, cfg.n_kv_heads // tp.size, cfg.head_dim
         in_dim = in_dim or cfg.hidden_size
         # column-parallel: each rank owns H/W query heads and Hkv/W kv heads
         self.q_proj = nn.Linear(in_dim, self.H * self.hs, bias=qkv_bias)
@@ -375,21 +321,21 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)                      # (B, Hkv, T, hs)
         return q, k, v
 
-    def output(self, y, tally=None):
+    def output(self, y):
         B, _, T, _ = y.shape
         y = y.transpose(1, 2).reshape(B, T, self.H * self.hs)          # (B, T, H*hs)
-        return all_reduce(self.o_proj(y), self.world, tally)  # row-parallel: sum partials
+        return all_reduce(self.o_proj(y), self.tp)  # row-parallel: sum the partials
 
-    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
         q, k, v = self.project(x, cos, sin)
-        return self.output(attend_cached(q, k, v, bias, kv, start), tally)
+        return self.output(attend_cached(q, k, v, bias, kv, start))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size, intermediate_size, world):
+    def __init__(self, hidden_size, intermediate_size, tp):
         super().__init__()
-        I = intermediate_size // world
-        self.world = world
+        I = intermediate_size // tp.size
+        self.tp = tp
         self.gate_proj = nn.Linear(hidden_size, I, bias=False)  # column-parallel
         self.up_proj = nn.Linear(hidden_size, I, bias=False)    # column-parallel
         self.down_proj = nn.Linear(I, hidden_size, bias=False)  # row-parallel
@@ -398,171 +344,63 @@ class MLP(nn.Module):
         """This rank's share of the output: the W shares sum to the full SwiGLU."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward(self, x, tally=None):
-        return all_reduce(self.partial(x), self.world, tally)
-
-
-# The DeepSeek-V3 / Kimi-K2 family (model_type deepseek_v3, kimi_k2, kimi_k25): multi-head
-# latent attention (MLA) and a sigmoid-routed mixture of experts (MoE), exactly as
-# transformers' DeepseekV3ForCausalLM computes them. TP is the same thin layer as above:
-# q_b/q_proj and kv_b column-parallel by head, o_proj row-parallel; each expert and the
-# shared experts sharded along their width; routed + shared summed before one all_reduce,
-# so a layer still has 2 all-reduces (SGLang's layout; the official DeepSeek code has 3).
-
-
-def deinterleave(x):
-    """(.., dr) with rope pairs at (2i, 2i+1) -> evens then odds, so that rotate-half
-    rotates exactly those pairs. DeepSeek's weights pair dims this way; transformers also
-    keeps q_pe and k_pe in this permuted layout, which leaves q.k unchanged."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
-class MLAttention(nn.Module):
-    def __init__(self, cfg, world):
-        super().__init__()
-        m, D = cfg.mla, cfg.hidden_size
-        self.m, self.world, self.H = m, world, cfg.n_heads // world
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank:       # replicated down-projection and norm, column-parallel up
-            self.q_a_proj = nn.Linear(D, m.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_eps)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, self.H * qk, bias=False)
-        else:
-            self.q_proj = nn.Linear(D, self.H * qk, bias=False)
-        # replicated: the latent and the shared rope key are the same on every rank
-        self.kv_a_proj_with_mqa = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.latent_eps)
-        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.H * (m.qk_nope_head_dim + m.v_head_dim),
-                                   bias=False)                             # column-parallel
-        self.o_proj = nn.Linear(self.H * m.v_head_dim, D, bias=False)      # row-parallel
-
-    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
-        B, T, _ = x.shape
-        m, H = self.m, self.H
-        dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
-        q = q.view(B, T, H, dn + dr).transpose(1, 2)                     # (B, H, T, dn+dr)
-        q_nope, q_pe = q.split([dn, dr], -1)                             # nope first, rope last
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, dr], -1)
-        latent = self.kv_a_layernorm(latent)[:, None]                    # (B, 1, T, r)
-        q_pe = apply_rope(deinterleave(q_pe), cos, sin)                  # (B, H, T, dr)
-        k_pe = apply_rope(deinterleave(k_pe[:, None]), cos, sin)         # (B, 1, T, dr)
-        latent, k_pe = cache_append(kv, start, latent, k_pe)             # (B, 1, S, r / dr)
-        S = latent.shape[2]
-        # Expand the latent into per-head keys and values. The engines' "absorbed" form
-        # folds kv_b_proj into q and o instead; the result is equal up to round-off.
-        kv_heads = self.kv_b_proj(latent[:, 0]).view(B, S, H, dn + dv).transpose(1, 2)
-        k_nope, v = kv_heads.split([dn, dv], -1)                         # (B, H, S, dn / dv)
-        k = torch.cat([k_nope, k_pe.expand(-1, H, -1, -1)], -1)          # (B, H, S, dn+dr)
-        y = F.scaled_dot_product_attention(torch.cat([q_nope, q_pe], -1), k, v,
-                                           attn_mask=bias, scale=m.softmax_scale)  # (B, H, T, dv)
-        y = y.transpose(1, 2).reshape(B, T, H * dv)                      # (B, T, H*dv)
-        return all_reduce(self.o_proj(y), self.world, tally)  # row-parallel: sum partials
-
-
-class Router(nn.Module):
-    """DeepSeek-V3 routing, in fp32 whatever the model dtype (near-tied experts flip in
-    bf16): sigmoid scores; the correction bias only *selects*; a token may use the experts
-    of its topk_group best groups (a group scores the sum of its top-2 biased scores); the
-    weights are the unbiased sigmoids of the chosen k, renormalised, times the scaling."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.moe = cfg.moe
-        self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed, cfg.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed))
-
     def forward(self, x):
-        """x (N, D) -> weights (N, k) fp32 and expert ids (N, k)."""
-        moe, N = self.moe, x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                  # (N, E)
-        biased = scores + self.e_score_correction_bias.float()
-        groups = biased.view(N, moe.n_group, -1)                                     # (N, G, E/G)
-        best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, -1).indices
-        allowed = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best_groups, True)
-        allowed = allowed[:, :, None].expand_as(groups).reshape(N, -1)               # (N, E)
-        experts = biased.masked_fill(~allowed, -math.inf).topk(moe.top_k, -1).indices
-        weights = scores.gather(1, experts)                                          # (N, k)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * moe.scaling, experts
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg, world):
-        super().__init__()
-        moe, D = cfg.moe, cfg.hidden_size
-        self.world = world
-        self.gate = Router(cfg)  # replicated: every rank routes identically (see forward)
-        self.experts = nn.ModuleList(MLP(D, moe.width, world) for _ in range(moe.n_routed))
-        self.shared_experts = MLP(D, moe.width * moe.n_shared, world)
-
-    def forward(self, x, tally=None):
-        # Every rank computes the same routing because x is the all-reduced residual stream,
-        # bitwise identical on all ranks; each rank then runs its slice of every chosen
-        # expert and of the shared experts, and one all_reduce sums them all.
-        B, T, D = x.shape
-        flat = x.reshape(B * T, D)
-        weights, experts = self.gate(flat)                                           # (BT, k)
-        y = torch.zeros_like(flat)
-        for e in experts.unique().tolist():                 # ascending, as transformers
-            token, slot = (experts == e).nonzero(as_tuple=True)
-            out = self.experts[e].partial(flat[token]) * weights[token, slot, None]
-            y.index_add_(0, token, out.to(y.dtype))
-        y = y + self.shared_experts.partial(flat)
-        return all_reduce(y.view(B, T, D), self.world, tally)
+        return all_reduce(self.partial(x), self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, world, layer):
+    """One decoder layer around the residual stream. Its attention and MLP are handed in by
+    the model: the Llama family's above, or a variant's (DeepSeek-V3: MLA and MoE)."""
+
+    def __init__(self, cfg, self_attn, mlp):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = (MLAttention(cfg, world) if cfg.mla else
-                          Attention(cfg, world, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm))
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = (MoE(cfg, world) if cfg.moe and layer >= cfg.moe.first_dense else
-                    MLP(cfg.hidden_size, cfg.intermediate_size, world))
+        self.mlp = mlp
 
-    def forward(self, x, cos, sin, bias, kv=None, start=0, tally=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start, tally)
-        return x + self.mlp(self.post_attention_layernorm(x), tally)
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, kv, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Target(nn.Module):
     """The target LLM. Parameter names are exactly the Hugging Face checkpoint keys, so
     loading is a strict key-for-key copy. Embedding and lm_head are replicated; every rank
-    ends with identical full logits."""
+    ends with identical full logits. `self.tp` is this model's tensor-parallel group."""
 
     def __init__(self, cfg, world=1):
         super().__init__()
-        self.cfg, self.world = cfg, world
+        self.cfg, self.tp = cfg, new_group(world)
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
-            layers=nn.ModuleList(Block(cfg, world, i) for i in range(cfg.n_layers)),
+            layers=nn.ModuleList(Block(cfg, self.attention(i), self.mlp(i))
+                                 for i in range(cfg.n_layers)),
             norm=RMSNorm(cfg.hidden_size, cfg.rms_eps)))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def attention(self, layer):
+        """Layer `layer`'s attention module: grouped-query attention (a variant overrides)."""
+        return Attention(self.cfg, self.tp, qkv_bias=self.cfg.qkv_bias, qk_norm=self.cfg.qk_norm)
+
+    def mlp(self, layer):
+        return MLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.tp)
+
     def new_cache(self, length, batch=1):
         cfg, p = self.cfg, self.lm_head.weight
-        if cfg.mla:  # the latent is replicated on every rank (it is not split by head)
-            shape = (cfg.n_layers, batch, 1, length)
-            return LatentCache(p.new_zeros(shape + (cfg.mla.kv_lora_rank,)),
-                               p.new_zeros(shape + (cfg.mla.qk_rope_head_dim,)))
-        return new_kv_cache(cfg.n_layers, cfg.n_kv_heads // self.world, cfg.head_dim, length,
+        return new_kv_cache(cfg.n_layers, cfg.n_kv_heads // self.tp.size, cfg.head_dim, length,
                             p.dtype, p.device, batch)
 
-    def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None,
-                tally=None):
+    def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
         (T, start+T) bool (default causal). With a cache, K/V are written at slots
         start..start+T-1 and the first `start` slots are the prefix. A batch of sequences
         with their own lengths passes start (B,), positions (B, T) and mask (B, T, S).
         Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
         of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
-        aux_layers=() when no features are needed (aux is then None). The all-reduces are
-        counted into `tally` when one is given."""
+        aux_layers=() when no features are needed (aux is then None)."""
         B, T = input_ids.shape
         device = input_ids.device
         if aux_layers is None:
@@ -580,27 +418,10 @@ class Target(nn.Module):
             if i in aux_layers:
                 captured[i] = x
             kv = None if cache is None else tuple(slab[i] for slab in cache)
-            x = layer(x, cos, sin, bias, kv, start, tally)
+            x = layer(x, cos, sin, bias, kv, start)
         captured[self.cfg.n_layers] = x
-        aux = torch.cat([captured[i] for i in aux_layers], dim=-1) if aux_layers else None
-        return self.lm_head(self.model.norm(x)), aux                        # (B, T, V)
-
-    @torch.no_grad()
-    def ttt_inputs(self, examples, pad_id, aux_layers):
-        """The TTT inputs of a batch of Examples, computed live: one forward (training)."""
-        ids, mask = (t.to(self.lm_head.weight.device) for t in collate(examples, pad_id))
-        logits, aux = self(ids, aux_layers=aux_layers)
-        return TTTInputs(ids, mask, logits, aux)
-
-
-def in_model_dtype(target, dtype):
-    """The model cast to `dtype`, except the MoE routers, which stay fp32 (transformers
-    keeps gate.weight and e_score_correction_bias in fp32 as well)."""
-    target.to(dtype)
-    for module in target.modules():
-        if isinstance(module, Router):
-            module.float()
-    return target
+        aux = None if not aux_layers else torch.cat([captured[i] for i in aux_layers], -1)
+        return self.lm_head(self.model.norm(x)), aux              # (B, T, V), (B, T, 3D)
 
 
 # ----------------------------------------------------------------------------------------
@@ -615,7 +436,7 @@ def in_model_dtype(target, dtype):
 #
 # The loader reads only this rank's slice of each tensor; the model above then runs
 # unchanged on the local sizes, and the all_reduce after o_proj and after the MLP (or the
-# experts) sums the partial outputs. Sizes must divide by W; they are checked once, at load.
+# experts) sums the partial outputs. Sizes must divide by W (checked once, at load).
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 
@@ -626,25 +447,6 @@ def shard_dim(name):
     if any(p in name for p in ("o_proj", "down_proj")):
         return 1
     return None
-
-
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_tp_sizes(cfg, world):
-    if cfg.n_heads % world or cfg.n_kv_heads % world:
-        fail(f"num_attention_heads={cfg.n_heads} and num_key_value_heads={cfg.n_kv_heads} "
-             f"must both be divisible by the world size {world}; "
-             f"use --nproc_per_node in {divisors(math.gcd(cfg.n_heads, cfg.n_kv_heads))}")
-    widths = dict(intermediate_size=cfg.intermediate_size)
-    if cfg.moe:
-        widths.update(moe_intermediate_size=cfg.moe.width,
-                      shared_experts_width=cfg.moe.width * cfg.moe.n_shared)
-    for name, width in widths.items():
-        if width % world:
-            fail(f"{name}={width} is not divisible by the world size {world}; "
-                 f"use --nproc_per_node in {divisors(width)[:8]}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -664,9 +466,9 @@ class DraftLayer(nn.Module):
         D = cfg.hidden_size
         self.hidden_norm = RMSNorm(D, cfg.rms_eps)
         self.input_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.self_attn = Attention(cfg, world=1, in_dim=2 * D)  # replicated on every rank
+        self.self_attn = Attention(cfg, LOCAL, in_dim=2 * D)  # replicated on every rank
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.mlp = MLP(D, cfg.intermediate_size, world=1)
+        self.mlp = MLP(D, cfg.intermediate_size, LOCAL)
 
 
 class Draft(nn.Module):
@@ -752,44 +554,6 @@ class Tree(NamedTuple):
     retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
 
 
-class Preset(NamedTuple):
-    """An engine's EAGLE-3 conventions as switches; the code branches on the switches,
-    never on a preset's name (PRESETS: the official code, SGLang, vLLM). In all three the
-    output stops exactly at max_new_tokens and at the first EOS, and siblings are tried in
-    ascending node index."""
-    name: str
-    score_space: str          # tree scores: "logprob" = sum of fp32 log-softmax (official),
-                              # "prob" = running product of fp32 softmax (SGLang)
-    argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
-    draft_pos_offset: int     # 1: level tokens drafted one RoPE position late (SGLang < #25015)
-    warper_order: str         # "T-p-k" (official) or "T-k-p" (SGLang, vLLM, transformers)
-    verify: str               # sampled verification: "sequential" (official, one uniform per
-                              # tried child), "cumulative" (SGLang, one coin per tree node),
-                              # "onehot" (vLLM, u <= p(x) and an Exp(1) vector per request)
-    threshold_single: float = 1.0  # SGLang: a child with p >= this is accepted (1.0 = off)
-    threshold_acc: float = 1.0     # SGLang: accept when coin <= sum(p) / this (1.0: lossless)
-    tau: str = "decided"      # reported accept length: "decided" = mean(accepted + 1) as
-                              # decided, drafts after an EOS included (official, vLLM);
-                              # "emitted" = tokens actually emitted per round (SGLang)
-
-
-PRESETS = dict(
-    official=Preset("official", score_space="logprob", argmax_chain=False, draft_pos_offset=0,
-                    warper_order="T-p-k", verify="sequential"),
-    sglang=Preset("sglang", score_space="prob", argmax_chain=False, draft_pos_offset=0,
-                  warper_order="T-k-p", verify="cumulative", tau="emitted"),
-    vllm=Preset("vllm", score_space="prob", argmax_chain=True, draft_pos_offset=0,
-                warper_order="T-k-p", verify="onehot"))
-
-
-def as_preset(preset):
-    if isinstance(preset, Preset):
-        return preset
-    if preset not in PRESETS:
-        fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
-    return PRESETS[preset]
-
-
 def check_tree_shape(shape, draft_vocab_size):
     for name, value in zip(shape._fields, shape):
         if not isinstance(value, int) or value < 1:
@@ -840,26 +604,24 @@ def tree_from_parents(tokens, parents):
     positions = mask.sum(1) - 1                                                  # (N,)
     is_parent = torch.zeros(N, dtype=torch.bool)
     is_parent[parents[1:]] = True
-    leaves = (~is_parent).nonzero().flatten()
+    leaves = (~is_parent).nonzero().flatten()                                   # (leaves,)
     retrieve = torch.full((len(leaves), int(positions.max()) + 1), -1, dtype=torch.long)
     row, node = mask[leaves].nonzero(as_tuple=True)  # each leaf's ancestors-or-self ...
     retrieve[row, positions[node]] = node            # ... placed by depth: root..leaf
     return Tree(tokens, parents, positions, mask, retrieve)
 
 
-def draft_scores(draft, h, score_space):
-    """Scores of the drafter's next tokens, in fp32 whatever the model dtype (fewer exact
-    ties than fp16/bf16): log-probabilities that add along a path, or (SGLang) probabilities
-    that multiply. The orders agree up to fp32 rounding and underflow to 0."""
-    logits = draft.logits(h).float()
-    return torch.log_softmax(logits, -1) if score_space == "logprob" else torch.softmax(logits, -1)
+def log_probs(logits):
+    return torch.log_softmax(logits.float(), -1)
 
 
-def extend_scores(scores, child_scores, score_space):
-    """Cumulative score of each child: the path's log-probability, or its probability."""
-    if score_space == "logprob":
-        return scores[:, None] + child_scores                                   # (K, K)
-    return scores[:, None] * child_scores
+class Scoring(NamedTuple):
+    """How the tree ranks its nodes, in fp32 whatever the model dtype (fewer exact ties than
+    fp16/bf16): `next` turns draft logits into next-token scores, `extend` combines a
+    parent's cumulative score with its children's. Officially: log-probabilities, which add
+    along a path (SGLang multiplies probabilities: the same order up to rounding)."""
+    next: object = log_probs
+    extend: object = operator.add
 
 
 def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
@@ -876,10 +638,10 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
     parent_pool = group_parent[chosen // K]                                      # (N-1,)
     parents = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
     parents[parent_pool < 0] = 0
-    assert bool((chosen[(parents - 1).clamp(min=0)] == parent_pool)[parent_pool >= 0].all()), \
-        "a selected node's parent was not selected"  # impossible with first-index ties
+    linked = chosen[(parents - 1).clamp(min=0)] == parent_pool
+    assert bool(linked[parent_pool >= 0].all()), "a selected node's parent was not selected"
     tokens = torch.cat([root.reshape(1), pool_tokens[chosen]])                   # (N,)
-    return tree_from_parents(tokens, torch.cat([torch.tensor([-1]), parents.cpu()]))
+    return tree_from_parents(tokens, torch.cat([torch.tensor([-1]), parents.cpu()]))  # (N,)
 
 
 def draft_prefix(draft, cache, start, aux, next_tokens):
@@ -911,13 +673,13 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 # scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
 
 
-def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
+def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0):
     """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
-    draft K/V go to slots n.. and are discarded by the next draft_prefix. The preset picks
-    the score space and the draft RoPE offset."""
-    K, device, space = shape.top_k, h_last.device, preset.score_space
+    draft K/V go to slots n.. and are discarded by the next draft_prefix. `pos_offset` 1
+    drafts each level one RoPE position late (SGLang before #25015)."""
+    K, device = shape.top_k, h_last.device
     # 1) level 1: the K best children of the root
-    scores, ids = topk_first_index(draft_scores(draft, h_last, space)[0], K)    # (K,)
+    scores, ids = topk_first_index(scoring.next(draft.logits(h_last))[0], K)    # (K,)
     tokens = draft.to_target_ids(ids)
     pool_scores, pool_tokens = [scores], [tokens]
     group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
@@ -928,11 +690,11 @@ def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
     for it in range(shape.depth):
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
-        positions = torch.full((K,), n + it + preset.draft_pos_offset, device=device)
+        positions = torch.full((K,), n + it + pos_offset, device=device)
         out = draft(h[None], tokens[None], positions, prefix_mask(n, tree_mask), cache,
                     n + it * K)[0]                                           # (K, D)
-        child_scores, child_ids = topk_first_index(draft_scores(draft, out, space), K)
-        cum = extend_scores(scores, child_scores, space)    # (K, K) cumulative, per child
+        child_scores, child_ids = topk_first_index(scoring.next(draft.logits(out)), K)
+        cum = scoring.extend(scores[:, None], child_scores)  # (K, K) cumulative, per child
         pool_scores.append(cum.flatten())                                    # (K*K,)
         pool_tokens.append(draft.to_target_ids(child_ids).flatten())         # (K*K,)
         group_parent.append(inputs)                  # input r's K children form a group
@@ -944,8 +706,9 @@ def grow_tree(draft, cache, n, h_last, root, shape, preset=PRESETS["official"]):
         inputs = K + it * K * K + best
         tokens, h = pool_tokens[-1][best], out[rows]                         # (K,), (K, D)
         tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
-    return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),
-                       torch.cat(group_parent), root, shape.total_tokens, K)
+    pool_scores, pool_tokens = torch.cat(pool_scores), torch.cat(pool_tokens)  # (K + depth*K*K,)
+    group_parent = torch.cat(group_parent)                                  # (1 + depth*K,)
+    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K)
 
 
 @torch.inference_mode()
@@ -973,89 +736,15 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 # uniforms are returned so another implementation can replay the same coins.
 
 
-class Sampling(NamedTuple):
-    temperature: float = 0.0   # 0 = greedy
-    top_k: int = 0             # 0 = off
-    top_p: float = 1.0         # 1 = off
-    order: str = "T-k-p"       # warpers: temperature, top-k, top-p (transformers, SGLang, vLLM)
-                               # or "T-p-k": top-p before top-k (the official EAGLE code)
-
-    @property
-    def greedy(self):
-        return self.temperature == 0
-
-
-def check_sampling(s):
-    if s.order not in ("T-k-p", "T-p-k"):
-        fail(f"warper order {s.order!r} must be 'T-k-p' or 'T-p-k'")
-    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
-        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
-    if not 0 < s.top_p <= 1:
-        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
-    if not isinstance(s.top_k, int) or s.top_k < 0:
-        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
-
-
-def warped_probs(logits, s):
-    """Warped distribution with transformers' warper semantics, in float64: temperature,
-    then top-k (keep every token >= the k-th largest logit) and top-p (drop the low tokens
-    whose cumulative probability stays <= 1 - top_p; the top token always survives) in the
-    order s.order names. Both the target's p and, in the chain scheme, the drafter's q go
-    through it."""
-    x = logits.double() / s.temperature
-    for warper in ("k", "p") if s.order == "T-k-p" else ("p", "k"):
-        x = top_k_mask(x, s.top_k) if warper == "k" else top_p_mask(x, s.top_p)
-    return x.softmax(-1)
-
-
-def top_k_mask(x, k):
-    if k <= 0:
-        return x
-    kth = torch.topk(x, min(k, x.shape[-1])).values[..., -1:]
-    return x.masked_fill(x < kth, -math.inf)
-
-
-def top_p_mask(x, top_p):
-    if top_p >= 1:
-        return x
-    sorted_x, order = torch.sort(x, stable=True)                        # ascending
-    drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - top_p
-    drop[..., -1] = False
-    return x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-
-
-def sample_inverse_cdf(p, u):
-    """The token whose CDF interval [cdf(i-1), cdf(i)) contains u * sum(p): one uniform per
-    token, so replaying the uniform replays the token. Zero-probability tokens never win."""
-    cdf = p.double().cumsum(-1)
-    i = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
-    return min(i, int(p.nonzero().max()))  # u * sum rounding up to the total: last live token
-
-
-def uniform_stream(generator):
-    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator."""
-    while True:
-        yield float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
-class Recorder:
-    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
-    exactly the coins it used."""
-
-    def __init__(self, stream):
-        self.stream, self.used = stream, []
-
-    def draw(self):
-        u = next(self.stream)
-        self.used.append(u)
-        return u
-
-
-class Acceptance(NamedTuple):
-    path: torch.Tensor   # (a+1,) node indices, root first
-    accepted: int        # a = drafted tokens accepted
-    bonus: int           # the target's own next token after the path
-    uniforms: list       # the uniforms this round used, in order (empty when greedy)
+@torch.inference_mode()
+def verify_tree(target, cache, n, tree, aux_layers):
+    """Target forward of the N tree nodes, written to cache slots n..n+N-1: node i at
+    position n + depth(i), seeing the prefix and its ancestors -> logits (N, V), aux
+    (N, 3*D) (the features of each node's token, for the drafter's next round)."""
+    device = cache[0].device
+    logits, aux = target(tree.tokens[None].to(device), (n + tree.positions).to(device),
+                         prefix_mask(n, tree.mask).to(device), cache, n, aux_layers)
+    return logits[0], aux[0]                                          # (N, V), (N, 3*D)
 
 
 def commit(cache, start, path):
@@ -1067,6 +756,13 @@ def commit(cache, start, path):
     for slab in cache:  # K and V, or MLA's latent and rope key: (L, B, heads, S, .)
         slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
     return start + len(path)
+
+
+class Acceptance(NamedTuple):
+    path: torch.Tensor   # (a+1,) node indices, root first
+    accepted: int        # a = drafted tokens accepted
+    bonus: int           # the target's own next token after the path
+    uniforms: list       # the uniforms this round used, in order (empty when greedy)
 
 
 def accept_greedy(logits, tree):
@@ -1084,6 +780,100 @@ def accept_greedy(logits, tree):
     a = int(accepted[best])
     path = R[best, :a + 1]
     return Acceptance(path, a, int(predicted[path[-1]]), [])
+
+
+def top_k_mask(x, s):
+    """Keep every token >= the s.top_k-th largest logit (0 = off)."""
+    if s.top_k <= 0:
+        return x
+    kth = torch.topk(x, min(s.top_k, x.shape[-1])).values[..., -1:]
+    return x.masked_fill(x < kth, -math.inf)
+
+
+def top_p_mask(x, s):
+    """Drop the low tokens whose cumulative probability stays <= 1 - s.top_p (1 = off); the
+    top token always survives."""
+    if s.top_p >= 1:
+        return x
+    sorted_x, order = torch.sort(x, stable=True)                        # ascending
+    drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - s.top_p
+    drop[..., -1] = False
+    return x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+
+
+TRANSFORMERS_ORDER = (top_k_mask, top_p_mask)  # temperature, top-k, top-p: transformers,
+                                               # SGLang, vLLM
+OFFICIAL_ORDER = (top_p_mask, top_k_mask)      # top-p before top-k: the official EAGLE code
+
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    warpers: tuple = TRANSFORMERS_ORDER  # applied in this order after the temperature
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+
+def check_sampling(s):
+    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
+        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
+    if not isinstance(s.top_k, int) or s.top_k < 0:
+        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
+
+
+def warped_probs(logits, s):
+    """Warped distribution with transformers' warper semantics, in float64: temperature,
+    then top-k and top-p in the order s.warpers names. Both the target's p and, in the
+    chain scheme, the drafter's q go through it."""
+    x = logits.double() / s.temperature
+    for warp in s.warpers:
+        x = warp(x, s)
+    return x.softmax(-1)
+
+
+def sample_inverse_cdf(p, u):
+    """The token whose CDF interval [cdf(i-1), cdf(i)) contains u * sum(p): one uniform per
+    token, so replaying the uniform replays the token. Zero-probability tokens never win.
+    The CDF is summed in float64 on every device."""
+    cdf = p.double().cumsum(-1)
+    i = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
+    return min(i, int(p.nonzero().max()))  # u * sum rounding up to the total: last live token
+
+
+def uniform_stream(generator):
+    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator."""
+    while True:
+        yield float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+class Randomness(NamedTuple):
+    """A sequence's random numbers: one seeded generator; the official scheme reads it as a
+    stream of uniforms, the engines' schemes draw their tensors from it."""
+    generator: torch.Generator
+    uniforms: object      # uniform_stream(generator)
+
+
+def new_randomness(seed):
+    g = torch.Generator().manual_seed(seed)
+    return Randomness(g, uniform_stream(g))
+
+
+class Recorder:
+    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
+    exactly the coins it used."""
+
+    def __init__(self, stream):
+        self.stream, self.used = stream, []
+
+    def draw(self):
+        u = next(self.stream)
+        self.used.append(u)
+        return u
 
 
 def children_of(parents):
@@ -1121,13 +911,13 @@ def accept_sampled(logits, tree, uniforms, sampling):
     return Acceptance(torch.tensor(path), len(path) - 1, bonus, coins.used)
 
 
-def broadcast_acceptance(acceptance, max_nodes, device, tally=None):
+def broadcast_acceptance(acceptance, max_nodes, device, tp):
     """Rank 0's acceptance on every rank, so all ranks commit the same path (ranks
     deciding independently is how TP engines have deadlocked or diverged)."""
     packed = torch.full((max_nodes + 2,), -1, dtype=torch.long, device=device)
     packed[0], packed[1] = acceptance.accepted, acceptance.bonus
     packed[2:3 + acceptance.accepted] = acceptance.path
-    packed = broadcast0(packed, tally).cpu()
+    packed = broadcast0(packed, tp).cpu()
     a = int(packed[0])
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
@@ -1139,7 +929,7 @@ def broadcast_acceptance(acceptance, max_nodes, device, tally=None):
 # with min(1, p/q). Generation selects it with scheme="chain".
 
 
-def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tally=None):
+def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
     """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
     per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
     and the uniforms used."""
@@ -1150,7 +940,7 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tally
     for i in range(length):
         q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
         sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, coins.draw())],
-                                          device=device), tally)
+                                          device=device), tp)
         token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
         q = torch.zeros(V, dtype=torch.float64, device=device)
         q[in_target] = q_draft                                      # (V,)
@@ -1183,66 +973,46 @@ def accept_chain(logits, drafts, q, uniforms, sampling):
     return Acceptance(torch.arange(k + 1), k, bonus, coins.used)
 
 
-# ---- the engines' sampled verification (presets) ----
-#
-# SGLang and vLLM verify samples differently from the official code, with their own random
-# numbers. Both are lossless at their defaults; the same coins give different tokens.
+# A Preset is an engine's conventions resolved into the functions and numbers they choose,
+# once, when a run starts; the decoding loop only calls them. The official code's is below;
+# SGLang's and vLLM's join the table in their own section after the method.
 
 
-def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
-                      kids=None):
-    """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
-    target distribution at every node; coins (N,): one per tree node, used by the nodes
-    that become parents (the root first); final_coin: one per request.
-    At the current node, children in ascending node index add their (unnormalised) p to a
-    running sum; a child is accepted when coin <= sum / threshold_acc or p >= threshold_single,
-    and its own coin carries on. One coin is thus an inverse-CDF draw over the children
-    (lossless at the default thresholds 1, 1; lower ones accept more and are lossy). The
-    bonus: at the last accepted node, final_coin * sum(r) through the CDF of r, r = p with
-    the rejected children's p removed (p itself after a full-depth path). `kids` (each
-    node's children in the order tried) defaults to ascending node index, as SGLang builds
-    its trees."""
-    kids, ta = kids or children_of(tree.parents), max(threshold_acc, 1e-9)
-    node, path, depth = 0, [0], tree.retrieve_indices.shape[1] - 1
-    rejected = torch.zeros_like(p[0])
-    while len(path) <= depth:
-        mass, coin = torch.zeros((), dtype=torch.float32), coins[node]
-        for child in kids[node]:
-            x = int(tree.tokens[child])
-            mass = mass + p[node, x]                     # fp32 running sum, as the kernel
-            if coin <= mass / ta or p[node, x] >= threshold_single:
-                break
-            rejected[x] = p[node, x]
-        else:
-            break                                        # every child rejected, or a leaf
-        node, rejected = child, torch.zeros_like(rejected)
-        path.append(node)
-    r = p[node] if len(path) > depth else (p[node] - rejected).clamp(min=0)
-    return Acceptance(torch.tensor(path), len(path) - 1, cdf_pick(r, final_coin), [])
+def official_verify(logits, tree, randomness, sampling, preset):
+    """The official scheme (accept_sampled above) as a preset's verification rule."""
+    return accept_sampled(logits, tree, randomness.uniforms, sampling), None
 
 
-def cdf_pick(r, coin):
-    """SGLang's final draw: the first id whose fp32 cumulative sum exceeds coin * sum(r),
-    among ids with r > 0 (else the last id with r > 0, else V - 1)."""
-    cdf = r.float().cumsum(-1)
-    hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
-    live = (r > 0).nonzero()
-    return int(hit[0]) if len(hit) else int(live[-1]) if len(live) else len(r) - 1
+class Preset(NamedTuple):
+    """An engine's EAGLE-3 conventions, resolved into what they choose (PRESETS: the
+    official code, SGLang, vLLM). In all three the output stops exactly at max_new_tokens
+    and at the first EOS, and siblings are tried in ascending node index."""
+    name: str                 # for reports and golden headers; never branched on
+    scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
+                              # probabilities that multiply (SGLang, vLLM)
+    argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
+    warpers: tuple            # warper order: OFFICIAL_ORDER or TRANSFORMERS_ORDER
+    verify: object            # sampled verification of a tree: (logits, tree, randomness,
+                              # sampling, preset) -> (Acceptance, the engine's draws or None)
+    draft_pos_offset: int = 0      # 1: levels drafted one RoPE position late (SGLang < #25015)
+    threshold_single: float = 1.0  # SGLang: a child with p >= this is accepted (1.0 = off)
+    threshold_acc: float = 1.0     # SGLang: accept when coin <= sum(p) / this (1.0: lossless)
+    tau_emitted: bool = False  # reported accept length: tokens actually emitted per round
+                               # (SGLang); else mean(accepted + 1) as decided, drafts after an
+                               # EOS included (official, vLLM)
 
 
-def accept_onehot(p, drafts, uniforms, exponentials, bonus):
-    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i (its target
-    distribution p[i]) is accepted iff p[i](x) >= uniforms[i] (float64); at the first
-    rejection the recovered token is argmax(r * (1 / E)) with r = p[i] with x zeroed and E
-    one Exp(1) vector per request (an exponential race: a sample of r / sum r); after the
-    last draft, the bonus (drawn before verification by the plain sampler)."""
-    for i, x in enumerate(drafts.tolist()):
-        if float(p[i, x]) >= float(uniforms[i]):
-            continue
-        r = p[i].clone()
-        r[x] = 0
-        return Acceptance(torch.arange(i + 1), i, int((r * (1 / exponentials)).argmax()), [])
-    return Acceptance(torch.arange(len(drafts) + 1), len(drafts), bonus, [])
+PRESETS = dict(official=Preset("official", Scoring(), argmax_chain=False, warpers=OFFICIAL_ORDER,
+                               verify=official_verify))
+
+
+def as_preset(preset):
+    """A preset name (resolved here, once per run) or a Preset."""
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
+    return PRESETS[preset]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1252,56 +1022,6 @@ def accept_onehot(p, drafts, uniforms, exponentials, bonus):
 # max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
 
 SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
-
-
-def check_eos(eos_token_id, vocab_size):
-    for t in eos_list(eos_token_id):
-        if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
-            fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
-
-
-def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reserve=0):
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
-        fail(f"input_ids must be a torch.long tensor of token ids, got "
-             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        fail("the prompt is empty: input_ids has shape (1, 0); give at least one token")
-    check_token_ids(input_ids, vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    need = input_ids.shape[1] + max_new_tokens + reserve
-    if need > capacity:
-        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
-             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
-             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
-
-
-def check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree, scheme,
-                           preset, eos_token_id):
-    """Every argument of speculative decoding checked before any work -> the TreeShape to
-    run (a chain of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
-    check_sampling(sampling)
-    if scheme not in SCHEMES:
-        fail(f"scheme={scheme!r} must be one of {SCHEMES}")
-    if scheme == "chain" and sampling.greedy:
-        fail(f"scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
-             f"use scheme='tree' (a greedy chain is a tree with top_k=1)")
-    if scheme == "chain" and preset.verify != "sequential":
-        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
-             f"its own drafts: use scheme='tree'")
-    shape = TreeShape(*tree)
-    if scheme == "chain" or preset.argmax_chain:
-        shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
-    check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        fail("prompts must be a non-empty list of (1, T) token-id tensors")
-    check_eos(eos_token_id, target.cfg.vocab_size)
-    for ids in prompts:
-        check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
-                              target.cfg.vocab_size, reserve=shape.total_tokens)
-    return shape
 
 
 def eos_list(eos_token_id):
@@ -1315,6 +1035,31 @@ def is_eos(token, eos_token_id):
     return int(token) in eos_list(eos_token_id)
 
 
+def check_eos(eos_token_id, vocab_size):
+    for t in eos_list(eos_token_id):
+        if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
+            fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
+
+
+def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reserve=0):
+    if isinstance(input_ids, torch.Tensor) and input_ids.numel() == 0:
+        fail(f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at "
+             f"least one token")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        fail(f"input_ids must be a torch.long tensor of token ids, got "
+             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
+    check_token_ids(input_ids, vocab_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    need = input_ids.shape[1] + max_new_tokens + reserve
+    if need > capacity:
+        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
+             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
+             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
+
+
 def emit(out, tokens, max_new_tokens, eos_token_id):
     """Append tokens to out up to the budget or the first EOS; True when generation ends."""
     for t in tokens:
@@ -1324,7 +1069,7 @@ def emit(out, tokens, max_new_tokens, eos_token_id):
     return False
 
 
-def next_token(logits, sampling, uniforms, tally=None):
+def next_token(logits, sampling, uniforms, tp):
     """Greedy argmax, or one uniform -> inverse CDF of the warped distribution. The token
     is rank 0's on every rank. Returns (token, uniforms used)."""
     coins = Recorder(uniforms)
@@ -1332,47 +1077,80 @@ def next_token(logits, sampling, uniforms, tally=None):
         token = int(logits.argmax())
     else:
         token = sample_inverse_cdf(warped_probs(logits, sampling), coins.draw())
-    return int(broadcast0(torch.tensor([token], device=logits.device), tally)), coins.used
+    return int(broadcast0(torch.tensor([token], device=logits.device), tp)), coins.used
 
 
 @torch.inference_mode()
-def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
-                            comm=None):
-    """Plain decoding with a KV cache: one target forward per token. The collectives are
-    counted into `comm` (new_comm("prefill", "decode", "decide")) when one is given."""
+def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
+    """Plain decoding with a KV cache: one target forward per token."""
     check_sampling(sampling)
     check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
                           target.cfg.vocab_size)
     check_eos(eos_token_id, target.cfg.vocab_size)
-    comm = comm if comm is not None else new_comm("prefill", "decode", "decide")
-    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
+    uniforms = new_randomness(seed).uniforms
     n = input_ids.shape[1]
     cache = target.new_cache(n + max_new_tokens)
-    logits, _ = target(input_ids, cache=cache, aux_layers=(), tally=comm["prefill"])
+    logits, _ = target(input_ids, cache=cache, aux_layers=())
     out = []
     while True:
-        token, _ = next_token(logits[0, -1], sampling, uniforms, comm["decide"])
+        token, _ = next_token(logits[0, -1], sampling, uniforms, target.tp)
         if emit(out, [token], max_new_tokens, eos_token_id):
             return torch.tensor(out)
         logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
-                           start=n, aux_layers=(), tally=comm["decode"])
+                           start=n, aux_layers=())
         n += 1
 
 
-def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, comm=None):
+def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None):
     """Argmax decoding: the baseline, and the reference greedy speculation must equal."""
-    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id,
-                                   comm)
+    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id)
 
 
 def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None, comm=None, preset="official"):
+                    seed=0, eos_token_id=None, preset="official"):
     """Plain sampling: one uniform per token, inverse CDF of the warped distribution (warped
     in the preset's order: the distribution its speculative decoding keeps)."""
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                        order=as_preset(preset).warper_order)
+    sampling = Sampling(temperature, top_k, top_p, as_preset(preset).warpers)
     return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
-                                   eos_token_id, comm)
+                                   eos_token_id)
+
+
+class Run(NamedTuple):
+    """What a speculative run decided when it started (checked once): the tree shape, the
+    sampling, the preset's functions, sampled-chain drafting or not, what to record."""
+    shape: TreeShape
+    sampling: Sampling
+    preset: Preset
+    chain: bool              # scheme "chain": drafts sampled from q (else the preset's tree)
+    record_logits: bool
+
+
+def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree, scheme,
+              preset, eos_token_id, record_logits):
+    """Every argument of speculative decoding checked before any work -> the Run (a chain
+    of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
+    preset = as_preset(preset)
+    sampling = Sampling(temperature, top_k, top_p, preset.warpers)
+    check_sampling(sampling)
+    if scheme not in SCHEMES:
+        fail(f"scheme={scheme!r} must be one of {SCHEMES}")
+    if scheme == "chain" and sampling.greedy:
+        fail("scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
+             "use scheme='tree' (a greedy chain is a tree with top_k=1)")
+    if scheme == "chain" and preset.verify is not official_verify:
+        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
+             f"its own drafts: use scheme='tree'")
+    shape = TreeShape(*tree)
+    if scheme == "chain" or preset.argmax_chain:
+        shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        fail("prompts must be a non-empty list of (1, T) token-id tensors")
+    check_eos(eos_token_id, target.cfg.vocab_size)
+    for ids in prompts:
+        check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
+                              target.cfg.vocab_size, reserve=shape.total_tokens)
+    return Run(shape, sampling, preset, scheme == "chain", record_logits)
 
 
 class Round(NamedTuple):
@@ -1381,8 +1159,8 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (official sampling only)
-    comm: dict            # {draft, verify, decide: Tally}: the collectives it took part in
-                          # (the verify forward is shared by all rows of a batch)
+    comm: Tally = None    # the collectives the round sent (all_reduce: the verify;
+                          # broadcast: chain drafts and the decision)
     draws: dict = None    # SGLang / vLLM sampling: their random numbers, in their layout
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
     draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
@@ -1393,7 +1171,7 @@ class SpecResult(NamedTuple):
     accept_lengths: list  # per round: accepted + 1 (the bonus); tau = their mean
     rounds: list          # list[Round], the per-round trace
     first_uniforms: list  # the uniform that sampled the first token (sampling only)
-    prefill_comm: dict    # {prefill, decide: Tally}: the collectives before round 1
+    prefill_comm: Tally   # the collectives before round 1 (prefill and first decision)
 
 
 class RoundState(NamedTuple):
@@ -1407,189 +1185,97 @@ class RoundState(NamedTuple):
     next_tokens: torch.Tensor  # (1, m) the token after each of them (pair convention)
 
 
-class Caches(NamedTuple):
-    target: tuple         # the target's (L, B, ...) KVCache or LatentCache: one row per sequence
-    drafts: list          # one drafter KVCache per sequence
+def prefill(target, draft, cache, input_ids, run, randomness):
+    """The prompt through the target: its features for the drafter, and the target's first
+    token, which roots round 1 -> (RoundState, the uniforms used, Tally sent)."""
+    mark = target.tp.sent.copy()
+    logits, aux = target(input_ids, cache=cache, aux_layers=draft.cfg.aux_layers)
+    root, used = next_token(logits[0, -1], run.sampling, randomness.uniforms, target.tp)
+    root_t = torch.tensor([root], device=input_ids.device)
+    next_tokens = torch.cat([input_ids[0, 1:], root_t])                          # (T,)
+    state = RoundState(input_ids.shape[1], root, aux, next_tokens[None])
+    return state, used, target.tp.sent.since(mark)
 
 
-class Randomness(NamedTuple):
-    """A sequence's random numbers: one seeded generator; the official scheme reads it as a
-    stream of uniforms, the engines' schemes draw their tensors from it."""
-    generator: torch.Generator
-    uniforms: object      # uniform_stream(generator)
-
-
-def row_cache(cache, b):
-    """Row b of a batched cache as a batch-1 cache of views (writes land in the batch)."""
-    return type(cache)(*(slab[:, b:b + 1] for slab in cache))
-
-
-def draft_row(draft, cache, state, shape, scheme, preset, sampling, uniforms, tally):
-    """Steps 1-2 for one sequence: encode its newly accepted tokens (pair: feature of token
-    i, token i+1), then draft its tree (or sample a chain). -> (tree, q or None, uniforms)."""
+def draft_step(draft, cache, state, run, randomness, tp):
+    """Encode the newly accepted tokens into the drafter's cache (pair: feature of token i,
+    token i+1), then draft on top: the preset's tree, or a sampled chain.
+    -> (tree, q (k, V) or None, uniforms used)."""
     m = state.features.shape[1]
     h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=h_last.device)
-    if scheme == "chain":
-        return draft_chain(draft, cache, state.n, h_last, root, shape.depth + 1, uniforms,
-                           sampling, tally)
-    return grow_tree(draft, cache, state.n, h_last, root, shape, preset), None, []
+    if run.chain:
+        return draft_chain(draft, cache, state.n, h_last, root, run.shape.depth + 1,
+                           randomness.uniforms, run.sampling, tp)
+    tree = grow_tree(draft, cache, state.n, h_last, root, run.shape, run.preset.scoring,
+                     run.preset.draft_pos_offset)
+    return tree, None, []
 
 
-@torch.inference_mode()
-def verify_trees(target, cache, ns, trees, aux_layers, tally=None):
-    """Step 3: one target forward over every sequence's tree. Row b's N_b nodes go to cache
-    slots n_b.., at positions n_b + depth, each seeing its row's prefix and its ancestors;
-    trees are padded to the widest with nodes that see only the prefix and themselves.
-    -> per row (logits (N_b, V), aux (N_b, 3*D))."""
-    B, N, device = len(trees), max(len(t.tokens) for t in trees), cache[0].device
-    tokens = torch.zeros(B, N, dtype=torch.long)
-    positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
-    mask = torch.zeros(B, N, max(ns) + N, dtype=torch.bool)                     # (B, N, S)
-    for b, (n, t) in enumerate(zip(ns, trees)):
-        k = len(t.tokens)
-        tokens[b, :k], positions[b, :k] = t.tokens, n + t.positions
-        local = torch.eye(N, dtype=torch.bool)           # padding nodes see themselves
-        local[:k, :k] = t.mask
-        mask[b, :, :n + N] = prefix_mask(n, local)
-    logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache,
-                         torch.tensor(ns), aux_layers, tally)
-    return [(logits[b, :len(t.tokens)], aux[b, :len(t.tokens)]) for b, t in enumerate(trees)]
-
-
-@torch.inference_mode()
-def verify_tree(target, cache, n, tree, aux_layers, tally=None):
-    """One sequence's verify: target forward of the N tree nodes at cache slots n..n+N-1 ->
-    logits (N, V), aux (N, 3*D)."""
-    return verify_trees(target, cache, [n], [tree], aux_layers, tally)[0]
-
-
-def engine_draws(preset, tree, vocab, generator):
-    """The random numbers an engine draws for one sequence's verification, in its order:
-    SGLang one float32 coin per tree node, then one final coin; vLLM the plain sampler's
-    Exp(1) vector for the bonus, one float64 uniform per draft, then one Exp(1) vector for
-    the recovered token."""
-    N, state = len(tree.tokens), generator.get_state()  # the state replays them all
-    if preset.verify == "cumulative":
-        return dict(coins=torch.rand(N, generator=generator),
-                    final_coin=torch.rand(1, generator=generator), generator_state=state)
-    return dict(bonus_exponentials=torch.empty(vocab).exponential_(generator=generator),
-                draft_uniforms=torch.rand(N - 1, dtype=torch.float64, generator=generator),
-                exponentials=torch.empty(vocab).exponential_(generator=generator),
-                generator_state=state)
-
-
-def accept_row(logits, tree, q, scheme, preset, sampling, randomness):
-    """Step 4 for one sequence -> (Acceptance, the engine's draws or None)."""
-    if sampling.greedy:
+def accept(logits, tree, q, run, randomness):
+    """Which drafts the target keeps -> (Acceptance, the engine's draws or None)."""
+    if run.sampling.greedy:
         return accept_greedy(logits, tree), None
-    if scheme == "chain":
-        return accept_chain(logits, tree.tokens[1:], q, randomness.uniforms, sampling), None
-    if preset.verify == "sequential":
-        return accept_sampled(logits, tree, randomness.uniforms, sampling), None
-    draws = engine_draws(preset, tree, logits.shape[-1], randomness.generator)
-    p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
-    if preset.verify == "cumulative":
-        return accept_cumulative(p, tree, draws["coins"], draws["final_coin"][0],
-                                 preset.threshold_single, preset.threshold_acc), draws
-    bonus = int((p[-1] * (1 / draws["bonus_exponentials"])).argmax())
-    return accept_onehot(p, tree.tokens[1:], draws["draft_uniforms"], draws["exponentials"],
-                         bonus), draws
+    if run.chain:
+        return accept_chain(logits, tree.tokens[1:], q, randomness.uniforms, run.sampling), None
+    return run.preset.verify(logits, tree, randomness, run.sampling, run.preset)
 
 
-def speculation_round(target, draft, caches, states, active, shape, scheme, preset, sampling,
-                      randomness, record_logits=False):
-    """One round for the sequences in `active` (states: every sequence's RoundState; a
-    finished one rides along in the batched verify with its root alone, its result unused):
-    1-2) each sequence drafts, 3) one target forward verifies all trees, 4) each is accepted
-    (rank 0 decides and broadcasts), 5) each commits its accepted nodes' target K/V.
-    Returns {row: Round} and the new states."""
-    device, drafted, comms = caches[0][0].device, {}, {}
-    for b in active:
-        comms[b] = new_comm("draft", "decide")
-        drafted[b] = draft_row(draft, caches.drafts[b], states[b], shape, scheme, preset,
-                               sampling, randomness[b].uniforms, comms[b]["draft"])
-    trees = [drafted[b][0] if b in active else tree_from_parents(
-        torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
-    verify = new_comm("verify")
-    verified = verify_trees(target, caches.target, [s.n for s in states], trees,
-                            draft.cfg.aux_layers, verify["verify"])
-    rounds, states = {}, list(states)
-    for b in active:
-        (tree, q, drafting_uniforms), (logits, aux) = drafted[b], verified[b]
-        acc, draws = accept_row(logits, tree, q, scheme, preset, sampling, randomness[b])
-        acc = broadcast_acceptance(acc, len(tree.tokens), device, comms[b]["decide"])
-        path = acc.path.to(device)
-        new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
-        n = commit(row_cache(caches.target, b), states[b].n, path)
-        states[b] = RoundState(n, acc.bonus, aux[path][None], new_tokens[None].to(device))
-        recorded = ((logits.float().cpu(), None if q is None else q.cpu())
-                    if record_logits else ())
-        rounds[b] = Round(tree, acc.path, acc.accepted, acc.bonus,
-                          drafting_uniforms + acc.uniforms, dict(comms[b], **verify), draws,
-                          *recorded)
-    return rounds, states
+def settle(target, cache, state, drafted, logits, aux, run, randomness):
+    """Accept (rank 0 decides, every rank follows), commit the accepted nodes' target K/V,
+    and hand the accepted tokens' features to the next round -> (Round, RoundState)."""
+    tree, q, drafting_uniforms = drafted
+    acc, draws = accept(logits, tree, q, run, randomness)
+    acc = broadcast_acceptance(acc, len(tree.tokens), logits.device, target.tp)
+    path = acc.path.to(logits.device)
+    n = commit(cache, state.n, path)
+    new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
+    recorded = ((logits.float().cpu(), None if q is None else q.cpu())
+                if run.record_logits else ())
+    return (Round(tree, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
+                  None, draws, *recorded),
+            RoundState(n, acc.bonus, aux[path][None], new_tokens[None].to(logits.device)))
+
+
+def speculation_round(target, draft, target_cache, draft_cache, state, run, randomness):
+    """One EAGLE-3 round for one sequence: 1) re-encode the last accepted tokens and draft a
+    tree, 2) verify it in one target forward, 3) accept, 4) commit, 5) pass the accepted
+    tokens' features on. -> (Round, the next RoundState)."""
+    mark = target.tp.sent.copy()
+    drafted = draft_step(draft, draft_cache, state, run, randomness, target.tp)        # 1)
+    logits, aux = verify_tree(target, target_cache, state.n, drafted[0],
+                              draft.cfg.aux_layers)                                      # 2)
+    done, state = settle(target, target_cache, state, drafted, logits, aux, run,
+                         randomness)                                                     # 3-5)
+    return done._replace(comm=target.tp.sent.since(mark)), state
 
 
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
                          record_logits=False, preset="official"):
-    """EAGLE-3 speculative decoding of one prompt (1, T). Greedy output equals
-    greedy_generate token for token; sampled output has exactly the distribution of
-    sample_generate. `tree` is the TreeShape (tree top-k, depth, total tokens); top_k is the
-    *sampling* top-k; `preset` names the conventions followed ("official", "sglang",
-    "vllm" or a Preset)."""
-    return speculative_generate_batch(
-        target, draft, [input_ids], max_new_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, tree=tree, seed=seed, eos_token_id=eos_token_id, scheme=scheme,
-        record_logits=record_logits, preset=preset)[0]
-
-
-@torch.inference_mode()
-def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
-                               top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
-                               scheme="tree", record_logits=False, preset="official"):
-    """Speculative decoding of B prompts (each (1, T_b), lengths may differ) as the engines
-    batch it: each sequence drafts its own tree, one target forward verifies all B trees
-    (per-row positions and masks over per-row cache lengths), each is accepted, committed
-    and stopped on its own. Row b draws its random numbers from its own generator, seeded
-    seed + b. -> one SpecResult per prompt."""
-    preset = as_preset(preset)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                        order=preset.warper_order)
-    shape = check_speculative_args(target, draft, prompts, max_new_tokens, sampling, tree,
-                                   scheme, preset, eos_token_id)
-    B, longest = len(prompts), max(ids.shape[1] for ids in prompts)
-    caches = Caches(target.new_cache(longest + max_new_tokens + shape.total_tokens, batch=B),
-                    [draft.new_cache(ids.shape[1] + max_new_tokens + shape.top_k * shape.depth)
-                     for ids in prompts])
-    randomness = [Randomness(g, uniform_stream(g)) for g in
-                  (torch.Generator().manual_seed(seed + b) for b in range(B))]
-    out, rounds, states, first, comms = [[] for _ in prompts], [[] for _ in prompts], [], [], []
-    for b, ids in enumerate(prompts):  # prefill: each target's first token roots round 1
-        comms.append(new_comm("prefill", "decide"))
-        logits, aux = target(ids, cache=row_cache(caches.target, b),
-                             aux_layers=draft.cfg.aux_layers, tally=comms[b]["prefill"])
-        root, used = next_token(logits[0, -1], sampling, randomness[b].uniforms,
-                                comms[b]["decide"])
-        first.append(used)
-        next_tokens = torch.cat([ids[0, 1:], torch.tensor([root], device=ids.device)])
-        states.append(RoundState(ids.shape[1], root, aux, next_tokens[None]))
-    active = [b for b in range(B) if not emit(out[b], [states[b].root], max_new_tokens,
-                                              eos_token_id)]
-    while active:
-        batch, states = speculation_round(target, draft, caches, states, active, shape, scheme,
-                                          preset, sampling, randomness, record_logits)
-        still = []
-        for b in active:
-            rounds[b].append(batch[b])
-            accepted = states[b].next_tokens[0].tolist()    # the accepted drafts + the bonus
-            if not emit(out[b], accepted, max_new_tokens, eos_token_id):
-                still.append(b)
-        active = still
-    return [SpecResult(torch.tensor(out[b]), [r.accepted + 1 for r in rounds[b]], rounds[b],
-                       first[b], comms[b]) for b in range(B)]
+    """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
+    budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
+    has exactly the distribution of sample_generate. `tree` is the TreeShape (tree top-k,
+    depth, total tokens); top_k is the *sampling* top-k; `preset` names the conventions
+    followed ("official", "sglang", "vllm" or a Preset)."""
+    run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
+                    scheme, preset, eos_token_id, record_logits)
+    T, shape = input_ids.shape[1], run.shape
+    target_cache = target.new_cache(T + max_new_tokens + shape.total_tokens)
+    draft_cache = draft.new_cache(T + max_new_tokens + shape.top_k * shape.depth)
+    randomness = new_randomness(seed)
+    state, first_uniforms, prefill_comm = prefill(target, draft, target_cache, input_ids, run,
+                                                  randomness)
+    out, rounds = [], []
+    done = emit(out, [state.root], max_new_tokens, eos_token_id)
+    while not done:
+        r, state = speculation_round(target, draft, target_cache, draft_cache, state, run,
+                                     randomness)
+        rounds.append(r)
+        done = emit(out, state.next_tokens[0].tolist(), max_new_tokens, eos_token_id)
+    return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds,
+                      first_uniforms, prefill_comm)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1631,7 +1317,7 @@ def count_reply_tokens(examples, vocab_size):
 
 def shift_left(x):
     """x[:, t] <- x[:, t+1], zeros entering at the end (the official padding)."""
-    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)             # (B, T, ..)
 
 
 def collate(examples, pad_id):
@@ -1660,7 +1346,8 @@ def ttt_attention(q, past):
     scores = [(q @ k0.transpose(-1, -2)).masked_fill(~causal, -math.inf)]    # (B, H, T, T)
     scores += [(q * kj.repeat_interleave(group, 1)).sum(-1, keepdim=True)   # (B, H, T, 1)
                for kj, _ in later]
-    w = torch.softmax(torch.cat(scores, -1).float() / math.sqrt(hs), -1).to(q.dtype)
+    scores = torch.cat(scores, -1)                                           # (B, H, T, T+k)
+    w = torch.softmax(scores.float() / math.sqrt(hs), -1).to(q.dtype)
     y = w[..., :T] @ v0                                                       # (B, H, T, hs)
     for j, (_, vj) in enumerate(later):
         y = y + w[..., T + j:T + j + 1] * vj.repeat_interleave(group, 1)
@@ -1723,34 +1410,6 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class TrainConfig(NamedTuple):
-    steps: int = 300
-    batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
-    lr: float = 3e-3
-    warmup: int = 20
-    ttt_steps: int = TTT_STEPS
-    eval_every: int = 100
-    save_every: int = 100
-    seed: int = 0
-
-
-def check_train_config(cfg):
-    for name in ("steps", "batch", "ttt_steps", "eval_every", "save_every"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
-            fail(f"TrainConfig {name}={getattr(cfg, name)!r} must be a positive integer")
-    if not cfg.lr > 0:
-        fail(f"TrainConfig lr={cfg.lr!r} must be > 0")
-
-
-def batch_indices(n, batch, step, seed):
-    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen."""
-    per_epoch = max(1, n // batch)
-    epoch, i = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return perm[i * batch:(i + 1) * batch].tolist()
-
-
 def trainable(draft):
     """Everything but the embedding, shared or the drafter's own: it stays frozen."""
     return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
@@ -1764,14 +1423,13 @@ class TTTInputs(NamedTuple):
     aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
 
 
-def ttt_batch(target, draft, examples, pad_id, rank=0, world=1, steps=TTT_STEPS,
-              aux_layers=None):
-    """The target's side of the whole batch (target.ttt_inputs: a live forward, tensor-
-    parallel, every rank sees it all; or captured features), then the TTT loss on this
-    rank's slice of the rows, normalised by the *global* B*T so the all-reduced gradient is
-    the gradient of the global loss. The drafter reads the target features of its aux
-    layers (or of `aux_layers`)."""
-    x = target.ttt_inputs(examples, pad_id, aux_layers or draft.cfg.aux_layers)
+def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
+    """The target's side of the whole batch from `inputs(examples, aux_layers)` -> TTTInputs
+    (a live forward of the frozen target, tensor-parallel, every rank seeing it all; or
+    captured features), then the TTT loss on this rank's slice of the rows, normalised by
+    the *global* B*T so the all-reduced gradient is the gradient of the global loss. The
+    drafter reads the target features of its aux layers (or of `aux_layers`)."""
+    x = inputs(examples, aux_layers or draft.cfg.aux_layers)
     B = len(x.input_ids)
     rows = slice(rank * B // world, (rank + 1) * B // world)
     return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
@@ -1788,15 +1446,15 @@ def new_optimizer(draft, cfg):
     return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
 
 
-def train_step(target, draft, opt, examples, pad_id, step, cfg, rank=0, world=1):
+def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
     """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
-    rank's rows, gradients summed over the ranks (one all_reduce each), clip 0.5,
+    rank's rows, gradients summed over the ranks of `dp` (one all_reduce each), clip 0.5,
     warmup + cosine learning rate, AdamW. Returns the TTTResult."""
     params = [p for group in opt.param_groups for p in group["params"]]
-    result = ttt_batch(target, draft, examples, pad_id, rank, world, cfg.ttt_steps)
+    result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
     result.loss.backward()
     for p in params:  # data parallel: sum the shards' gradients
-        all_reduce(p.grad, world)
+        all_reduce(p.grad, dp)
     torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
     for group in opt.param_groups:
         group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
@@ -1805,31 +1463,14 @@ def train_step(target, draft, opt, examples, pad_id, step, cfg, rank=0, world=1)
     return result
 
 
-def step_accuracy(result, world):
-    """Per-step top-1 accuracy summed over the data-parallel ranks."""
-    hits = all_reduce(torch.stack(result.hits).detach().clone(), world)
-    counts = all_reduce(torch.stack(result.counts).detach().clone(), world)
-    return (hits / counts.clamp(min=1)).tolist()
-
-
-@torch.inference_mode()
-def evaluate_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=32, aux_layers=None):
-    """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
-    hits, counts = torch.zeros(steps), torch.zeros(steps)
-    for i in range(0, len(examples), batch):
-        r = ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps,
-                      aux_layers=aux_layers)
-        hits += torch.stack(r.hits).cpu()
-        counts += torch.stack(r.counts).cpu()
-    return (hits / counts.clamp(min=1)).tolist()
-
-
 # ========================================================================================
 #
-#   PART II: TOOLS
+#   PART II: VARIANTS AND TOOLS
 #
-#   Checkpoint and config IO, tiny models, golden traces, diagnostics, benchmark, demo and
-#   the command line. Everything below uses Part I; nothing above calls anything below.
+#   First the variants of the method a learner can skip: the engines' conventions,
+#   batched decoding, DeepSeek-V3 / Kimi targets. Then the tools: checkpoint and config IO,
+#   tiny models, golden traces, diagnostics, benchmark, demo and the command line.
+#   Everything below uses Part I; nothing above calls anything below.
 #
 # ========================================================================================
 
@@ -1870,15 +1511,410 @@ def write_text(path, text):
 
 
 def atomic_write(path, write):
-    """Write via a temporary name, then rename: an interrupted run never leaves a
-    half-written file under the real name."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written file
+    under the real name, and the next write to NAME replaces a killed run's NAME.tmp."""
+    tmp = f"{path}.tmp"
     try:
         write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+# ----------------------------------------------------------------------------------------
+# launch: torchrun's process group, and output from rank 0 only
+
+
+class Dist(NamedTuple):
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+
+def init_distributed():
+    """Read torchrun's environment and join the process group (nccl on GPUs, else gloo)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before init_process_group: NCCL binds to this device
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    return Dist(rank, local_rank, world, device)
+
+
+def world_info():
+    """(rank, world) of the current TP group; (0, 1) when no process group exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_rank0():
+    return world_info()[0] == 0
+
+
+def print0(*args, **kwargs):
+    if is_rank0():
+        print(*args, **kwargs, flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# 10. variant: the engines' conventions (SGLang, vLLM)           (a learner can skip this)
+#
+# SGLang and vLLM score trees, verify samples and draw their random numbers differently
+# from the official code. Both are lossless at their defaults; the same coins give
+# different tokens. Their presets join Part I's PRESETS table at the end of this section.
+
+
+def probs(logits):
+    return torch.softmax(logits.float(), -1)
+
+
+def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
+                      kids=None):
+    """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
+    target distribution at every node; coins (N,): one per tree node, used by the nodes
+    that become parents (the root first); final_coin: one per request.
+    At the current node, children in ascending node index add their (unnormalised) p to a
+    running sum; a child is accepted when coin <= sum / threshold_acc or p >= threshold_single,
+    and its own coin carries on. One coin is thus an inverse-CDF draw over the children
+    (lossless at the default thresholds 1, 1; lower ones accept more and are lossy). The
+    bonus: at the last accepted node, final_coin * sum(r) through the CDF of r, r = p with
+    the rejected children's p removed (p itself after a full-depth path). `kids` (each
+    node's children in the order tried) defaults to ascending node index, as SGLang builds
+    its trees."""
+    kids, ta = kids or children_of(tree.parents), max(threshold_acc, 1e-9)
+    node, path, depth = 0, [0], tree.retrieve_indices.shape[1] - 1
+    rejected = torch.zeros_like(p[0])
+    while len(path) <= depth:
+        mass, coin = torch.zeros((), dtype=torch.float32), coins[node]
+        for child in kids[node]:
+            x = int(tree.tokens[child])
+            mass = mass + p[node, x]                     # fp32 running sum, as the kernel
+            if coin <= mass / ta or p[node, x] >= threshold_single:
+                break
+            rejected[x] = p[node, x]
+        else:
+            break                                        # every child rejected, or a leaf
+        node, rejected = child, torch.zeros_like(rejected)
+        path.append(node)
+    r = p[node] if len(path) > depth else (p[node] - rejected).clamp(min=0)
+    return Acceptance(torch.tensor(path), len(path) - 1, cdf_pick(r, final_coin), [])
+
+
+def cdf_pick(r, coin):
+    """SGLang's final draw: the first id whose cumulative sum exceeds coin * sum(r), among
+    ids with r > 0 (else the last id with r > 0, else V - 1). The running sum is taken in
+    float64 and each prefix rounded to fp32, on every device: torch's CPU cumsum of fp32
+    does exactly that internally while CUDA's accumulates in fp32, so an implicit fp32
+    cumsum picks a different token on CPU and GPU when a coin lands within an ulp of a
+    boundary. (SGLang's kernel scans in fp32: such a coin can differ there too.)"""
+    cdf = r.double().cumsum(-1).float()
+    hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
+    live = (r > 0).nonzero()
+    return int(hit[0]) if len(hit) else int(live[-1]) if len(live) else len(r) - 1
+
+
+def sglang_verify(logits, tree, randomness, sampling, preset):
+    """SGLang's random numbers, in its order: one float32 coin per tree node, then one final
+    coin (and the generator state before them, which replays both)."""
+    state = randomness.generator.get_state()
+    draws = dict(coins=torch.rand(len(tree.tokens), generator=randomness.generator),
+                 final_coin=torch.rand(1, generator=randomness.generator), generator_state=state)
+    p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
+    return accept_cumulative(p, tree, draws["coins"], draws["final_coin"][0],
+                             preset.threshold_single, preset.threshold_acc), draws
+
+
+def accept_onehot(p, drafts, uniforms, exponentials, bonus):
+    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i (its target
+    distribution p[i]) is accepted iff p[i](x) >= uniforms[i] (float64); at the first
+    rejection the recovered token is argmax(r * (1 / E)) with r = p[i] with x zeroed and E
+    one Exp(1) vector per request (an exponential race: a sample of r / sum r); after the
+    last draft, the bonus (drawn before verification by the plain sampler)."""
+    for i, x in enumerate(drafts.tolist()):
+        if float(p[i, x]) >= float(uniforms[i]):
+            continue
+        r = p[i].clone()
+        r[x] = 0
+        return Acceptance(torch.arange(i + 1), i, int((r * (1 / exponentials)).argmax()), [])
+    return Acceptance(torch.arange(len(drafts) + 1), len(drafts), bonus, [])
+
+
+def vllm_verify(logits, tree, randomness, sampling, preset):
+    """vLLM's random numbers, in its order: the plain sampler's Exp(1) vector for the bonus,
+    one float64 uniform per draft, then one Exp(1) vector for the recovered token."""
+    g, V, state = randomness.generator, logits.shape[-1], randomness.generator.get_state()
+    draws = dict(bonus_exponentials=torch.empty(V).exponential_(generator=g),
+                 draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64,
+                                           generator=g),
+                 exponentials=torch.empty(V).exponential_(generator=g), generator_state=state)
+    p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
+    bonus = int((p[-1] * (1 / draws["bonus_exponentials"])).argmax())
+    return accept_onehot(p, tree.tokens[1:], draws["draft_uniforms"], draws["exponentials"],
+                         bonus), draws
+
+
+PROB_SCORING = Scoring(probs, operator.mul)
+PRESETS.update(  # the table of Part I gains the engines' presets
+    sglang=Preset("sglang", PROB_SCORING, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
+                  verify=sglang_verify, tau_emitted=True),
+    vllm=Preset("vllm", PROB_SCORING, argmax_chain=True, warpers=TRANSFORMERS_ORDER,
+                verify=vllm_verify))
+
+
+# ----------------------------------------------------------------------------------------
+# 11. variant: a batch of prompts, verified in one forward      (a learner can skip this)
+#
+# As the engines batch: each sequence drafts its own tree and keeps its own state and
+# random numbers; one target forward verifies all B trees (per-row positions and masks over
+# per-row cache lengths); each row then settles exactly as above and stops on its own.
+
+
+def row_cache(cache, b):
+    """Row b of a batched cache as a batch-1 cache of views (writes land in the batch)."""
+    return type(cache)(*(slab[:, b:b + 1] for slab in cache))
+
+
+@torch.inference_mode()
+def verify_trees(target, cache, ns, trees, aux_layers):
+    """verify_tree for B sequences in one forward. Row b's N_b nodes go to its cache slots
+    n_b.., at positions n_b + depth; trees are padded to the widest with nodes that see only
+    the prefix and themselves. -> per row (logits (N_b, V), aux (N_b, 3*D))."""
+    B, N, device = len(trees), max(len(t.tokens) for t in trees), cache[0].device
+    tokens = torch.zeros(B, N, dtype=torch.long)                                # (B, N)
+    positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
+    mask = torch.zeros(B, N, max(ns) + N, dtype=torch.bool)                     # (B, N, S)
+    for b, (n, t) in enumerate(zip(ns, trees)):
+        k = len(t.tokens)
+        tokens[b, :k], positions[b, :k] = t.tokens, n + t.positions
+        local = torch.eye(N, dtype=torch.bool)           # padding nodes see themselves
+        local[:k, :k] = t.mask
+        mask[b, :, :n + N] = prefix_mask(n, local)
+    logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache,
+                         torch.tensor(ns), aux_layers)
+    return [(logits[b, :len(t.tokens)], aux[b, :len(t.tokens)]) for b, t in enumerate(trees)]
+
+
+@torch.inference_mode()
+def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
+                               top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
+                               scheme="tree", record_logits=False, preset="official"):
+    """speculative_generate of B prompts (each (1, T_b), lengths may differ), verified
+    together. Row b draws its random numbers from its own generator, seeded seed + b; its
+    rounds' `comm` is the whole batched round's. -> one SpecResult per prompt."""
+    run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
+                    scheme, preset, eos_token_id, record_logits)
+    B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
+    # A finished row rides along in the verify (its root alone, padded to the widest tree)
+    # after a last round that may have committed up to depth+1 tokens past its budget.
+    cache = target.new_cache(longest + max_new_tokens + shape.depth + 1 + shape.total_tokens,
+                             batch=B)
+    draft_caches = [draft.new_cache(ids.shape[1] + max_new_tokens + shape.top_k * shape.depth)
+                    for ids in prompts]
+    randomness = [new_randomness(seed + b) for b in range(B)]
+    states, first, prefill_comm = zip(*(prefill(target, draft, row_cache(cache, b), ids, run,
+                                                randomness[b]) for b, ids in enumerate(prompts)))
+    states, out, rounds = list(states), [[] for _ in prompts], [[] for _ in prompts]
+    active = [b for b in range(B) if not emit(out[b], [states[b].root], max_new_tokens,
+                                              eos_token_id)]
+    while active:
+        mark = target.tp.sent.copy()
+        drafted = {b: draft_step(draft, draft_caches[b], states[b], run, randomness[b], target.tp)
+                   for b in active}
+        trees = [drafted[b][0] if b in drafted else tree_from_parents(
+            torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
+        verified = verify_trees(target, cache, [s.n for s in states], trees, draft.cfg.aux_layers)
+        for b in active:
+            r, states[b] = settle(target, row_cache(cache, b), states[b], drafted[b],
+                                  *verified[b], run, randomness[b])
+            rounds[b].append(r)
+        comm = target.tp.sent.since(mark)
+        for b in active:
+            rounds[b][-1] = rounds[b][-1]._replace(comm=comm)
+        active = [b for b in active
+                  if not emit(out[b], states[b].next_tokens[0].tolist(), max_new_tokens,
+                              eos_token_id)]
+    return [SpecResult(torch.tensor(out[b]), [r.accepted + 1 for r in rounds[b]], rounds[b],
+                       first[b], prefill_comm[b]) for b in range(B)]
+
+
+# ----------------------------------------------------------------------------------------
+# 12. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
+#
+# model_type deepseek_v3, kimi_k2, kimi_k25: multi-head latent attention (MLA) and a
+# sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM
+# computes them. They plug into the same Block where the dense model chooses its attention
+# and MLP (DeepSeekTarget below); everything else (cache commit, verify, drafting,
+# training) is unchanged. TP is the same thin layer: q_b/q_proj and kv_b column-parallel
+# by head, o_proj row-parallel; each expert and the shared experts sharded along their
+# width; routed + shared summed before one all_reduce, so a layer still has 2 all-reduces
+# (SGLang's layout; the official DeepSeek code has 3).
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek-V3 multi-head latent attention (head_dim of TargetConfig = qk_rope_head_dim)."""
+    q_lora_rank: int           # q = q_b(norm(q_a(x))); None: one plain q_proj
+    kv_lora_rank: int          # r: the normalised latent the KV cache holds per token
+    qk_nope_head_dim: int      # dn: per-head key/query part without position
+    qk_rope_head_dim: int      # dr: the rotated part; one k_pe head shared by all heads
+    v_head_dim: int            # dv: may differ from dn
+    softmax_scale: float       # (dn + dr)^-0.5 times the YaRN mscale^2, as transformers
+    latent_eps: float          # eps of q_a/kv_a_layernorm: 1e-6 in transformers, always
+    rope_interleave: bool      # rope pairs stored at (2i, 2i+1) (DeepSeek's weights), as
+                               # transformers' rope_interleave; False: halves (i, i + dr/2)
+
+
+@dataclass
+class MoEConfig:
+    """DeepSeek-V3 sigmoid-routed mixture of experts ("noaux_tc" routing)."""
+    n_routed: int              # E routed experts
+    n_shared: int              # shared experts: one SwiGLU of width n_shared*width, every token
+    top_k: int                 # experts per token
+    n_group: int               # expert groups (Kimi: 1, no group limit)
+    topk_group: int            # groups a token may route into
+    width: int                 # moe_intermediate_size, each expert's SwiGLU width
+    norm_topk_prob: bool       # renormalise the k weights to sum 1
+    scaling: float             # routed_scaling_factor, applied after the renormalisation
+    first_dense: int           # first_k_dense_replace: layers below it keep a dense MLP
+
+
+class LatentCache(NamedTuple):
+    """The MLA cache, as production engines keep it: per token and layer the normalised
+    latent and the rotated shared rope key, not per-head K/V. Attention re-expands the
+    latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
+    latent: torch.Tensor  # (L, B, 1, S, r)
+    k_pe: torch.Tensor    # (L, B, 1, S, dr)
+
+
+def deinterleave(x):
+    """(.., dr) with rope pairs at (2i, 2i+1) -> evens then odds, so that rotate-half
+    rotates exactly those pairs. DeepSeek's weights pair dims this way; transformers also
+    keeps q_pe and k_pe in this permuted layout, which leaves q.k unchanged."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                       # (.., dr)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg, tp):
+        super().__init__()
+        m, D = cfg.mla, cfg.hidden_size
+        self.m, self.tp, self.H = m, tp, cfg.n_heads // tp.size
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:       # replicated down-projection and norm, column-parallel up
+            self.q_a_proj = nn.Linear(D, m.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_eps)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, self.H * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, self.H * qk, bias=False)
+        # replicated: the latent and the shared rope key are the same on every rank
+        self.kv_a_proj_with_mqa = nn.Linear(D, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.latent_eps)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.H * (m.qk_nope_head_dim + m.v_head_dim),
+                                   bias=False)                             # column-parallel
+        self.o_proj = nn.Linear(self.H * m.v_head_dim, D, bias=False)      # row-parallel
+
+    def rope(self, x, cos, sin):
+        return apply_rope(deinterleave(x) if self.m.rope_interleave else x, cos, sin)
+
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
+        B, T, _ = x.shape
+        m, H = self.m, self.H
+        dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if m.q_lora_rank else self.q_proj(x)
+        q = q.view(B, T, H, dn + dr).transpose(1, 2)                     # (B, H, T, dn+dr)
+        q_nope, q_pe = q.split([dn, dr], -1)                             # (B, H, T, dn / dr)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, dr], -1)  # (B, T, r / dr)
+        latent = self.kv_a_layernorm(latent)[:, None]                    # (B, 1, T, r)
+        q_pe = self.rope(q_pe, cos, sin)                                 # (B, H, T, dr)
+        k_pe = self.rope(k_pe[:, None], cos, sin)                        # (B, 1, T, dr)
+        latent, k_pe = cache_append(kv, start, latent, k_pe)             # (B, 1, S, r / dr)
+        S = latent.shape[2]
+        # Expand the latent into per-head keys and values. The engines' "absorbed" form
+        # folds kv_b_proj into q and o instead; the result is equal up to round-off.
+        kv_heads = self.kv_b_proj(latent[:, 0]).view(B, S, H, dn + dv)      # (B, S, H, dn+dv)
+        k_nope, v = kv_heads.transpose(1, 2).split([dn, dv], -1)          # (B, H, S, dn / dv)
+        k = torch.cat([k_nope, k_pe.expand(-1, H, -1, -1)], -1)          # (B, H, S, dn+dr)
+        q = torch.cat([q_nope, q_pe], -1)                                # (B, H, T, dn+dr)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=m.softmax_scale)
+        y = y.transpose(1, 2).reshape(B, T, H * dv)                      # (B, T, H*dv)
+        return all_reduce(self.o_proj(y), self.tp)  # row-parallel: sum the partials
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 routing, in fp32 whatever the model dtype (near-tied experts flip in
+    bf16): sigmoid scores; the correction bias only *selects*; a token may use the experts
+    of its topk_group best groups (a group scores the sum of its top-2 biased scores); the
+    weights are the unbiased sigmoids of the chosen k, renormalised, times the scaling."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.moe = cfg.moe
+        self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed))
+
+    def forward(self, x):
+        """x (N, D) -> weights (N, k) fp32 and expert ids (N, k)."""
+        moe, N = self.moe, x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()                  # (N, E)
+        biased = scores + self.e_score_correction_bias.float()
+        groups = biased.view(N, moe.n_group, -1)                                     # (N, G, E/G)
+        best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, -1).indices
+        allowed = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best_groups, True)
+        allowed = allowed[:, :, None].expand_as(groups).reshape(N, -1)               # (N, E)
+        experts = biased.masked_fill(~allowed, -math.inf).topk(moe.top_k, -1).indices
+        weights = scores.gather(1, experts)                                          # (N, k)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.scaling, experts
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, tp):
+        super().__init__()
+        moe, D = cfg.moe, cfg.hidden_size
+        self.tp = tp
+        self.gate = Router(cfg)  # replicated: every rank routes identically (see forward)
+        self.experts = nn.ModuleList(MLP(D, moe.width, tp) for _ in range(moe.n_routed))
+        self.shared_experts = MLP(D, moe.width * moe.n_shared, tp)
+
+    def forward(self, x):
+        # Every rank computes the same routing because x is the all-reduced residual stream,
+        # bitwise identical on all ranks; each rank then runs its slice of every chosen
+        # expert and of the shared experts, and one all_reduce sums them all.
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)                                                   # (BT, D)
+        weights, experts = self.gate(flat)                                           # (BT, k)
+        y = torch.zeros_like(flat)
+        for e in experts.unique().tolist():                 # ascending, as transformers
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            out = self.experts[e].partial(flat[token]) * weights[token, slot, None]
+            y.index_add_(0, token, out.to(y.dtype))
+        y = y + self.shared_experts.partial(flat)
+        return all_reduce(y.view(B, T, D), self.tp)                                 # (B, T, D)
+
+
+class DeepSeekTarget(Target):
+    """The target with MLA in every layer, MoE from layer first_dense on, and the latent
+    cache; the latent is replicated on every rank (it is not split by head)."""
+
+    def attention(self, layer):
+        return MLAttention(self.cfg, self.tp)
+
+    def mlp(self, layer):
+        if not self.cfg.moe or layer < self.cfg.moe.first_dense:
+            return super().mlp(layer)
+        return MoE(self.cfg, self.tp)
+
+    def new_cache(self, length, batch=1):
+        cfg, p = self.cfg, self.lm_head.weight
+        shape = (cfg.n_layers, batch, 1, length)
+        return LatentCache(p.new_zeros(shape + (cfg.mla.kv_lora_rank,)),
+                           p.new_zeros(shape + (cfg.mla.qk_rope_head_dim,)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1954,7 +1990,8 @@ def mla_config(c):
     # says (SGLang and vLLM use rms_norm_eps; they differ for Kimi-K2.5's 1e-5)
     return MLAConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                      qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-                     v_head_dim=c.v_head_dim, softmax_scale=scale, latent_eps=1e-6)
+                     v_head_dim=c.v_head_dim, softmax_scale=scale, latent_eps=1e-6,
+                     rope_interleave=bool(getattr(c, "rope_interleave", True)))
 
 
 def moe_config(c):
@@ -2196,6 +2233,36 @@ def report_weight_bytes(target, path, dtype, world, device):
              f"a GPU has {torch.cuda.mem_get_info(device)[1] / 2**30:.1f} GiB; use more ranks")
 
 
+def in_model_dtype(target, dtype):
+    """The model cast to `dtype`, except the MoE routers, which stay fp32 (transformers
+    keeps gate.weight and e_score_correction_bias in fp32 as well)."""
+    target.to(dtype)
+    for module in target.modules():
+        if isinstance(module, Router):
+            module.float()
+    return target
+
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_sizes(cfg, world):
+    if cfg.n_heads % world or cfg.n_kv_heads % world:
+        fail(f"num_attention_heads={cfg.n_heads} and num_key_value_heads={cfg.n_kv_heads} "
+             f"must both be divisible by the world size {world}; "
+             f"use --nproc_per_node in {divisors(math.gcd(cfg.n_heads, cfg.n_kv_heads))}")
+    widths = dict(intermediate_size=cfg.intermediate_size)
+    if cfg.moe:
+        widths.update(moe_intermediate_size=cfg.moe.width,
+                      shared_experts_width=cfg.moe.width * cfg.moe.n_shared)
+    for name, width in widths.items():
+        if width % world:
+            fail(f"{name}={width} is not divisible by the world size {world}; "
+                 f"use --nproc_per_node in {divisors(width)[:8]}")
+
+
 def load_target(path, dtype=None, device=None):
     """HF model dir -> Target, sharded over the current TP group (W = 1 without torchrun)."""
     rank, world = world_info()
@@ -2207,7 +2274,7 @@ def load_target(path, dtype=None, device=None):
     dtype = dtype or default_dtype(device)
     ckpt = target_checkpoint(path)
     with torch.device("meta"):
-        target = in_model_dtype(Target(cfg, world), dtype)
+        target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     report_weight_bytes(target, path, dtype, world, device)
     target = target.to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
@@ -2255,8 +2322,8 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     if arch not in DRAFT_ARCHITECTURES:
         fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
              f"expected one of {DRAFT_ARCHITECTURES}")
-    where = "the drafter config" if isinstance(path_or_dict, dict) else \
-        os.path.join(path_or_dict, "config.json")
+    where = ("the drafter config" if isinstance(path_or_dict, dict) else
+             os.path.join(path_or_dict, "config.json"))
     c = validated(lambda: LlamaConfig.from_dict(
         {k: v for k, v in raw.items() if k != "architectures"}), where)
     if "rope_theta" not in raw and "rope_parameters" not in raw:
@@ -2543,13 +2610,60 @@ def load_train_state(path, draft, opt):
              f"is truncated, corrupt or not ours: delete it to start over")
 
 
-def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False,
-                curve=None):
+class TrainConfig(NamedTuple):
+    steps: int = 300
+    batch: int = 32          # global batch; each of W data-parallel ranks trains on batch/W
+    lr: float = 3e-3
+    warmup: int = 20
+    ttt_steps: int = TTT_STEPS
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+
+def check_train_config(cfg):
+    for name in ("steps", "batch", "ttt_steps", "eval_every", "save_every"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+            fail(f"TrainConfig {name}={getattr(cfg, name)!r} must be a positive integer")
+    if not cfg.lr > 0:
+        fail(f"TrainConfig lr={cfg.lr!r} must be > 0")
+
+
+def batch_indices(n, batch, step, seed):
+    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
+    run sees exactly the batches the uninterrupted run would have seen."""
+    per_epoch = max(1, n // batch)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[i * batch:(i + 1) * batch].tolist()
+
+
+def step_accuracy(result, dp):
+    """Per-step top-1 accuracy summed over the data-parallel ranks."""
+    hits = all_reduce(torch.stack(result.hits).detach().clone(), dp)
+    counts = all_reduce(torch.stack(result.counts).detach().clone(), dp)
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+@torch.inference_mode()
+def evaluate_draft(inputs, draft, examples, steps=TTT_STEPS, batch=32, aux_layers=None):
+    """Per-step TTT top-1 accuracy on held-out examples (every rank computes all of it)."""
+    hits, counts = torch.zeros(steps), torch.zeros(steps)
+    for i in range(0, len(examples), batch):
+        r = ttt_batch(inputs, draft, examples[i:i + batch], steps=steps, aux_layers=aux_layers)
+        hits += torch.stack(r.hits).cpu()
+        counts += torch.stack(r.counts).cpu()
+    return (hits / counts.clamp(min=1)).tolist()
+
+
+def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False, curve=None):
     """Naive EAGLE-3 training: train_step (Part I) over seeded batches, data-parallel over
-    the W ranks. Checkpoints go to out_dir (save_draft layout + train_state.pt for
-    --resume) every save_every steps. Returns the last held-out per-step accuracy; each
+    the W ranks, the target's side from `inputs` (live_inputs or captured_inputs).
+    Checkpoints go to out_dir (save_draft layout + train_state.pt for --resume) every
+    save_every steps. Returns the last held-out per-step accuracy; each
     evaluation is also appended to `curve` as (step, accuracies) when one is given."""
     rank, world = world_info()
+    dp = new_group(world)
     check_train_config(cfg)
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
@@ -2559,13 +2673,13 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
     bar, held_out_acc = Progress("train draft", cfg.steps), []
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
-        result = train_step(target, draft, opt, batch, pad_id, step, cfg, rank, world)
-        acc = step_accuracy(result, world)
-        bar.show(step + 1, loss=float(all_reduce(result.loss.detach().clone(), world)),
+        result = train_step(inputs, draft, opt, batch, step, cfg, rank, dp)
+        acc = step_accuracy(result, dp)
+        bar.show(step + 1, loss=float(all_reduce(result.loss.detach().clone(), dp)),
                  **{f"acc{k}": a for k, a in enumerate(acc[:3])})
         last = step + 1 == cfg.steps
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
-            held_out_acc = evaluate_draft(target, draft, held_out, pad_id, cfg.ttt_steps)
+            held_out_acc = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps)
             if curve is not None:
                 curve.append((step + 1, held_out_acc))
             bar.done()
@@ -2697,23 +2811,45 @@ class TargetHead(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+
+
+def captured_inputs(head, pad_id):
+    """ttt_batch's inputs from captured features: (examples, aux_layers) -> TTTInputs of a
+    batch of Captured samples, right-padded as collate pads; the teacher logits are the
+    lm_head of the captured last hidden state."""
     @torch.no_grad()
-    def ttt_inputs(self, examples, pad_id, aux_layers):
-        """The TTT inputs of a batch of Captured samples, right-padded as collate pads."""
-        if self.captured_aux is not None and tuple(aux_layers) != tuple(self.captured_aux):
-            fail(f"the features were captured at hidden_states {list(self.captured_aux)} but "
+    def inputs(examples, aux_layers):
+        if head.captured_aux is not None and tuple(aux_layers) != tuple(head.captured_aux):
+            fail(f"the features were captured at hidden_states {list(head.captured_aux)} but "
                  f"the drafter reads {list(aux_layers)}: capture again, or check "
                  f"--aux-convention")
-        device, D = self.lm_head.weight.device, self.cfg.hidden_size
+        w, D = head.lm_head.weight, head.cfg.hidden_size
+        device, dtype = w.device, w.dtype
         ids, mask = (t.to(device) for t in collate(examples, pad_id))
-        hidden = torch.zeros(*ids.shape, D, device=device, dtype=self.lm_head.weight.dtype)
-        aux = torch.zeros(*ids.shape, 3 * D, device=device, dtype=self.lm_head.weight.dtype)
+        hidden = torch.zeros(*ids.shape, D, device=device, dtype=dtype)          # (B, T, D)
+        aux = torch.zeros(*ids.shape, 3 * D, device=device, dtype=dtype)        # (B, T, 3D)
         for b, ex in enumerate(examples):
             sample = read_captured(ex.file)
             T = len(ex.tokens)
             hidden[b, :T] = sample["hidden_state"].view(T, D).to(hidden)
             aux[b, :T] = sample["aux_hidden_state"].view(T, 3 * D).to(aux)
-        return TTTInputs(ids, mask, self.lm_head(hidden), aux)
+        return TTTInputs(ids, mask, head.lm_head(hidden), aux)
+    return inputs
+
+
+def live_inputs(target, pad_id):
+    """ttt_batch's inputs computed live: one forward of the frozen target per batch."""
+    @torch.no_grad()
+    def inputs(examples, aux_layers):
+        ids, mask = (t.to(target.lm_head.weight.device) for t in collate(examples, pad_id))
+        logits, aux = target(ids, aux_layers=aux_layers)
+        return TTTInputs(ids, mask, logits, aux)
+    return inputs
+
+
+def ttt_inputs(target, pad_id):
+    """Training's source of target inputs: captured features for a TargetHead, else live."""
+    return (captured_inputs if isinstance(target, TargetHead) else live_inputs)(target, pad_id)
 
 
 def load_target_head(path, dtype=torch.float32, features=None):
@@ -2745,16 +2881,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + AS
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-def corpus_example(g, w, mix=None):
+def corpus_example(g, w):
     """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
     Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
-    with some words drawn at random. `mix` (8 weights) skews the task kinds; default even."""
+    with some words drawn at random."""
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
-    kind = (int(torch.randint(8, (1,), generator=g)) if mix is None else
-            int(torch.multinomial(torch.tensor(mix, dtype=torch.float), 1, generator=g)))
+    kind = int(torch.randint(8, (1,), generator=g))
     numbers = w["numbers"]
-    said = [str(i) for i in range(len(numbers))] if w.get("digits") else numbers  # in replies
     if kind == 0:
         country = pick(list(w["capitals"]))
         city = w["capitals"][country]
@@ -2765,12 +2899,12 @@ def corpus_example(g, w, mix=None):
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
         return (f"Count from {numbers[a]} to {numbers[b]}.",
-                f"Sure, counting from {said[a]} to {said[b]}: "
-                f"{', '.join(said[a:b + 1])}. "
-                f"That is {said[b - a + 1]} numbers.")
+                f"Sure, counting from {numbers[a]} to {numbers[b]}: "
+                f"{', '.join(numbers[a:b + 1])}. "
+                f"That is {numbers[b - a + 1]} numbers.")
     if kind == 2:
         a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = said[a], said[b], said[a + b]
+        x, y, z = numbers[a], numbers[b], numbers[a + b]
         return (f"What is {numbers[a]} plus {numbers[b]}?",
                 f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
                 f"you have {z} apples.")
@@ -2802,17 +2936,11 @@ def corpus_example(g, w, mix=None):
             f"{pick(w['adjectives'])}. The end.")
 
 
-def synthetic_corpus(n, seed, mix=None, new_content=False):
-    """n (prompt, reply) pairs; with new_content the word lists also hold the words only a
-    later model version has seen, and its replies write numbers as digits (seed-replay's
-    "K2.5": new content, and a new style that moves frequent low-id tokens)."""
+def synthetic_corpus(n, seed):
+    """n (prompt, reply) pairs from the corpus stream `seed`."""
     g = torch.Generator().manual_seed(seed)
     words = read_json(os.path.join(TINY_CONFIGS, "tiny_corpus_words.json"))
-    if new_content:
-        for key, extra in words["new_content"].items():
-            words[key] = words[key] + extra
-        words["digits"] = True
-    return [corpus_example(g, words, mix) for _ in range(n)]
+    return [corpus_example(g, words) for _ in range(n)]
 
 
 def chat_text(prompt, reply=None):
@@ -2970,7 +3098,7 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
         golden_rows(t, p + "logits", r.logits)
         if r.draft_probs is not None:
             golden_rows(t, p + "draft_probs", r.draft_probs)
-        if preset.verify == "cumulative":          # SGLang's own tree tensors
+        if preset.verify is sglang_verify:        # SGLang's own tree tensors
             t.update({p + "sglang." + k: v for k, v in sglang_tree(r.tree).items()})
         for name, x in (r.draws or {}).items():    # the engine's random numbers
             if x.is_floating_point() and x.shape[-1] > FULL_SCORES_MAX_VOCAB:
@@ -2992,79 +3120,6 @@ def sglang_tree(tree):
             first[parent] = kids[0]
             sibling[kids[:-1]] = torch.tensor(kids[1:], dtype=torch.long)
     return dict(retrive_next_token=first, retrive_next_sibling=sibling)
-
-
-# ---- the engines' own functions, reproduced from their inputs (their tests, golden replay) ----
-
-
-def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_lens, topk,
-                      num_draft_tokens):
-    """SGLang's organize_draft_results + build_tree_kernel_efficient from their inputs:
-    score_list[i] (B, 1 or k, k) running products, token_list[i] (B, k or k*k),
-    parents_list[i] (B, k+1 or k) -> (Trees, dict of SGLang's tensors). Its pool, flat
-    indices and parent slots are exactly our select_tree's."""
-    trees, out = [], dict(positions=[], retrive_index=[], retrive_next_token=[],
-                          retrive_next_sibling=[], draft_tokens=[])
-    for b in range(len(verified_id)):
-        scores = torch.cat([x[b].flatten() for x in score_list])
-        tokens = torch.cat([x[b].flatten() for x in token_list])
-        group_parent = torch.cat([x[b] for x in parents_list[:-1]])
-        tree = select_tree(scores, tokens, group_parent, torch.tensor(verified_id[b]),
-                           num_draft_tokens, topk)
-        trees.append(tree)
-        lists = sglang_tree(tree)
-        out["positions"].append(seq_lens[b] + tree.positions)
-        out["retrive_index"].append(b * num_draft_tokens + torch.arange(num_draft_tokens))
-        out["retrive_next_token"].append(lists["retrive_next_token"])
-        out["retrive_next_sibling"].append(lists["retrive_next_sibling"])
-        out["draft_tokens"].append(tree.tokens)
-    flat = ("positions", "draft_tokens")
-    return trees, {k: torch.cat(v) if k in flat else torch.stack(v) for k, v in out.items()}
-
-
-def sglang_linked_tree(tokens, next_token, next_sibling):
-    """A Tree, and each node's children in SGLang's visiting order, from one request's
-    linked lists (SGLang's own tests write them by hand, not always in node order)."""
-    N = len(tokens)
-    parents, kids = torch.full((N,), -1), [[] for _ in range(N)]
-    for node in range(N):
-        child = int(next_token[node])
-        while child != -1:
-            parents[child] = node
-            kids[node].append(child)
-            child = int(next_sibling[child])
-    return tree_from_parents(torch.as_tensor(tokens), parents), kids
-
-
-def sglang_verify_outputs(accepts, retrive_index, num_spec_step):
-    """SGLang's verify outputs from per-request Acceptances: predicts (B*N,) with, at each
-    accepted node, the next accepted token (the bonus at the last), -1 elsewhere;
-    accept_index (B, num_spec_step) global node indices; accept_token_num (B,)."""
-    B, N = retrive_index.shape
-    predicts = torch.full((B * N,), -1)
-    accept_index = torch.full((B, num_spec_step), -1)
-    for b, (acc, tokens) in enumerate(accepts):
-        path = retrive_index[b, acc.path]
-        accept_index[b, :len(path)] = path
-        predicts[path[:-1]] = tokens[acc.path[1:]]
-        predicts[path[-1]] = acc.bonus
-    return predicts, accept_index, torch.tensor([acc.accepted for acc, _ in accepts])
-
-
-def vllm_greedy_output(drafts, target_argmax, bonus, max_spec_len):
-    """vLLM's rejection sampler output for greedy requests: per request the accepted
-    drafts, then the target's token at the first mismatch or the bonus, -1 padded to
-    max_spec_len + 1. Verified as our chain: node i's logits are one-hot at the target's
-    token after i drafts (the bonus after all of them)."""
-    out = torch.full((len(drafts), max_spec_len + 1), -1)
-    for b, (d, t, x) in enumerate(zip(drafts, target_argmax, bonus)):
-        chain = tree_from_parents(torch.tensor([0] + list(d)), torch.arange(-1, len(d)))
-        rows = torch.tensor(list(t) + [x])
-        logits = F.one_hot(rows, int(max(rows.max(), max(d, default=0))) + 1).float()
-        acc = accept_greedy(logits, chain)
-        emitted = list(d[:acc.accepted]) + [acc.bonus]
-        out[b, :len(emitted)] = torch.tensor(emitted)
-    return out
 
 
 def golden_batch_tensors(prompts, results, preset):
@@ -3147,9 +3202,20 @@ def golden_prompts(cfg):
     return cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]
 
 
+PRESET_NUMBERS = ("draft_pos_offset", "threshold_single", "threshold_acc")
+
+
+def preset_record(preset):
+    """A preset as a golden header records it: its name (which fixes its functions) and
+    its numbers."""
+    return dict(name=preset.name, **{k: getattr(preset, k) for k in PRESET_NUMBERS})
+
+
 def golden_preset(cfg):
-    """The preset a golden config records (its switches), official for older traces."""
-    return Preset(**cfg["preset"]) if "preset" in cfg else PRESETS["official"]
+    """The preset a golden config records, official for traces that name none."""
+    record = cfg.get("preset", dict(name="official"))
+    return as_preset(record["name"])._replace(
+        **{k: record[k] for k in PRESET_NUMBERS if k in record})
 
 
 def golden_run(cfg):
@@ -3335,7 +3401,8 @@ def speed_verdict(tau, break_even):
 @torch.inference_mode()
 def probe_draft(target, draft, examples, pad_id, steps=TTT_STEPS, batch=16):
     """chain_stats of the drafter over the examples (live target or captured features)."""
-    return chain_stats([ttt_batch(target, draft, examples[i:i + batch], pad_id, steps=steps)
+    inputs = ttt_inputs(target, pad_id)
+    return chain_stats([ttt_batch(inputs, draft, examples[i:i + batch], steps=steps)
                         for i in range(0, len(examples), batch)])
 
 
@@ -3383,7 +3450,8 @@ def aux_fit(target, draft, examples, pad_id, candidates):
     distinct = list(dict.fromkeys(candidates.values()))
     for indices in distinct:
         check_aux_layers(indices, target.cfg.n_layers)
-    return {indices: evaluate_draft(target, draft, examples, pad_id, aux_layers=indices)
+    inputs = ttt_inputs(target, pad_id)
+    return {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices)
             for indices in distinct}
 
 
@@ -3397,7 +3465,7 @@ def reported_tau(result, preset):
     tokens each round actually emitted (SGLang)."""
     if not result.rounds:
         return 0.0
-    if preset.tau == "emitted":
+    if preset.tau_emitted:
         return (len(result.tokens) - 1) / len(result.rounds)
     return sum(result.accept_lengths) / len(result.accept_lengths)
 
@@ -3461,8 +3529,8 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
 
 
 def greedy_with_comm(target, ids, max_new_tokens, eos):
-    comm = new_comm("prefill", "decode", "decide")
-    return greedy_generate(target, ids, max_new_tokens, eos, comm=comm), comm
+    mark = target.tp.sent.copy()
+    return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
 
 
 def measure_presets(target, draft, prompts, max_new_tokens, eos, repeats=2, batch=4):
@@ -3528,26 +3596,23 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
 # compute-bound, and a wide tree pays only if it accepts enough more than a narrow chain.
 
 
-def comm_total(comms, op="all_reduce", phases=None):
-    """(calls, bytes) of `op` summed over a list of {phase: Tally} (optionally some phases)."""
-    tallies = [t for c in comms for phase, t in c.items() if phases is None or phase in phases]
+def comm_total(tallies, op="all_reduce"):
+    """(calls, bytes) of `op` summed over a list of Tally."""
     return sum(t.calls[op] for t in tallies), sum(t.bytes[op] for t in tallies)
 
 
 def comm_report(result):
-    """The per-round table of `generate --comm`: all-reduces and bytes per verify, per round
-    (everything it sent) and per generated token; broadcasts separately."""
+    """The per-round table of `generate --comm`: all-reduces and bytes per verify (a round's
+    only all-reduces), broadcasts per round, and per generated token."""
     lines = [f"{'round':>5s} {'nodes':>5s} {'tau':>3s} {'AR/verify':>9s} {'bytes/verify':>13s} "
-             f"{'AR/round':>8s} {'bytes/round':>12s} {'bcast':>5s} {'bcast bytes':>11s}"]
+             f"{'bcast':>5s} {'bcast bytes':>11s}"]
     for i, r in enumerate(result.rounds):
-        verify, whole = comm_total([r.comm], phases=("verify",)), comm_total([r.comm])
-        bcast = comm_total([r.comm], "broadcast")
-        lines.append(f"{i + 1:5d} {len(r.tree.tokens):5d} {r.accepted + 1:3d} {verify[0]:9d} "
-                     f"{verify[1]:13,d} {whole[0]:8d} {whole[1]:12,d} {bcast[0]:5d} "
-                     f"{bcast[1]:11,d}")
+        (calls, size), (bcalls, bsize) = comm_total([r.comm]), comm_total([r.comm], "broadcast")
+        lines.append(f"{i + 1:5d} {len(r.tree.tokens):5d} {r.accepted + 1:3d} {calls:9d} "
+                     f"{size:13,d} {bcalls:5d} {bsize:11,d}")
     comms, n = [result.prefill_comm] + [r.comm for r in result.rounds], len(result.tokens)
     (calls, size), (bcalls, bsize) = comm_total(comms), comm_total(comms, "broadcast")
-    prefill = comm_total([result.prefill_comm], phases=("prefill",))
+    prefill = comm_total([result.prefill_comm])
     lines.append(f"prefill: {prefill[0]} all-reduces, {prefill[1]:,d} bytes; per generated "
                  f"token ({n} tokens, prefill included): {calls / n:.1f} all-reduces, "
                  f"{size / n:,.0f} bytes; broadcasts {bcalls / n:.2f} calls, {bsize / n:,.0f} "
@@ -3690,7 +3755,8 @@ def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False
                                     DEMO.draft_vocab)
     draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
                         vocab_map)
-    acc = train_draft(target, draft, train, held_out, cfg, out_dir, tokenizer.pad_token_id, resume)
+    acc = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out, cfg,
+                      out_dir, resume)
     return draft, acc
 
 
@@ -3740,282 +3806,6 @@ def main_demo():
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
 
-# ----------------------------------------------------------------------------------------
-# 19. seed-replay: moving a drafter to the next model version, told on tiny models
-#
-# "K2" is the demo target with its drafter. "K2.5" is K2 pretrained further on a shifted
-# task mix with new content (same tokenizer); a second variant retrains the tokenizer. The
-# replay probes the K2 drafter on K2.5 (served and offline), diagnoses the vocab map, and
-# fine-tunes four ways on K2.5's own replies, from captured features.
-
-K25_MIX = (0.03, 0.1, 0.1, 0.04, 0.03, 0.15, 0.2, 0.35)  # capitals .. stories (corpus kinds)
-
-
-class Replay(NamedTuple):
-    further_steps: int = 200    # K2 -> K2.5 continued pretraining
-    further_lr: float = 2e-3
-    draft_vocab: int = 128      # below the ~180 distinct tokens of either model's replies, so
-                                # both d2t maps hold only seen tokens (no padding)
-    k2_draft_steps: int = 300   # the K2 drafter, trained offline on K2's own replies
-    train_prompts: int = 2000   # replies each drafter trains on
-    held_out_prompts: int = 64
-    arm_steps: int = 150        # the same for every arm
-    batch: int = 16
-    lr: float = 3e-3
-    eval_every: int = 25
-    probe_chain: int = 3        # drafts of the chain whose offline estimate meets the served tau
-    seed: int = 11              # K2.5 corpora: seed (pretraining), +1 (train), +2 (held out)
-
-
-REPLAY = Replay()
-
-
-def replay_paths():
-    root = os.path.join(TINY_DIR, "seed_replay")
-    names = ["k25", "k25_new_tokenizer", "k2_draft", "arms", "curves.png"]
-    for model in ("k2", "k25"):
-        names += [f"{model}_{part}.jsonl" for part in ("train", "held_out")]
-        names += [f"{model}_features_{part}" for part in ("train", "held_out")]
-    return {name: os.path.join(root, name) for name in names}
-
-
-def k25_corpus(n, seed):
-    return synthetic_corpus(n, seed, mix=K25_MIX, new_content=True)
-
-
-def replay_prompts(model, part):
-    """The prompts of each model's train / held-out replies, and K2.5's decode prompts."""
-    n = dict(train=REPLAY.train_prompts, held_out=REPLAY.held_out_prompts,
-             decode=DEMO.decode_prompts)[part]
-    offset = dict(train=1, held_out=2, decode=3)[part]
-    pairs = (k25_corpus(n, REPLAY.seed + offset) if model == "k25" else
-             synthetic_corpus(n, DEMO.seed + 20 + offset))
-    return [p for p, _ in pairs]
-
-
-def k25_texts():
-    return [chat_text(p, r) for p, r in k25_corpus(PRETRAIN.conversations // 2, REPLAY.seed)]
-
-
-def build_k25(k2_dir, path):
-    """K2 pretrained further on K2.5's corpus: same tokenizer, shifted behaviour."""
-    from transformers import AutoConfig
-    tokenizer = load_tokenizer(k2_dir, None)
-    target = load_target(k2_dir, dtype=torch.float32).train().requires_grad_(True)
-    rows = pack_rows([tokenizer(t).input_ids for t in k25_texts()], PRETRAIN.row_len)
-    pretrain_target(target, rows, REPLAY.further_steps, PRETRAIN.batch, REPLAY.further_lr,
-                    PRETRAIN.warmup, REPLAY.seed)
-    save_target(target, AutoConfig.from_pretrained(k2_dir), tokenizer, path)
-
-
-def build_k25_new_tokenizer(k2_dir, path):
-    """A K2.5 whose tokenizer was retrained on its corpus: other merges, other ids. Only its
-    tokenizer and config.json are written: vocab-check reads nothing else."""
-    tokenizer = train_tokenizer(k25_texts(), TINY_TOKENIZER_VOCAB)
-    config = dict(read_json(os.path.join(k2_dir, "config.json")),
-                  vocab_size=-(-len(tokenizer) // 64) * 64)
-    os.makedirs(path, exist_ok=True)
-    tokenizer.save_pretrained(path)
-    atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, config))
-
-
-def write_replies(target, tokenizer, path, prompts):
-    """JSONL of the target's own greedy replies to the prompts (the EAGLE-3 recipe)."""
-    examples = replies_as_examples(target, tokenizer, prompts, DEMO.reply_tokens)
-    rows = []
-    for prompt, ex in zip(prompts, examples):
-        reply = [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != tokenizer.eos_token_id]
-        rows.append(json.dumps(dict(messages=[dict(role="user", content=prompt),
-                                              dict(role="assistant",
-                                                   content=tokenizer.decode(reply))])))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write(path, lambda f: write_text(f, "\n".join(rows) + "\n"))
-
-
-def replay_data(target, tokenizer, paths, model):
-    """A model's own replies (JSONL) and their captured features, built once."""
-    for part in ("train", "held_out"):
-        data = paths[f"{model}_{part}.jsonl"]
-        if not os.path.isfile(data):
-            write_replies(target, tokenizer, data, replay_prompts(model, part))
-        capture_features(target, training_examples(tokenizer, data, 2048),
-                         paths[f"{model}_features_{part}"], target.cfg.default_aux_layers)
-
-
-def replay_features(paths, model):
-    return tuple(captured_examples(paths[f"{model}_features_{part}"])
-                 for part in ("train", "held_out"))
-
-
-def train_k2_draft(k2_dir, paths, pad_id):
-    """The K2 drafter: trained offline on K2's own replies, with a REPLAY.draft_vocab map."""
-    head = load_target_head(k2_dir)
-    train, held_out = replay_features(paths, "k2")
-    vocab_map = build_vocab_mapping(count_reply_tokens(train, head.cfg.vocab_size),
-                                    REPLAY.draft_vocab)
-    draft = fresh_draft(tiny_draft_config(head, REPLAY.draft_vocab), head, DEMO.seed, vocab_map)
-    cfg = TrainConfig(steps=REPLAY.k2_draft_steps, batch=REPLAY.batch, lr=REPLAY.lr, warmup=10,
-                      eval_every=REPLAY.k2_draft_steps, save_every=REPLAY.k2_draft_steps,
-                      seed=DEMO.seed)
-    train_draft(head, draft, train, held_out, cfg, paths["k2_draft"], pad_id)
-
-
-def replay_inputs(paths):
-    """Build (first run) or reuse: K2 (the demo target) and its drafter, K2.5 and its
-    retrained-tokenizer variant, each model's own replies and their captured features."""
-    k2_dir = ensure_tiny_target()
-    if not os.path.isfile(os.path.join(paths["k25"], "config.json")):
-        build_k25(k2_dir, paths["k25"])
-    if not os.path.isfile(os.path.join(paths["k25_new_tokenizer"], "config.json")):
-        build_k25_new_tokenizer(k2_dir, paths["k25_new_tokenizer"])
-    tokenizer = load_tokenizer(k2_dir, None)
-    replay_data(load_target(k2_dir, dtype=torch.float32), tokenizer, paths, "k2")
-    if not os.path.isfile(os.path.join(paths["k2_draft"], "config.json")):
-        train_k2_draft(k2_dir, paths, tokenizer.pad_token_id)
-    k25 = load_target(paths["k25"], dtype=torch.float32)
-    replay_data(k25, tokenizer, paths, "k25")
-    return k25, tokenizer
-
-
-@torch.inference_mode()
-def held_out_loss(target, draft, examples, pad_id, batch=32):
-    losses = [float(ttt_batch(target, draft, examples[i:i + batch], pad_id).loss)
-              for i in range(0, len(examples), batch)]
-    return sum(losses) / len(losses)
-
-
-def served_tau(target, draft, prompts, eos, shape):
-    """Mean accept length of speculative decoding over the prompts (rounds cut by the
-    budget or an EOS excluded)."""
-    lengths = []
-    for ids in prompts:
-        lengths += speculative_generate(target, draft, ids, DEMO.max_new_tokens, tree=shape,
-                                        eos_token_id=eos).accept_lengths[:-1]
-    return sum(lengths) / max(1, len(lengths))
-
-
-def replay_arms(head, k2_draft, tokenizer, paths, train, held_out):
-    """The four fine-tuning arms, the same steps on K2.5's own replies, offline."""
-    Vd = REPLAY.draft_vocab
-    k25_map = build_vocab_mapping(count_reply_tokens(train, head.cfg.vocab_size), Vd)
-    swapped = load_draft(k2_draft, head, dtype=torch.float32)
-    with torch.no_grad():                 # the costly mistake: new map, rows left in place
-        swapped.d2t.copy_(k25_map[0])
-        swapped.t2d.copy_(k25_map[1])
-    arms = {"from scratch": fresh_draft(tiny_draft_config(head, Vd), head, DEMO.seed, k25_map),
-            "K2 drafter, K2.5 d2t swapped in": swapped,
-            "K2 drafter, its own K2 map": load_draft(k2_draft, head, dtype=torch.float32),
-            "remap-draft, then fine-tune": remap_draft(k2_draft, head, tokenizer, tokenizer,
-                                                       paths["k25_train.jsonl"], Vd,
-                                                       DEMO.seed)[0]}
-    cfg = TrainConfig(steps=REPLAY.arm_steps, batch=REPLAY.batch, lr=REPLAY.lr, warmup=10,
-                      eval_every=REPLAY.eval_every, save_every=REPLAY.arm_steps, seed=DEMO.seed)
-    results = {}
-    for i, (name, draft) in enumerate(arms.items()):
-        curve = [(0, evaluate_draft(head, draft, held_out, tokenizer.pad_token_id))]
-        loss0 = held_out_loss(head, draft, held_out, tokenizer.pad_token_id)
-        train_draft(head, draft, train, held_out, cfg, os.path.join(paths["arms"], str(i)),
-                    tokenizer.pad_token_id, curve=curve)
-        results[name] = dict(draft=draft, loss0=loss0, curve=curve)
-    return results
-
-
-def replay_vocab(k2_draft, tokenizer, paths):
-    """The K2 map against the maps train builds from K2.5 data: same tokenizer; retrained."""
-    k2_ids = vocab_map_ids(raw_vocab_map(k2_draft)[0])
-    out = {}
-    for name, tok_dir in (("same tokenizer", paths["k25"]),
-                          ("retrained tokenizer", paths["k25_new_tokenizer"])):
-        tok = load_tokenizer(tok_dir, None)
-        train = training_examples(tok, paths["k25_train.jsonl"], 2048)
-        V = read_target_config(tok_dir).vocab_size
-        ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(k2_ids))[0])
-        out[name] = compare_vocab_maps(k2_ids, tokenizer, ids, tok)
-    return out
-
-
-def plot_curves(results, path):
-    """The held-out step-0 accuracy curves as a PNG, when matplotlib is installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in results.items():
-        ax.plot([s for s, _ in r["curve"]], [a[0] for _, a in r["curve"]], marker="o", label=name)
-    ax.set(xlabel="fine-tuning step", ylabel="held-out step-0 draft accuracy",
-           title="moving a drafter from K2 to K2.5 (tiny)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
-
-
-def cmd_seed_replay(args):
-    t0, paths = time.time(), replay_paths()
-    k25, tokenizer = replay_inputs(paths)
-    k2_draft = paths["k2_draft"]
-    head = load_target_head(paths["k25"], features=paths["k25_features_train"])
-    train, held_out = replay_features(paths, "k25")
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-
-    def encoded(part):
-        return [torch.tensor([tokenizer(chat_text(p)).input_ids])
-                for p in replay_prompts("k25", part)]
-    # phase 0: the K2 drafter served on K2.5, and the offline estimate from the features of
-    # the held-out replies next to the tau served on those same prompts
-    probe = load_draft(k2_draft, k25)
-    served = measure_decoding(k25, probe, encoded("decode"), DEMO.max_new_tokens, eos=eos)
-    chain = TreeShape(1, REPLAY.probe_chain - 1, REPLAY.probe_chain + 1)
-    chain_tau = served_tau(k25, probe, encoded("held_out"), eos, chain)
-    offline = probe_draft(head, load_draft(k2_draft, head), held_out, pad)
-    vocab = replay_vocab(k2_draft, tokenizer, paths)
-    results = replay_arms(head, k2_draft, tokenizer, paths, train, held_out)
-    for r in results.values():
-        r["tau"] = served_tau(k25, r["draft"], encoded("decode"), eos, TreeShape())
-    print0(seed_replay_report(served, chain_tau, offline, vocab, results))
-    png = plot_curves(results, paths["curves.png"])
-    print0(f"curves: {png}" if png else "curves: (install matplotlib for a PNG)")
-    print0(json.dumps(dict(
-        probe=dict(tau=round(served.tau, 3), tokens_per_s=round(served.spec_tokens_per_s, 1),
-                   plain_tokens_per_s=round(served.greedy_tokens_per_s, 1),
-                   break_even_tau=round(served.round_cost, 3), chain_tau=round(chain_tau, 3),
-                   offline_chain_tau=round(offline.replayed_tau[REPLAY.probe_chain - 1], 3)),
-        vocab={k: v._asdict() for k, v in vocab.items()},
-        arms={k: dict(loss0=round(r["loss0"], 3), tau=round(r["tau"], 3),
-                      acc0=[(s, round(a[0], 3)) for s, a in r["curve"]])
-              for k, r in results.items()}, seconds=round(time.time() - t0, 1))))
-
-
-def seed_replay_report(served, chain_tau, offline, vocab, results):
-    lines = ["seed-replay: a drafter trained for K2, moved to K2.5 (tiny models)", "",
-             "phase 0, the K2 drafter served on K2.5:",
-             f"  tree {tuple(TreeShape())}: tau {served.tau:.2f}, "
-             f"{served.spec_tokens_per_s:.0f} tokens/s vs {served.greedy_tokens_per_s:.0f} plain; "
-             f"{speed_verdict(served.tau, served.round_cost)}",
-             f"  chain of {REPLAY.probe_chain}: served tau {chain_tau:.2f}; offline from captured "
-             f"features: replayed {offline.replayed_tau[REPLAY.probe_chain - 1]:.2f} "
-             f"({offline.replayed_tau[REPLAY.probe_chain - 1] / chain_tau - 1:+.1%}), "
-             f"per-position expectation {offline.expected_tau[REPLAY.probe_chain - 1]:.2f}", "",
-             "the K2 map against the map train builds from K2.5 data:"]
-    for name, v in vocab.items():
-        lines.append(f"  {name}: positional d2t agreement {v.positional} of {v.entries}, shared "
-                     f"tokens {v.overlap} of {v.entries}{' (by string)' if v.by_string else ''}")
-        lines.append(f"    -> {v.verdict}")
-    steps = [s for s, _ in next(iter(results.values()))["curve"]]
-    lines += ["", f"fine-tuning on K2.5's own replies, {REPLAY.arm_steps} steps each (held-out "
-                  f"step-0 accuracy by step; tau served with the tree after training):",
-              f"  {'arm':34s} {'loss@0':>7s} " + " ".join(f"{'@' + str(s):>6s}" for s in steps)
-              + f" {'tau':>6s}"]
-    for name, r in results.items():
-        accs = " ".join(f"{a[0]:6.3f}" for _, a in r["curve"])
-        lines.append(f"  {name:34s} {r['loss0']:7.2f} {accs} {r['tau']:6.2f}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------
 # 20. command line
 
 
@@ -4111,7 +3901,7 @@ def cmd_generate(args):
     print0(tokenizer.decode(result.tokens))
     tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
     engine = (f" | {preset.name} reports {reported_tau(result, preset):.2f}"
-              if preset.tau != "decided" else "")   # the engine counts accept length its way
+              if preset.tau_emitted else "")   # the engine counts accept length its way
     print0(f"tau {tau:.2f}{engine} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
     if args.comm:
@@ -4167,8 +3957,8 @@ def cmd_train(args):
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
                       ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
                       save_every=max(1, steps // 10), seed=args.seed)
-    acc = train_draft(target, draft, train, held_out, cfg, args.out, pad_id_of(args.target, args),
-                      args.resume)
+    acc = train_draft(ttt_inputs(target, pad_id_of(args.target, args)), draft, train, held_out,
+                      cfg, args.out, args.resume)
     print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
 
 
@@ -4226,8 +4016,8 @@ def cmd_eval_draft(args):
 
 def golden_config(args):
     """The run a new golden trace records (the header's `config`)."""
-    prompts = [parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")] \
-        if args.prompt_ids else None
+    prompts = ([parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")]
+               if args.prompt_ids else None)
     target_dir, draft_dir = model_dirs(args)
     if prompts is None:
         tokenizer = load_tokenizer(target_dir, args)
@@ -4239,7 +4029,7 @@ def golden_config(args):
                 top_p=args.top_p, top_k=args.top_k, tree=list(tree_shape(args)),
                 scheme=args.scheme, seed=args.seed, dtype=args.dtype or "float32",
                 eos_token_id=args.eos_token_id, aux_convention=args.aux_convention,
-                preset=preset_of(args)._asdict())
+                preset=preset_record(preset_of(args)))
 
 
 def cmd_golden(args):
@@ -4705,9 +4495,6 @@ def add_probe_commands(sub):
                     help="one verify forward in plain decode steps")
     ev.add_argument("--dtype")
     ev.set_defaults(run=cmd_eval_draft)
-    sr = sub.add_parser("seed-replay", help="a drafter moved from K2 to K2.5, replayed on tiny "
-                                            "models: probe, vocab map, four fine-tuning arms")
-    sr.set_defaults(run=cmd_seed_replay)
     dc = sub.add_parser("draft-check", parents=[remote],
                         help="which target features does a drafter read under each engine's "
                              "convention, and which fits (with --data)?")
