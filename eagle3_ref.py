@@ -4472,6 +4472,7 @@ def cmd_capture(args):
 
 
 def cmd_eval_draft(args):
+    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
     target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
                               args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
@@ -4492,8 +4493,19 @@ def cmd_eval_draft(args):
     best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
     verdict = speed_verdict(best["replayed_tau"], best["break_even"])
     print0(f"best chain: {best['drafts']} drafts: {verdict}")
+    shapes = projected(stats, costs) if costs else None
+    if shapes:
+        print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
+               f"on {costs['device']}, W={costs['world']}"
+               f"{', an estimate' if costs['estimate'] else ''}):")
+        print0(projected_table(shapes))
+        chains = [r for r in shapes if r["tau"] is not None]
+        if chains:
+            top = max(chains, key=lambda r: r["speedup"])
+            verdict = f"measured costs, {top['shape']}: {top['verdict']}"
+            print0(f"best measured shape: {verdict}")
     print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
-                           chains=rows, best=best, verdict=verdict)))
+                           chains=rows, best=best, verdict=verdict, projected=shapes)))
 
 
 def golden_config(args):
@@ -5105,6 +5117,8 @@ def add_probe_commands(sub):
                     help="one draft step in plain decode steps (measure it: bench)")
     ev.add_argument("--verify-cost", type=float, default=1.1,
                     help="one verify forward in plain decode steps")
+    ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
+                                    "per shape on the measured round costs")
     ev.add_argument("--dtype")
     ev.set_defaults(run=cmd_eval_draft)
     sr = sub.add_parser("seed-replay", help="a drafter moved from K2 to K2.5, replayed on tiny "
