@@ -3660,7 +3660,8 @@ class CostModels(NamedTuple):
 
 def randomise(module, generator, skip=lambda name: False):
     """Random weights written in place, on each parameter's device and in its dtype:
-    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1."""
+    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1; float buffers (the MoE
+    routing bias) 0, as to_empty leaves them holding whatever the memory held."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if skip(name):
@@ -3669,6 +3670,9 @@ def randomise(module, generator, skip=lambda name: False):
                 p.normal_(0, COST_INIT_STD, generator=generator)
             else:
                 p.fill_(1.0)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.zero_()
 
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length):
