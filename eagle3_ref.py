@@ -3689,6 +3689,283 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
     return rows
 
 
+# ---- cost-plan: measured round costs at real shapes, before any drafter exists ----
+#
+# Whether speculation pays is tau set against what a round costs, and the cost side needs
+# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
+# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
+# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
+# plain decoding is one target forward per token. Weights do not change these costs (shapes,
+# dtype and device do), so random weights at the real shapes measure them exactly: the
+# models are built on the meta device and allocated once, on the device, in their dtype.
+# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
+# tokens per round decodes tau / cost times as fast as plain decoding.
+#
+# The five adapters below (build, decode, verify, draft, accept) are the only calls into
+# Part I from here: a change of signature there is mended in one place.
+
+COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
+COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
+COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
+COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
+COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
+                            # a pass over m tokens costs nearly the same for any small m
+COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
+COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
+COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
+              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
+
+
+class CostModels(NamedTuple):
+    target: nn.Module       # the first `layers` layers of the target, random weights
+    draft: nn.Module        # the drafter at its real shapes, sharing the target's embedding
+    cache: tuple            # the target's KV cache, (L, 1, Hkv/W, S, hs) per slab
+    draft_cache: tuple      # the drafter's KV cache
+
+
+def randomise(module, generator, skip=lambda name: False):
+    """Random weights written in place, on each parameter's device and in its dtype:
+    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1; float buffers (the MoE
+    routing bias) 0, as to_empty leaves them holding whatever the memory held."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if skip(name):
+                continue
+            if p.dim() > 1:
+                p.normal_(0, COST_INIT_STD, generator=generator)
+            else:
+                p.fill_(1.0)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.zero_()
+
+
+def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length):
+    """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
+    their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
+    once on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    with torch.device("meta"):
+        target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
+    target = target.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
+        target.lm_head.weight = target.model.embed_tokens.weight
+    draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
+    generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
+    randomise(target, generator)
+    randomise(draft, generator, skip=lambda name: not draft.owns(name))
+    if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
+        draft.d2t.zero_()
+        draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
+    target, draft = (m.eval().requires_grad_(False) for m in (target, draft))
+    return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
+
+
+def decode_step(target, cache, n, token):
+    """Adapter: one step of plain decoding: the forward of token (1, 1) at cache slot n and
+    its argmax, which greedy decoding waits for on the host."""
+    logits, _ = target(token, cache=cache, start=n, aux_layers=())
+    return int(logits[0, -1].argmax())
+
+
+def verify_step(target, cache, n, tree, aux_layers):
+    """Adapter: a round's verify forward of `tree` at cache slots n.. -> logits (N, V)."""
+    return verify_tree(target, cache, n, tree, aux_layers)[0]
+
+
+def drafting_step(draft, cache, n, features, next_tokens, root, shape):
+    """Adapter: a round's drafting: the prefix pass over the m tokens just accepted (draft
+    cache slots n-m..n-1), then the tree: depth passes over top_k nodes, top-k, selection."""
+    h_last = draft_prefix(draft, cache, n - features.shape[1], features, next_tokens)
+    return grow_tree(draft, cache, n, h_last, root, shape)
+
+
+def accept_step(logits, tree, cache, n, tp):
+    """Adapter: greedy acceptance, rank 0's decision on every rank, and the commit of the
+    accepted nodes' K/V to slots n.. -> the new cache length."""
+    acceptance = accept_greedy(logits, tree)
+    acceptance = broadcast_acceptance(acceptance, len(tree.tokens), logits.device, tp)
+    return commit(cache, n, acceptance.path.to(logits.device))
+
+
+def chain_tree(N):
+    """A chain of N nodes (the public Tree fields), the verify sweep's tree: a verify of
+    N nodes costs the same whatever the tree's shape (attention is dense over them).
+    Worked for N = 3: parents [-1, 0, 1], mask lower-triangular, one path [[0, 1, 2]]."""
+    nodes = torch.arange(N)
+    return Tree(tokens=torch.zeros(N, dtype=torch.long), parents=nodes - 1, positions=nodes,
+                mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
+
+
+def lm_ends(target, ids):
+    """The part of a target forward outside its layers (embedding, final norm, lm_head) on
+    ids (1, T): it does not grow with depth, so a slice's time scales without it."""
+    return target.lm_head(target.model.norm(target.model.embed_tokens(ids)))   # (1, T, V)
+
+
+class CostTimings(NamedTuple):
+    """Seconds of each piece of a round, measured by cost-plan (or handed in by a test)."""
+    decode: float      # one plain decode step at the context
+    verify: dict       # {N: one verify forward of N nodes, its all-reduces included}
+    allreduce: dict    # {N: that verify's 2L all-reduces, timed alone} ({} at W = 1)
+    draft: dict        # {shape label: the round's drafting (prefix, passes, selection)}
+    accept: dict       # {shape label: acceptance, decision broadcast, commit}
+
+
+def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
+    """cost-plan's clock: fn -> (its result, the median seconds of `repeats` runs after
+    `warmup` untimed ones), the GPU's queue drained before each reading."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timer(fn):
+        for _ in range(warmup):
+            fn()
+        seconds = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            result = fn()
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        return result, sorted(seconds)[len(seconds) // 2]
+    return timer
+
+
+def all_reduces(payload, calls):
+    """A verify's collectives alone: `calls` all-reduces of an (N, D) zero payload (zeros
+    stay zeros, so repeating them never overflows)."""
+    for _ in range(calls):
+        dist.all_reduce(payload)
+
+
+@torch.inference_mode()
+def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
+    """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
+    N in `sizes` (and, with calls > 0, its `calls` all-reduces alone); each (label,
+    TreeShape)'s drafting and bookkeeping. `timer` is median_timer(...) or a test's clock."""
+    target, device = models.target, models.target.lm_head.weight.device
+    dtype, V = target.lm_head.weight.dtype, target.cfg.vocab_size
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    decode = timer(lambda: decode_step(target, models.cache, context, token))[1]
+    verify, allreduce, draft, accept = {}, {}, {}, {}
+    for N in sizes:
+        tree = chain_tree(N)
+        verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
+        if calls:
+            payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
+            allreduce[N] = timer(lambda: all_reduces(payload, calls))[1]
+    features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
+    next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
+    root = torch.tensor(0, device=device)
+    for label, shape in shapes:
+        tree, draft[label] = timer(lambda: drafting_step(models.draft, models.draft_cache, context,
+                                                      features, next_tokens, root, shape))
+        logits = torch.randn(len(tree.tokens), V, device=device).to(dtype)      # (N, V)
+        accept[label] = timer(lambda: accept_step(logits, tree, models.cache, context,
+                                                  target.tp))[1]
+    return CostTimings(decode, verify, allreduce, draft, accept)
+
+
+@torch.inference_mode()
+def measure_ends(target, sizes, timer):
+    """{T: seconds of lm_ends on T tokens} for T = 1 (a decode step) and each verify size."""
+    device = target.lm_head.weight.device
+    return {T: timer(lambda: lm_ends(target, torch.zeros(1, T, dtype=torch.long,
+                                                         device=device)))[1]
+            for T in sorted({1, *sizes})}
+
+
+def full_depth(timings, ends, built, layers):
+    """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
+    target forward (all of it but lm_ends) grows in proportion; drafting and bookkeeping do
+    not. An estimate: it takes every layer to cost the same, as in a dense model."""
+    def scaled(seconds, T):
+        return ends[T] + (seconds - ends[T]) * layers / built
+    return timings._replace(decode=scaled(timings.decode, 1),
+                            verify={N: scaled(s, N) for N, s in timings.verify.items()})
+
+
+def cost_rows(timings, shapes, taus):
+    """Per (label, TreeShape), in plain decode steps: the verify of its N nodes, its
+    drafting, its bookkeeping, the round (their sum, which is the break-even tau) and the
+    speedup over plain decoding, tau / round, at each tau."""
+    rows = []
+    for label, shape in shapes:
+        parts = (timings.verify[shape.total_tokens], timings.draft[label], timings.accept[label])
+        verify, draft, accept = (seconds / timings.decode for seconds in parts)
+        cost = verify + draft + accept
+        rows.append(dict(shape=label, tree=list(shape), nodes=shape.total_tokens, verify=verify,
+                         draft=draft, accept=accept, round_cost=cost, break_even_tau=cost,
+                         speedup={tau: tau / cost for tau in taus}))
+    return rows
+
+
+def sweep_table(timings):
+    """The verify sweep: N, milliseconds, decode steps (and the all-reduces' ms under TP)."""
+    tp = bool(timings.allreduce)
+    lines = [f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
+             (f" {'of which all-reduce ms':>22s}" if tp else "")]
+    for N, seconds in sorted(timings.verify.items()):
+        line = f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}"
+        lines.append(line + (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
+    return "\n".join(lines)
+
+
+def cost_table(rows, taus):
+    """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
+    head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
+            f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+                     f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+                     "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
+    return "\n".join(lines)
+
+
+# ---- projected speedup of a real drafter: eval-draft's offline tau on measured costs ----
+
+
+def read_costs(path):
+    """cost-plan's JSON: the last line of its output (saved whole, or that line alone)."""
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    try:
+        costs = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        costs = None
+    if not isinstance(costs, dict) or not isinstance(costs.get("shapes"), list):
+        fail(f"--costs {path!r} is not cost-plan's output: its last line must be the JSON "
+             f"that `eagle3_ref.py cost-plan` prints last (save its output to a file)")
+    return costs
+
+
+def projected(stats, costs):
+    """One verdict per measured shape for a drafter probed offline (ChainStats): a chain of
+    k drafts accepts the replayed tau of k drafts, set against its measured round cost; a
+    tree's tau the probe cannot give (it drafts chains), only the tau the tree needs."""
+    rows = []
+    for row in costs["shapes"]:
+        top_k, depth, total_tokens = row["tree"]
+        k = min(depth + 1, total_tokens - 1)         # drafts a chain verifies
+        chain = top_k == 1 and k <= len(stats.replayed_tau)
+        tau = stats.replayed_tau[k - 1] if chain else None
+        verdict = speed_verdict(tau, row["round_cost"]) if chain else (
+            f"needs tau >= {row['round_cost']:.2f} (the offline probe drafts chains)")
+        rows.append(dict(shape=row["shape"], round_cost=row["round_cost"], tau=tau,
+                         speedup=None if tau is None else tau / row["round_cost"],
+                         verdict=verdict))
+    return rows
+
+
+def projected_table(rows):
+    lines = [f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict"]
+    for r in rows:
+        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
+                  else (f"{'-':>6s}", f"{'-':>7s}"))
+        lines.append(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------
 # 18. the main job: the whole method on a laptop CPU, nothing downloaded
 
@@ -3990,6 +4267,7 @@ def cmd_capture(args):
 
 
 def cmd_eval_draft(args):
+    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
     target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
                               args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
@@ -4010,8 +4288,19 @@ def cmd_eval_draft(args):
     best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
     verdict = speed_verdict(best["replayed_tau"], best["break_even"])
     print0(f"best chain: {best['drafts']} drafts: {verdict}")
+    shapes = projected(stats, costs) if costs else None
+    if shapes:
+        print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
+               f"on {costs['device']}, W={costs['world']}"
+               f"{', an estimate' if costs['estimate'] else ''}):")
+        print0(projected_table(shapes))
+        chains = [r for r in shapes if r["tau"] is not None]
+        if chains:
+            top = max(chains, key=lambda r: r["speedup"])
+            verdict = f"measured costs, {top['shape']}: {top['verdict']}"
+            print0(f"best measured shape: {verdict}")
     print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
-                           chains=rows, best=best, verdict=verdict)))
+                           chains=rows, best=best, verdict=verdict, projected=shapes)))
 
 
 def golden_config(args):
@@ -4332,6 +4621,115 @@ def comm_plan_table(rows, links):
     return "\n".join(lines)
 
 
+def config_dir(path):
+    """A model dir, given as itself or as its config.json."""
+    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
+
+
+def cost_configs(args):
+    """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
+    config.json; a bare one takes the target's vocab), else of the standard one-layer
+    drafter for that target."""
+    from types import SimpleNamespace
+    cfg = read_target_config(config_dir(args.config))
+    vd = args.draft_vocab_size
+    if vd is not None and vd > cfg.vocab_size:
+        fail(f"--draft-vocab-size {vd} exceeds the target's vocab of {cfg.vocab_size}")
+    if args.draft_config is None:  # draft_config_for reads nothing of the target but .cfg
+        return cfg, draft_config_for(SimpleNamespace(cfg=cfg),
+                                     vd or min(COST_DRAFT_VOCAB, cfg.vocab_size))
+    path = args.draft_config
+    raw = read_json(path if path.endswith(".json") else os.path.join(path, "config.json"))
+    raw = dict(raw, vocab_size=raw.get("vocab_size", cfg.vocab_size))
+    if vd is not None:
+        raw["draft_vocab_size"] = vd
+    return cfg, read_draft_config(raw, cfg)
+
+
+def cost_device(name):
+    """--device, or CUDA when there is one (this rank's GPU under torchrun)."""
+    if name == "cuda" or (name is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            fail("--device cuda: no CUDA device is visible here; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cost_plan_inputs(args, cfg, draft_cfg):
+    """(shapes, verify sizes N, taus, layers timed) of a cost-plan run, each checked."""
+    extra = [tuple(parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    shapes = plan_shapes(list(COST_TREES) + extra)
+    for _, shape in shapes:
+        check_tree_shape(shape, draft_cfg.draft_vocab_size)
+    sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
+    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
+    if min(sweep) < 1 or min(taus) < 1:
+        fail(f"--sweep {args.sweep!r} / --tau {args.tau!r}: verify sizes are >= 1 node and "
+             f"accept lengths >= 1 (the bonus token alone is 1)")
+    sizes = sorted(set(sweep) | {shape.total_tokens for _, shape in shapes})
+    if not COST_PREFIX <= args.context <= cfg.max_positions - max(sizes):
+        fail(f"--context {args.context} must be in {COST_PREFIX}..{cfg.max_positions - max(sizes)}"
+             f": the cache must hold it plus the largest verify ({max(sizes)} nodes) within "
+             f"max_position_embeddings={cfg.max_positions}")
+    layers = args.layers or cfg.n_layers
+    if layers > cfg.n_layers:
+        fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
+    return shapes, sizes, taus, layers
+
+
+def cmd_cost_plan(args):
+    from dataclasses import replace
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
+    device = cost_device(args.device)
+    dtype = parse_dtype(args.dtype) or default_dtype(device)
+    draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
+    models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
+                          args.seed, args.context + max(sizes), draft_slots)
+    timer = median_timer(device, args.warmup, args.repeats)
+    aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
+    # layers feed the drafter does not change the cost, only that three are concatenated
+    timings = measure_costs(models, shapes, sizes, args.context, timer, aux,
+                            2 * cfg.n_layers if world > 1 else 0)
+    if layers < cfg.n_layers:
+        timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
+                             cfg.n_layers)
+    rows = cost_rows(timings, shapes, taus)
+    run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
+               family=cfg.family, layers=cfg.n_layers,
+               layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
+               device=device.type, world=world, context=args.context, warmup=args.warmup,
+               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size)
+    print_cost_plan(run, cfg, timings, rows, taus)
+    print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=[
+        dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
+             allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce else None)
+        for N, s in sorted(timings.verify.items())], shapes=[
+        dict(r, **{k: round(r[k], 4) for k in ("verify", "draft", "accept", "round_cost",
+                                                "break_even_tau")},
+             speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows],
+        seconds=round(time.time() - t0, 1))))
+
+
+def print_cost_plan(run, cfg, timings, rows, taus):
+    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
+           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
+           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
+           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
+           f"{run['repeats']} runs after {run['warmup']} warm-up")
+    if run["estimate"]:
+        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
+               f"the layers' share of every target forward is scaled by "
+               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
+    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
+    print0(sweep_table(timings))
+    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
+           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
+    print0(cost_table(rows, taus))
+
+
 AUX_CONVENTION_FLAG = dict(
     default="specforge", choices=AUX_CONVENTIONS,
     help="how to read the drafter's eagle_aux_hidden_state_layer_ids: specforge (output of "
@@ -4422,6 +4820,27 @@ def add_commands(sub):
     cp.add_argument("--draft-sharded", action="store_true",
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
     cp.set_defaults(run=cmd_comm_plan)
+    co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
+                                          "weights): break-even tau and speedup per shape")
+    co.add_argument("--config", required=True, help="target model dir or its config.json")
+    co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
+                                           "standard one-layer drafter for the target)")
+    co.add_argument("--draft-vocab-size", type=int,
+                    help=f"draft vocab (default: the drafter's; standard: {COST_DRAFT_VOCAB})")
+    co.add_argument("--dtype", help="float32 | bfloat16 | float16 "
+                                    "(default: fp32 on CPU, bf16 on CUDA)")
+    co.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
+    co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
+    co.add_argument("--sweep", help="verify sizes N, e.g. 1,2,4,8,16,32,64 (the default)")
+    co.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
+    co.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
+    co.add_argument("--layers", type=int, help="time a slice of this many layers and scale "
+                                               "to the full depth (an estimate)")
+    co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
+                    metavar="N", help="untimed runs before each measurement")
+    co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
+    co.add_argument("--seed", type=int, default=0)
+    co.set_defaults(run=cmd_cost_plan)
 
 
 def add_training_commands(sub):
@@ -4493,6 +4912,8 @@ def add_probe_commands(sub):
                     help="one draft step in plain decode steps (measure it: bench)")
     ev.add_argument("--verify-cost", type=float, default=1.1,
                     help="one verify forward in plain decode steps")
+    ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
+                                    "per shape on the measured round costs")
     ev.add_argument("--dtype")
     ev.set_defaults(run=cmd_eval_draft)
     dc = sub.add_parser("draft-check", parents=[remote],
@@ -4508,7 +4929,7 @@ def add_probe_commands(sub):
 
 POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len", "tp",
                   "draft_vocab_size", "max_examples", "tree_top_k", "depth", "total_tokens",
-                  "draft_cost", "verify_cost")
+                  "draft_cost", "verify_cost", "context", "layers", "repeats")
 
 
 def check_numbers(args):
@@ -4522,7 +4943,7 @@ def check_numbers(args):
 PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
     target="dir", draft="dir", init_draft="dir", draft_tokenizer="dir", against_draft="dir",
     against_tokenizer="dir", assistant="dir", features="dir", data="file",
-    against_data="file", check="file", config="any")
+    against_data="file", check="file", config="any", draft_config="any", costs="file")
 FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; the others write a dir
 
 

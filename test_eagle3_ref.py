@@ -5430,3 +5430,258 @@ if __name__ == "__main__":
         WORKERS[sys.argv[1]](*sys.argv[2:4])
         finish_worker()
     sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")
+
+
+# ---- cost-plan ----
+# measured round costs at real shapes: the table's arithmetic against a hand computation
+# from injected timings, construction on the meta device, and the command end to end
+
+
+COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=96,
+                 hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+                    hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def cost_config_dir(root, config, name):
+    (root / name).mkdir()
+    (root / name / "config.json").write_text(json.dumps(config))
+    return root / name
+
+
+def scripted_clock(seconds):
+    """A timer that runs each piece once and reports the next of `seconds`, in call order."""
+    script = iter(seconds)
+
+    def timer(fn):
+        return fn(), next(script)
+    return timer
+
+
+def cost_plan_here(argv, capsys):
+    """cost-plan in this process -> (stdout lines, the JSON of its last line)."""
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["cost-plan", *map(str, argv)])
+    out = capsys.readouterr()
+    assert stopped.value.code == 0, out.err[-3000:]
+    lines = out.out.strip().splitlines()
+    return lines, json.loads(lines[-1])
+
+
+def table_row(lines, label):
+    """The numbers after a shape's label in the printed table."""
+    row = next(line for line in lines if line.startswith(label + " "))
+    return [float(x) for x in row[len(label):].split()]
+
+
+def test_cost_rows_equal_a_hand_computation_from_injected_timings():
+    shapes = [("chain 2", E.TreeShape(1, 1, 3)), ("tree", E.TreeShape(4, 2, 9))]
+    timings = E.CostTimings(decode=0.010, verify={3: 0.013, 9: 0.021}, allreduce={},
+                            draft={"chain 2": 0.002, "tree": 0.008},
+                            accept={"chain 2": 0.0005, "tree": 0.001})
+    rows = {r["shape"]: r for r in E.cost_rows(timings, shapes, [1.5, 3.0])}
+    # chain: (13 + 2 + 0.5) ms / 10 ms = 1.55 decode steps; tree: (21 + 8 + 1) / 10 = 3.0
+    for label, parts, cost in (("chain 2", (1.3, 0.2, 0.05), 1.55), ("tree", (2.1, 0.8, 0.1), 3.0)):
+        r = rows[label]
+        assert (r["verify"], r["draft"], r["accept"]) == pytest.approx(parts)
+        assert r["round_cost"] == pytest.approx(cost) and r["break_even_tau"] == pytest.approx(cost)
+        assert r["speedup"][1.5] == pytest.approx(1.5 / cost)
+        assert r["speedup"][3.0] == pytest.approx(3.0 / cost)
+    assert rows["tree"]["speedup"][3.0] == pytest.approx(1.0)   # tau = break-even: no gain
+
+
+def test_cost_plan_slice_scales_the_layers_share_of_each_forward_and_nothing_else():
+    # 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers -> 2 + 8 * 4 = 34 ms
+    sliced = E.CostTimings(decode=0.010, verify={4: 0.014}, allreduce={}, draft={"c": 0.003},
+                           accept={"c": 0.001})
+    full = E.full_depth(sliced, {1: 0.002, 4: 0.006}, built=2, layers=8)
+    assert full.decode == pytest.approx(0.034)
+    assert full.verify[4] == pytest.approx(0.006 + 0.008 * 4)
+    assert (full.draft, full.accept) == (sliced.draft, sliced.accept)
+
+
+def test_measured_costs_come_from_the_injected_clock_piece_by_piece(tmp_path):
+    cfg = E.read_target_config(str(cost_config_dir(tmp_path, COST_TINY, "t")))
+    draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 64)
+    models = E.build_random(cfg, draft_cfg, 1, torch.float32, torch.device("cpu"), 0, 48, 48)
+    shapes = [("chain 3", E.TreeShape(1, 2, 4)), ("tree", E.TreeShape(3, 2, 6))]
+    # call order: decode; verify N = 1, 4, 6; then per shape draft, accept
+    clock = scripted_clock([0.004, 0.005, 0.006, 0.007, 0.001, 0.0002, 0.002, 0.0004])
+    timings = E.measure_costs(models, shapes, [1, 4, 6], 32, clock, draft_cfg.aux_layers)
+    assert timings == E.CostTimings(0.004, {1: 0.005, 4: 0.006, 6: 0.007}, {},
+                                    {"chain 3": 0.001, "tree": 0.002},
+                                    {"chain 3": 0.0002, "tree": 0.0004})
+    rows = E.cost_rows(timings, shapes, [2.0])
+    assert rows[0]["round_cost"] == pytest.approx((6 + 1 + 0.2) / 4)
+    assert rows[1]["round_cost"] == pytest.approx((7 + 2 + 0.4) / 4)
+
+
+def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested_dtype(
+        tmp_path, monkeypatch):
+    cfg = E.read_target_config(str(cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")))
+    draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 32000)
+    built_on, real = [], E.Target
+
+    def recording(*args, **kwargs):
+        target = real(*args, **kwargs)
+        built_on.append({p.device.type for p in target.parameters()})
+        return target
+    monkeypatch.setattr(E, "Target", recording)
+    models = E.build_random(cfg, draft_cfg, 1, torch.bfloat16, torch.device("cpu"), 0, 16, 16)
+    assert built_on == [{"meta"}]              # no weight was allocated before the device's
+    for model in (models.target, models.draft):
+        assert {(p.device.type, p.dtype) for p in model.parameters()} == \
+            {("cpu", torch.bfloat16)}
+        assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert models.target.lm_head.weight is models.target.model.embed_tokens.weight   # tied
+    with torch.device("meta"):   # the real shapes: transformers' own model of this config
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMOLLM2_135M))
+    assert sum(p.numel() for p in models.target.parameters()) == \
+        sum(p.numel() for p in hf.parameters())
+    assert models.draft.lm_head.weight.shape == (32000, 576)
+    assert float(models.target.model.layers[3].mlp.up_proj.weight.float().std()) == \
+        pytest.approx(E.COST_INIT_STD, rel=0.05)
+
+
+def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
+    # In a fresh process the peak RSS grows by the bf16 weights, not by an fp32 detour
+    # (SmolLM2-135M: 0.27 GB in bf16, 0.54 GB in fp32, drafter ~0.05 GB more).
+    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
+    script = (
+        "import types, torch, eagle3_ref as E\n"
+        "def peak():  # VmHWM, the peak resident set, in bytes\n"
+        "    status = open('/proc/self/status').read().split('VmHWM:')[1]\n"
+        "    return int(status.split()[0]) * 1024\n"
+        f"cfg = E.read_target_config({str(path)!r})\n"
+        "d = E.draft_config_for(types.SimpleNamespace(cfg=cfg), 32000)\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # the peak restarts from here\n"
+        "before = peak()\n"
+        "m = E.build_random(cfg, d, 1, torch.bfloat16, torch.device('cpu'), 0, 16, 16)\n"
+        "n = sum(p.numel() for p in m.target.parameters())\n"
+        "print(peak() - before, n)\n")
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown, n = map(int, proc.stdout.split())
+    assert 2 * n <= grown < 0.8 * 4 * n, (grown, n)
+
+
+def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, capsys,
+                                                                         monkeypatch):
+    # every piece takes 1 ms on this clock, so a round is draft + verify + accept = 3 steps
+    monkeypatch.setattr(E, "median_timer", lambda device, warmup, repeats: lambda fn: (fn(), 1e-3))
+    config = cost_config_dir(tmp_path, COST_TINY, "tiny")
+    lines, plan = cost_plan_here(["--config", config / "config.json", "--sweep", "1,2",
+                                  "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
+                                  "--draft-vocab-size", 48], capsys)
+    labels = ["tree 10/7/60"] + [f"chain {k} (1/{k - 1}/{k + 1})" +
+                                 (" = SGLang 3/1/4" if k == 3 else "") for k in range(2, 9)]
+    labels += ["tree 4/4/8", "tree 8/5/32", "tree 2/1/3"]
+    assert [r["shape"] for r in plan["shapes"]] == labels
+    for r in plan["shapes"]:
+        assert (r["verify"], r["draft"], r["accept"], r["round_cost"]) == (1, 1, 1, 3)
+        assert r["speedup"] == {"1.5": 0.5, "6.0": 2.0}
+        assert table_row(lines, r["shape"]) == [r["nodes"], 1, 1, 1, 3, 3, 0.5, 2]
+    assert [v["nodes"] for v in plan["verify"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 32, 60]
+    assert (plan["decode_ms"], plan["estimate"], plan["world"]) == (1.0, False, 1)
+    assert plan["draft_vocab_size"] == 48 and plan["dtype"] == "float32"
+
+
+def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
+    # the real clock, tiny sweeps: what it prints agrees with its JSON and adds up
+    config = json.load(open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")))
+    target = cost_config_dir(tmp_path, dict(config, vocab_size=1344), "tiny_demo")
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    proc = subprocess.run(
+        [sys.executable, E.__file__, "cost-plan", "--config", str(target), "--draft-config",
+         os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size", "512",
+         "--sweep", "1", "--context", "32", "--warmup", "1", "--repeats", "1", "--layers", "12"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    plan = json.loads(lines[-1])
+    assert (plan["layers"], plan["layers_timed"], plan["estimate"]) == (48, 12, True)
+    assert any(line.startswith("ESTIMATE: 12 of 48 layers") for line in lines)
+    for r in plan["shapes"]:
+        assert r["round_cost"] == pytest.approx(r["verify"] + r["draft"] + r["accept"], abs=2e-4)
+        assert r["break_even_tau"] == r["round_cost"] > 0
+        verify = next(v for v in plan["verify"] if v["nodes"] == r["nodes"])
+        assert r["verify"] == pytest.approx(verify["ms"] / plan["decode_ms"], rel=1e-3)
+        printed = table_row(lines, r["shape"])
+        assert printed[:6] == pytest.approx([r["nodes"], r["draft"], r["verify"], r["accept"],
+                                             r["round_cost"], r["round_cost"]], abs=0.006)
+        assert printed[6:] == pytest.approx([tau / r["round_cost"] for tau in (1.5, 2, 3, 4)],
+                                            abs=0.006)
+
+
+def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
+    stats = E.ChainStats(step_accuracy=[], accept_rate=[], expected_tau=[1.6, 2.0, 2.3],
+                         replayed_tau=[1.5, 1.9, 2.2])
+    costs = dict(shapes=[dict(shape="chain 2", tree=[1, 1, 3], round_cost=1.2),
+                         dict(shape="chain 3", tree=[1, 2, 4], round_cost=2.5),
+                         dict(shape="chain 8", tree=[1, 7, 9], round_cost=2.9),
+                         dict(shape="tree 10/7/60", tree=[10, 7, 60], round_cost=3.1)])
+    rows = {r["shape"]: r for r in E.projected(stats, costs)}
+    assert rows["chain 2"]["tau"] == 1.9 and rows["chain 2"]["speedup"] == pytest.approx(1.9 / 1.2)
+    assert rows["chain 2"]["verdict"].startswith("tau 1.90 >= break-even 1.20: 1.58x")
+    assert rows["chain 3"]["tau"] == 2.2 and "slower" in rows["chain 3"]["verdict"]
+    for label in ("chain 8", "tree 10/7/60"):   # the probe ran 3 steps; trees it cannot score
+        assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
+
+
+def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch, capsys):
+    stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
+    for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
+                           load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
+                           pad_id_of=lambda *a: 0, probe_draft=lambda *a, **k: stats).items():
+        monkeypatch.setattr(E, name, stub)
+    for d in ("draft", "features", "target"):
+        (tmp_path / d).mkdir()
+    costs = dict(config="x", dtype="bfloat16", device="cuda", world=1, estimate=False,
+                 shapes=[dict(shape="chain 2 (1/1/3)", tree=[1, 1, 3], round_cost=1.1),
+                         dict(shape="chain 4 (1/3/5)", tree=[1, 3, 5], round_cost=1.25)])
+    (tmp_path / "costs.txt").write_text("the table\n" + json.dumps(costs) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
+                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
+                "--costs", str(tmp_path / "costs.txt")])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [r["tau"] for r in report["projected"]] == [1.4, 1.7]
+    # chain 4: 1.7 / 1.25 = 1.36x beats chain 2: 1.4 / 1.1 = 1.27x
+    assert report["verdict"].startswith("measured costs, chain 4 (1/3/5): tau 1.70 >= "
+                                        "break-even 1.25: 1.36x")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--context", "250"], "--context 250 must be in 3.."),
+    (["--layers", "9"], "--layers 9 exceeds the model's num_hidden_layers=8"),
+    (["--tree", "2,5"], "--tree '2,5' must be 3 comma-separated int values"),
+    (["--sweep", "0,4"], "verify sizes are >= 1 node"),
+    (["--draft-vocab-size", "97"], "--draft-vocab-size 97 exceeds the target's vocab of 96"),
+])
+def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
+    config = cost_config_dir(tmp_path, COST_TINY, "tiny")
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["cost-plan", "--config", str(config), "--context", "16", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
+    for d in ("draft", "features", "target"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
+    with pytest.raises(SystemExit) as stopped:
+        E.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
+                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
+                "--costs", str(tmp_path / "costs.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
