@@ -1574,6 +1574,19 @@ def probs(logits):
     return torch.softmax(logits.float(), -1)
 
 
+def cdf_pick(r, coin):
+    """SGLang's final draw: the first id whose cumulative sum exceeds coin * sum(r), among
+    ids with r > 0 (else the last id with r > 0, else V - 1). The running sum is taken in
+    float64 and each prefix rounded to fp32, on every device: torch's CPU cumsum of fp32
+    does exactly that internally while CUDA's accumulates in fp32, so an implicit fp32
+    cumsum picks a different token on CPU and GPU when a coin lands within an ulp of a
+    boundary. (SGLang's kernel scans in fp32: such a coin can differ there too.)"""
+    cdf = r.double().cumsum(-1).float()
+    hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
+    live = (r > 0).nonzero()
+    return int(hit[0]) if len(hit) else int(live[-1]) if len(live) else len(r) - 1
+
+
 def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
                       kids=None):
     """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
@@ -1604,19 +1617,6 @@ def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshol
         path.append(node)
     r = p[node] if len(path) > depth else (p[node] - rejected).clamp(min=0)
     return Acceptance(torch.tensor(path), len(path) - 1, cdf_pick(r, final_coin), [])
-
-
-def cdf_pick(r, coin):
-    """SGLang's final draw: the first id whose cumulative sum exceeds coin * sum(r), among
-    ids with r > 0 (else the last id with r > 0, else V - 1). The running sum is taken in
-    float64 and each prefix rounded to fp32, on every device: torch's CPU cumsum of fp32
-    does exactly that internally while CUDA's accumulates in fp32, so an implicit fp32
-    cumsum picks a different token on CPU and GPU when a coin lands within an ulp of a
-    boundary. (SGLang's kernel scans in fp32: such a coin can differ there too.)"""
-    cdf = r.double().cumsum(-1).float()
-    hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
-    live = (r > 0).nonzero()
-    return int(hit[0]) if len(hit) else int(live[-1]) if len(live) else len(r) - 1
 
 
 def sglang_verify(logits, tree, randomness, sampling, preset):
@@ -1940,36 +1940,6 @@ def rope_inv_freq(hf_config):
     return inv_freq.float(), float(scale)
 
 
-def target_config(c):
-    """A transformers config object -> TargetConfig."""
-    family = c.model_type
-    if getattr(c, "hidden_act", "silu") != "silu":
-        fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
-    attention_bias = family != "qwen2" and getattr(c, "attention_bias", False)
-    if getattr(c, "mlp_bias", False) or attention_bias:
-        fail("attention_bias/mlp_bias=True is not supported; these families ship without them")
-    # Sliding-window attention equals full attention while the cache fits in the window,
-    # so we keep the cache inside the window instead of implementing the window.
-    window = getattr(c, "sliding_window", None) if family == "mistral" else (
-        c.sliding_window if getattr(c, "use_sliding_window", False) else None)
-    max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    c.head_dim = head_dim
-    deepseek = family == "deepseek_v3"
-    if not deepseek:  # MLA's rotary width is qk_rope_head_dim, checked where it is read
-        check_head_dim(head_dim, f"the {family} target's config")
-    inv_freq, rope_scale = rope_inv_freq(c)
-    return TargetConfig(
-        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
-        inv_freq=inv_freq, rope_scale=rope_scale,
-        mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
-
-
 def check_head_dim(head_dim, where):
     if head_dim % 2:
         fail(f"{where} gives head_dim={head_dim}: RoPE rotates pairs of dims, so it must be "
@@ -2014,6 +1984,36 @@ def moe_config(c):
                      first_dense=c.first_k_dense_replace)
 
 
+def target_config(c):
+    """A transformers config object -> TargetConfig."""
+    family = c.model_type
+    if getattr(c, "hidden_act", "silu") != "silu":
+        fail(f"hidden_act={c.hidden_act!r} is not supported; only 'silu' (SwiGLU MLP)")
+    attention_bias = family != "qwen2" and getattr(c, "attention_bias", False)
+    if getattr(c, "mlp_bias", False) or attention_bias:
+        fail("attention_bias/mlp_bias=True is not supported; these families ship without them")
+    # Sliding-window attention equals full attention while the cache fits in the window,
+    # so we keep the cache inside the window instead of implementing the window.
+    window = getattr(c, "sliding_window", None) if family == "mistral" else (
+        c.sliding_window if getattr(c, "use_sliding_window", False) else None)
+    max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    c.head_dim = head_dim
+    deepseek = family == "deepseek_v3"
+    if not deepseek:  # MLA's rotary width is qk_rope_head_dim, checked where it is read
+        check_head_dim(head_dim, f"the {family} target's config")
+    inv_freq, rope_scale = rope_inv_freq(c)
+    return TargetConfig(
+        family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+        n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
+        inv_freq=inv_freq, rope_scale=rope_scale,
+        mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
+
+
 def read_config_json(path):
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"no config.json in {path!r}: expected a Hugging Face model directory")
@@ -2023,6 +2023,16 @@ def read_config_json(path):
 def text_config(raw):
     """The text model's config: Kimi-K2.5 (kimi_k25) wraps it in text_config."""
     return raw["text_config"] if raw.get("model_type") == "kimi_k25" else raw
+
+
+def validated(make_config, what):
+    """A transformers config, with its own validation of the fields (a chained, multi-line
+    exception) turned into our one-line error naming the file."""
+    try:
+        return make_config()
+    except Exception as e:  # ValueError, TypeError, huggingface_hub's validation error
+        cause = e.__cause__ or e
+        fail(f"{what} is not a valid config: {str(cause).strip().splitlines()[-1].strip()}")
 
 
 def read_target_config(path):
@@ -2044,16 +2054,6 @@ def read_target_config(path):
     drop = ("model_type", "architectures", "auto_map", "quantization_config")
     return target_config(validated(lambda: DeepseekV3Config.from_dict(
         {k: v for k, v in text.items() if k not in drop}), f"{path}/config.json (DeepSeek-V3)"))
-
-
-def validated(make_config, what):
-    """A transformers config, with its own validation of the fields (a chained, multi-line
-    exception) turned into our one-line error naming the file."""
-    try:
-        return make_config()
-    except Exception as e:  # ValueError, TypeError, huggingface_hub's validation error
-        cause = e.__cause__ or e
-        fail(f"{what} is not a valid config: {str(cause).strip().splitlines()[-1].strip()}")
 
 
 class BinWeights(NamedTuple):
@@ -2310,6 +2310,11 @@ def aux_inputs(ids, convention="specforge"):
     return tuple(k + shift[convention] for k in ids)
 
 
+def aux_layer_ids(raw):
+    """eagle_config.eagle_aux_hidden_state_layer_ids of a draft config, or None."""
+    return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+
+
 def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
     target it will run with. Its aux-layer ids are read in `aux_convention`. With
@@ -2351,11 +2356,6 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
         vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden, aux_layers=aux_layers,
         has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
-
-
-def aux_layer_ids(raw):
-    """eagle_config.eagle_aux_hidden_state_layer_ids of a draft config, or None."""
-    return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
 def check_vocab_map(d2t, t2d, V, where):
@@ -2496,19 +2496,6 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def read_conversations(path):
-    """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
-    content}) -> lists of {role, content}."""
-    if not os.path.isfile(path):
-        fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [conversation(line, f"{path}:{line_no}")
-                    for line_no, line in enumerate(f, 1) if line.strip()]
-    except UnicodeDecodeError as e:
-        fail(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
-
-
 def conversation(line, where):
     roles = dict(human="user", user="user", gpt="assistant", assistant="assistant",
                  system="system")
@@ -2530,6 +2517,19 @@ def conversation(line, where):
     return out
 
 
+def read_conversations(path):
+    """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
+    content}) -> lists of {role, content}."""
+    if not os.path.isfile(path):
+        fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [conversation(line, f"{path}:{line_no}")
+                    for line_no, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        fail(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
+
+
 def tokenize_conversation(tokenizer, messages):
     """Chat-template the conversation; reply_mask marks the tokens of assistant turns,
     found by rendering each prefix (the template must extend its prefixes, as real ones do)."""
@@ -2547,6 +2547,23 @@ def tokenize_conversation(tokenizer, messages):
                  "tokens cannot be located; use a template that renders turns in sequence")
         mask[len(before):len(upto)] = [1] * (len(upto) - len(before))
     return Example(tokens, mask)
+
+
+def greedy_rows(target, x, max_new_tokens, eos_token_id):
+    """Batched greedy decoding of equal-length prompts x (B, T) -> lists of new tokens,
+    stopping early once every row has produced an EOS."""
+    B, T = x.shape
+    cache = target.new_cache(T + max_new_tokens, batch=B)
+    logits, _ = target(x, cache=cache, aux_layers=())
+    out, ended = [], torch.zeros(B, dtype=torch.bool, device=x.device)
+    for n in range(T, T + max_new_tokens):
+        token = logits[:, -1].argmax(-1)                                   # (B,)
+        out.append(token)
+        ended |= token == eos_token_id
+        if ended.all() or n + 1 == T + max_new_tokens:
+            break
+        logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
+    return torch.stack(out, 1).tolist()                                    # (B, new)
 
 
 @torch.inference_mode()
@@ -2567,23 +2584,6 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
                 cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
                 replies[i] = reply[:cut]
     return replies
-
-
-def greedy_rows(target, x, max_new_tokens, eos_token_id):
-    """Batched greedy decoding of equal-length prompts x (B, T) -> lists of new tokens,
-    stopping early once every row has produced an EOS."""
-    B, T = x.shape
-    cache = target.new_cache(T + max_new_tokens, batch=B)
-    logits, _ = target(x, cache=cache, aux_layers=())
-    out, ended = [], torch.zeros(B, dtype=torch.bool, device=x.device)
-    for n in range(T, T + max_new_tokens):
-        token = logits[:, -1].argmax(-1)                                   # (B,)
-        out.append(token)
-        ended |= token == eos_token_id
-        if ended.all() or n + 1 == T + max_new_tokens:
-            break
-        logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
-    return torch.stack(out, 1).tolist()                                    # (B, new)
 
 
 def save_train_state(path, draft, opt, step):
@@ -3080,6 +3080,31 @@ SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may dif
                                # fp32 round-off; uniforms and integers must match exactly
 
 
+def golden_rows(t, name, x):
+    """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
+    ids plus a float64 row checksum."""
+    if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
+        t[name] = x
+    else:
+        top = x.topk(GOLDEN_TOP, dim=-1)
+        t.update({name + "_top20_values": top.values, name + "_top20_ids": top.indices,
+                  name + "_checksum": x.double().sum(-1)})
+
+
+def sglang_tree(tree):
+    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them for one
+    request: retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next
+    sibling (ascending node index; -1 for none). The rest of SGLang's tree is the Tree's own:
+    draft_tokens = tokens, positions = seq_len + positions, retrive_index = b * N + node."""
+    N = len(tree.tokens)
+    first, sibling = torch.full((N,), -1), torch.full((N,), -1)
+    for parent, kids in enumerate(children_of(tree.parents)):
+        if kids:
+            first[parent] = kids[0]
+            sibling[kids[:-1]] = torch.tensor(kids[1:], dtype=torch.long)
+    return dict(retrive_next_token=first, retrive_next_sibling=sibling)
+
+
 def golden_tensors(input_ids, result, preset=PRESETS["official"]):
     """One sequence's trace: the prompt, the output and, per round, the tree (ours and the
     engine's layout), the target logits at its nodes, the accepted path, the bonus and the
@@ -3108,20 +3133,6 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
     return {k: v.contiguous() for k, v in t.items()}
 
 
-def sglang_tree(tree):
-    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them for one
-    request: retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next
-    sibling (ascending node index; -1 for none). The rest of SGLang's tree is the Tree's own:
-    draft_tokens = tokens, positions = seq_len + positions, retrive_index = b * N + node."""
-    N = len(tree.tokens)
-    first, sibling = torch.full((N,), -1), torch.full((N,), -1)
-    for parent, kids in enumerate(children_of(tree.parents)):
-        if kids:
-            first[parent] = kids[0]
-            sibling[kids[:-1]] = torch.tensor(kids[1:], dtype=torch.long)
-    return dict(retrive_next_token=first, retrive_next_sibling=sibling)
-
-
 def golden_batch_tensors(prompts, results, preset):
     """A batch's trace: each sequence's tensors, named rowBB.<field> (batch size 1 keeps
     the plain names of version 1)."""
@@ -3129,17 +3140,6 @@ def golden_batch_tensors(prompts, results, preset):
         return golden_tensors(prompts[0], results[0], preset)
     return {f"row{b:02d}.{k}": v for b, (ids, r) in enumerate(zip(prompts, results))
             for k, v in golden_tensors(ids, r, preset).items()}
-
-
-def golden_rows(t, name, x):
-    """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
-    ids plus a float64 row checksum."""
-    if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
-        t[name] = x
-    else:
-        top = x.topk(GOLDEN_TOP, dim=-1)
-        t.update({name + "_top20_values": top.values, name + "_top20_ids": top.indices,
-                  name + "_checksum": x.double().sum(-1)})
 
 
 def write_golden(path, header, tensors):
@@ -3340,6 +3340,20 @@ class ChainStats(NamedTuple):
     replayed_tau: list    # k = 1..: mean accept length of chains replayed along the replies
 
 
+def replay_rounds(accepted, scored):
+    """Accept lengths of the rounds serving would run along each row: the first round
+    drafts the reply's second token (the prefill gives its first), each next round starts
+    after the previous one's bonus. accepted (B, T): drafts accepted by a chain at t."""
+    lengths = []
+    for row, live in zip(accepted.tolist(), scored.tolist()):
+        starts = [t for t, x in enumerate(live) if x]
+        t = starts[0] + 1 if starts else len(live)
+        while t < len(live) and live[t]:
+            lengths.append(row[t] + 1)
+            t += row[t] + 1
+    return lengths
+
+
 def chain_stats(results):
     """Greedy-chain acceptance from TTT results over a data set. A chain started at
     position t drafts with TTT steps 0, 1, .. at t, each fed the data's next token: when the
@@ -3369,20 +3383,6 @@ def chain_stats(results):
     tau = [1 + sum(math.prod(rate[:d + 1]) for d in range(k)) for k in range(1, steps + 1)]
     replayed = [sum(taus) / max(1, len(taus)) for taus in rounds]
     return ChainStats((hits / counts.clamp(min=1)).tolist(), rate, tau, replayed)
-
-
-def replay_rounds(accepted, scored):
-    """Accept lengths of the rounds serving would run along each row: the first round
-    drafts the reply's second token (the prefill gives its first), each next round starts
-    after the previous one's bonus. accepted (B, T): drafts accepted by a chain at t."""
-    lengths = []
-    for row, live in zip(accepted.tolist(), scored.tolist()):
-        starts = [t for t, x in enumerate(live) if x]
-        t = starts[0] + 1 if starts else len(live)
-        while t < len(live) and live[t]:
-            lengths.append(row[t] + 1)
-            t += row[t] + 1
-    return lengths
 
 
 def break_even_tau(verify_cost, draft_cost, drafts):
@@ -3498,6 +3498,16 @@ class DecodeStats(NamedTuple):
     round_cost: float         # one round's time in plain decode steps = the break-even tau
 
 
+def comm_total(tallies, op="all_reduce"):
+    """(calls, bytes) of `op` summed over a list of Tally."""
+    return sum(t.calls[op] for t in tallies), sum(t.bytes[op] for t in tallies)
+
+
+def greedy_with_comm(target, ids, max_new_tokens, eos):
+    mark = target.tp.sent.copy()
+    return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
+
+
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
                      repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
@@ -3526,11 +3536,6 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     round_cost = (spec_s / len(rounds)) / (greedy_s / n_tokens)
     return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
                        n_tokens / spec_s, n_tokens / greedy_s, lossless, *per_token, round_cost)
-
-
-def greedy_with_comm(target, ids, max_new_tokens, eos):
-    mark = target.tp.sent.copy()
-    return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
 
 
 def measure_presets(target, draft, prompts, max_new_tokens, eos, repeats=2, batch=4):
@@ -3594,11 +3599,6 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
 # 60-node tree at D = 7168 in bf16 is 840 KiB), so a call costs mostly its latency: the
 # verify step of a big TP-8 MoE model can be communication-bound long before it is
 # compute-bound, and a wide tree pays only if it accepts enough more than a narrow chain.
-
-
-def comm_total(tallies, op="all_reduce"):
-    """(calls, bytes) of `op` summed over a list of Tally."""
-    return sum(t.calls[op] for t in tallies), sum(t.bytes[op] for t in tallies)
 
 
 def comm_report(result):
@@ -4155,6 +4155,23 @@ def preset_of(args):
     return preset
 
 
+def render_tree(tree, path, tokenizer):
+    """ASCII drawing of a draft tree; '*' marks the accepted path."""
+    kids = children_of(tree.parents)
+    on_path = set(path.tolist())
+    lines = []
+
+    def walk(node, prefix, last):
+        mark = "*" if node in on_path else " "
+        branch = "" if node == 0 else ("└─ " if last else "├─ ")
+        lines.append(f"{prefix}{branch}{mark}{tokenizer.decode([int(tree.tokens[node])])!r}")
+        for i, child in enumerate(kids[node]):
+            walk(child, prefix + ("" if node == 0 else ("   " if last else "│  ")),
+                 i == len(kids[node]) - 1)
+    walk(0, "", True)
+    return "\n".join(lines)
+
+
 def cmd_generate(args):
     if args.top_k and not args.temperature:
         fail("--top-k is the sampling top-k and needs --temperature > 0; "
@@ -4186,25 +4203,16 @@ def cmd_generate(args):
         print0(comm_report(result))
 
 
-def render_tree(tree, path, tokenizer):
-    """ASCII drawing of a draft tree; '*' marks the accepted path."""
-    kids = children_of(tree.parents)
-    on_path = set(path.tolist())
-    lines = []
-
-    def walk(node, prefix, last):
-        mark = "*" if node in on_path else " "
-        branch = "" if node == 0 else ("└─ " if last else "├─ ")
-        lines.append(f"{prefix}{branch}{mark}{tokenizer.decode([int(tree.tokens[node])])!r}")
-        for i, child in enumerate(kids[node]):
-            walk(child, prefix + ("" if node == 0 else ("   " if last else "│  ")),
-                 i == len(kids[node]) - 1)
-    walk(0, "", True)
-    return "\n".join(lines)
-
-
 def cmd_demo(args):
     main_demo()
+
+
+def pad_id_of(path, args):
+    """The pad id a model dir's tokenizer uses (0 without one): only padded positions see it."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return 0
+    pad = load_tokenizer(path, args).pad_token_id
+    return pad if pad is not None else 0
 
 
 def cmd_train(args):
@@ -4237,14 +4245,6 @@ def cmd_train(args):
     acc = train_draft(ttt_inputs(target, pad_id_of(args.target, args)), draft, train, held_out,
                       cfg, args.out, args.resume)
     print0(json.dumps(dict(steps=steps, held_out_acc_per_step=[round(a, 4) for a in acc])))
-
-
-def pad_id_of(path, args):
-    """The pad id a model dir's tokenizer uses (0 without one): only padded positions see it."""
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        return 0
-    pad = load_tokenizer(path, args).pad_token_id
-    return pad if pad is not None else 0
 
 
 def cmd_capture(args):
@@ -4303,6 +4303,21 @@ def cmd_eval_draft(args):
                            chains=rows, best=best, verdict=verdict, projected=shapes)))
 
 
+def parse_numbers(text, kind, what, count=None):
+    """'1.5,2,3' -> numbers, or a one-line error naming the flag and the bad item."""
+    items = text.split(",")
+    for x in items:
+        try:
+            kind(x)
+        except ValueError:
+            fail(f"{what} {text!r}: {x.strip()!r} is not {'an' if kind is int else 'a'} "
+                 f"{kind.__name__}; expected "
+                 f"{count or 'a list of'} comma-separated {kind.__name__} values")
+    if count and len(items) != count:
+        fail(f"{what} {text!r} must be {count} comma-separated {kind.__name__} values")
+    return [kind(x) for x in items]
+
+
 def golden_config(args):
     """The run a new golden trace records (the header's `config`)."""
     prompts = ([parse_numbers(row, int, "--prompt-ids") for row in args.prompt_ids.split(";")]
@@ -4344,26 +4359,6 @@ def cmd_golden(args):
            + (f" ({len(results)} sequences)" if len(results) > 1 else ""))
 
 
-def cmd_vocab_check(args):
-    target_tok = load_tokenizer(args.target, args)
-    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
-    if args.against_draft or args.against_data:
-        return vocab_check_against(args, target_tok, draft_tok)
-    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
-    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
-          f"{fit.out_of_range}")
-    if fit.coverage is not None:
-        print(f"share of the data's target tokens inside the draft vocab (t2d): "
-              f"{fit.coverage:.1%}")
-    if not fit.fits:
-        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
-              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
-              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
-              f"Run remap-draft first.", file=sys.stderr)
-    print(json.dumps(fit._asdict()))
-
-
 def vocab_check_against(args, target_tok, draft_tok):
     """vocab-check --against-draft / --against-data: this drafter's map (in its own
     tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
@@ -4399,6 +4394,26 @@ def vocab_check_against(args, target_tok, draft_tok):
     print(json.dumps(report))
 
 
+def cmd_vocab_check(args):
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    if args.against_draft or args.against_data:
+        return vocab_check_against(args, target_tok, draft_tok)
+    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
+    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
+          f"{fit.out_of_range}")
+    if fit.coverage is not None:
+        print(f"share of the data's target tokens inside the draft vocab (t2d): "
+              f"{fit.coverage:.1%}")
+    if not fit.fits:
+        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
+              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
+              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
+              f"Run remap-draft first.", file=sys.stderr)
+    print(json.dumps(fit._asdict()))
+
+
 def cmd_remap_draft(args):
     target = load_target_head(args.target)   # the drafter's embedding and the vocab: no layers
     target_tok = load_tokenizer(args.target, args)
@@ -4410,6 +4425,28 @@ def cmd_remap_draft(args):
     save_draft(draft, args.out)
     print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
            f"{size - carried} freshly initialised")
+
+
+def draft_check_accuracy(args, candidates):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
+    if not examples:
+        fail(f"{args.data} has no conversation with an assistant turn to measure on")
+    draft = load_draft(args.draft, target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
+    for indices in ranked:
+        names = ", ".join(c for c, v in candidates.items() if v == indices)
+        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
+               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
+    best = [c for c, v in candidates.items() if v == ranked[0]]
+    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
+    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
+           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
+    return dict(examples=len(examples), best=best, margin=round(margin, 4),
+                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
 
 
 def cmd_draft_check(args):
@@ -4435,28 +4472,6 @@ def cmd_draft_check(args):
     if args.data:
         report.update(draft_check_accuracy(args, candidates))
     print0(json.dumps(report))
-
-
-def draft_check_accuracy(args, candidates):
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(args.target, args)
-    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
-    if not examples:
-        fail(f"{args.data} has no conversation with an assistant turn to measure on")
-    draft = load_draft(args.draft, target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
-    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
-    for indices in ranked:
-        names = ", ".join(c for c, v in candidates.items() if v == indices)
-        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
-               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
-    best = [c for c, v in candidates.items() if v == ranked[0]]
-    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
-    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
-           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
-    return dict(examples=len(examples), best=best, margin=round(margin, 4),
-                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
 
 
 def bench_setup(args):
@@ -4551,19 +4566,24 @@ def cmd_bench(args):
         seconds=round(time.time() - t0, 1))))
 
 
-def parse_numbers(text, kind, what, count=None):
-    """'1.5,2,3' -> numbers, or a one-line error naming the flag and the bad item."""
-    items = text.split(",")
-    for x in items:
-        try:
-            kind(x)
-        except ValueError:
-            fail(f"{what} {text!r}: {x.strip()!r} is not {'an' if kind is int else 'a'} "
-                 f"{kind.__name__}; expected "
-                 f"{count or 'a list of'} comma-separated {kind.__name__} values")
-    if count and len(items) != count:
-        fail(f"{what} {text!r} must be {count} comma-separated {kind.__name__} values")
-    return [kind(x) for x in items]
+def comm_plan_table(rows, links):
+    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
+    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
+    wider shape pays in communication only if its tau is that many times the chain's)."""
+    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
+    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
+    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
+    lines = [head]
+    for row in rows:
+        for tau, t in row["per_token"].items():
+            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
+                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
+            for k in links:
+                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
+                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
+                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def cmd_comm_plan(args):
@@ -4599,26 +4619,6 @@ def cmd_comm_plan(args):
     print0(json.dumps(dict(config=path, tp=args.tp, dtype=str(dtype)[6:], links={
         k: v._asdict() for k, v in links.items()}, fusion_saving_us=args.fusion_saving_us,
         shapes=rows)))
-
-
-def comm_plan_table(rows, links):
-    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
-    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
-    wider shape pays in communication only if its tau is that many times the chain's)."""
-    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
-    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
-    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
-    lines = [head]
-    for row in rows:
-        for tau, t in row["per_token"].items():
-            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
-                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
-            for k in links:
-                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
-                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
-                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
-            lines.append(line)
-    return "\n".join(lines)
 
 
 def config_dir(path):
@@ -4677,6 +4677,23 @@ def cost_plan_inputs(args, cfg, draft_cfg):
     return shapes, sizes, taus, layers
 
 
+def print_cost_plan(run, cfg, timings, rows, taus):
+    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
+           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
+           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
+           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
+           f"{run['repeats']} runs after {run['warmup']} warm-up")
+    if run["estimate"]:
+        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
+               f"the layers' share of every target forward is scaled by "
+               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
+    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
+    print0(sweep_table(timings))
+    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
+           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
+    print0(cost_table(rows, taus))
+
+
 def cmd_cost_plan(args):
     from dataclasses import replace
     t0, world = time.time(), world_info()[1]
@@ -4711,23 +4728,6 @@ def cmd_cost_plan(args):
                                                 "break_even_tau")},
              speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows],
         seconds=round(time.time() - t0, 1))))
-
-
-def print_cost_plan(run, cfg, timings, rows, taus):
-    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
-           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
-           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
-           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
-           f"{run['repeats']} runs after {run['warmup']} warm-up")
-    if run["estimate"]:
-        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
-               f"the layers' share of every target forward is scaled by "
-               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
-    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
-    print0(sweep_table(timings))
-    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
-           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
-    print0(cost_table(rows, taus))
 
 
 AUX_CONVENTION_FLAG = dict(
@@ -4947,6 +4947,20 @@ PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir 
 FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; the others write a dir
 
 
+def check_output(out, is_file):
+    if is_file and os.path.isdir(out):
+        fail(f"--out {out!r} is a directory; expected the path of the file to write")
+    if not is_file and os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out!r} is a file; expected a directory to write into")
+    parent = os.path.dirname(os.path.abspath(out))
+    if is_file and not os.path.isdir(parent):
+        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
+    while not os.path.exists(parent):  # a dir output is created with its missing parents
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
+
+
 def check_paths(args):
     """Every path a command reads exists, is of the right kind and is readable, and --out
     can be written: before anything loads, so a typo is one line naming the flag (never a
@@ -4968,20 +4982,6 @@ def check_paths(args):
     out = getattr(args, "out", None)
     if out is not None:
         check_output(out, args.command in FILE_OUTPUTS)
-
-
-def check_output(out, is_file):
-    if is_file and os.path.isdir(out):
-        fail(f"--out {out!r} is a directory; expected the path of the file to write")
-    if not is_file and os.path.exists(out) and not os.path.isdir(out):
-        fail(f"--out {out!r} is a file; expected a directory to write into")
-    parent = os.path.dirname(os.path.abspath(out))
-    if is_file and not os.path.isdir(parent):
-        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
-    while not os.path.exists(parent):  # a dir output is created with its missing parents
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
 
 
 class Parser(argparse.ArgumentParser):
