@@ -42,6 +42,11 @@ import eagle3_ref as E
 torch.set_num_threads(1)  # tiny models run fastest on one thread; torchrun workers get a core each
 transformers.logging.set_verbosity_error()
 
+
+# ========================================================================================
+# scaffold: tiny random models, drafters with their vocab maps, launchers, references
+# ========================================================================================
+
 VOCAB = 24       # small target vocab: greedy text varies and random drafters hit (SPEC §9)
 LAYERS = 8       # aux layers (2, L//2, L-3) = (2, 4, 5)
 HIDDEN = 64
@@ -56,6 +61,9 @@ def assert_close(actual, expected, what=""):
     assert diff <= ATOL + RTOL * scale, f"{what} max abs diff {diff:.3g} at scale {scale:.3g}"
 
 
+# ----------------------------------------------------------------------------------------
+# tiny random models of every family
+
 TARGETS = {  # test name -> (model_type, config overrides)
     "llama": ("llama", {}),                                  # GQA: 4 query heads, 2 kv heads
     "mistral": ("mistral", dict(sliding_window=None)),
@@ -68,10 +76,30 @@ TARGETS = {  # test name -> (model_type, config overrides)
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128))),
     "tied": ("llama", dict(tie_word_embeddings=True)),
 }
-
-
-# ----------------------------------------------------------------------------------------
-# tiny random models
+DS_BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+               max_position_embeddings=MAX_POS, num_nextn_predict_layers=0, rope_theta=10000.0,
+               eos_token_id=None, bos_token_id=None, pad_token_id=None)
+DS_TARGETS = {  # name -> (config overrides, seed); together they exercise every path
+    # DeepSeek-V3-like: q_lora, 4 groups of 2 experts with 2 kept, v_head_dim != nope, YaRN
+    # whose mscale != mscale_all_dim (cos/sin factor != 1, softmax mscale^2), eps != 1e-6
+    "ds-v3": (dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                   n_group=4, topk_group=2, first_k_dense_replace=2, moe_intermediate_size=32,
+                   rms_norm_eps=1e-5, routed_scaling_factor=2.5,
+                   rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128,
+                                     beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)),
+              1),
+    # Kimi-K2-like: plain q_proj, n_group = 1, 2 shared experts, one dense layer, YaRN with
+    # beta 1/1 (a hard step between scaled and unscaled dims)
+    "kimi": (dict(q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=16, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3,
+                  n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16,
+                  rms_norm_eps=1e-6, routed_scaling_factor=2.827,
+                  rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64,
+                                    beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+             0),
+}
 
 
 def random_hf_model(name, seed=0, layers=LAYERS, std=0.25):
@@ -99,6 +127,27 @@ def randomized(config, seed, std):
     return model.eval()
 
 
+def ds_hf_model(name):
+    overrides, seed = DS_TARGETS[name]
+    return ds_random_model(dict(DS_BASE, **overrides), seed)
+
+
+def ds_random_model(config, seed):
+    """A transformers DeepseekV3ForCausalLM with eager attention and experts, weights
+    ~ N(0, 0.2), norm gains ~ 1 + N(0, 0.2) and a random score-correction bias: the
+    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    model = randomized(DeepseekV3Config(**config), seed, std=0.2)
+    model.set_attn_implementation("eager")
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, DeepseekV3TopkRouter):
+                module.e_score_correction_bias.normal_(std=0.05)
+    return model
+
+
 class Zoo:
     """Random tiny checkpoints, each built, saved and loaded once per module (on first use;
     the seed depends on the name only, so any subset of tests sees the same models)."""
@@ -123,31 +172,46 @@ class Zoo:
         return self.targets[name]
 
 
+class DSZoo(Zoo):
+    def hf(self, name):
+        if name not in self.models:
+            self.models[name] = ds_hf_model(name)
+            self.models[name].save_pretrained(self.root / name)
+        return self.models[name]
+
+
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     return Zoo(tmp_path_factory.mktemp("targets"))
+
+
+@pytest.fixture(scope="module")
+def ds_zoo(tmp_path_factory):
+    return DSZoo(tmp_path_factory.mktemp("deepseek"))
 
 
 def random_prompt(seed, length=12):
     return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def hf_forward(model, ids):
-    """transformers' logits (T, V) and hidden states (tuple of (T, D)) for one sequence."""
-    with torch.no_grad():
-        out = model(ids, output_hidden_states=True)
-    return out.logits[0], [h[0] for h in out.hidden_states]
+def random_tree(seed, n_nodes=12):
+    """Random tokens and random parents (each parent precedes its child)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n_nodes)]
+    tokens = torch.randint(0, VOCAB, (n_nodes,), generator=g)
+    return tokens, parents
 
 
-def hf_aux(hidden_states, layers):
-    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+def path_to(parents, node):
+    """Root-to-node list of node indices, by walking parents."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
-def hf_greedy(model, ids, max_new_tokens):
-    """transformers' greedy decoding; the mask keeps prompt tokens equal to pad visible."""
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=max_new_tokens)
-    return out[0, ids.shape[1]:]
+# ----------------------------------------------------------------------------------------
+# drafters and their vocab maps
 
 
 def draft_config_dict(draft_vocab_size=None, **extra):
@@ -205,16 +269,149 @@ def sharpen(draft, target, sequences, kept=None, steps=60, unroll=3, lr=1e-2):
     return draft
 
 
-def path_to(parents, node):
-    """Root-to-node list of node indices, by walking parents."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
+def ttt_sharpen(draft, target, hf, prompt, new_tokens, steps):
+    """Adam steps (lr 1e-2) of the 3-step TTT loss on transformers' greedy continuation of
+    `prompt`: the drafter learns the target's text, so acceptance paths go deep (SPEC §9)."""
+    prompt = torch.tensor([prompt])
+    with torch.no_grad():
+        text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                           max_new_tokens=new_tokens)
+        logits, aux = target(text, aux_layers=draft.cfg.aux_layers)
+    params = E.trainable(draft)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for _ in range(steps):
+        loss = E.ttt_loss(draft, aux, text, torch.ones_like(text), logits, steps=3).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft.requires_grad_(False)
+
+
+def edit_draft_dir(path, config=None, state=None):
+    """Rewrite a saved drafter's config.json and/or weights through the given edits."""
+    if config:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        config(raw)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(raw, f)
+    if state:
+        weights = load_file(os.path.join(path, "model.safetensors"))
+        state(weights)
+        save_file(weights, os.path.join(path, "model.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------
-# target model: logits and aux features equal transformers'
+# running the command line, and torchrun
+
+
+def golden_env():
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def golden_cli(*args, world=1):
+    """The command line `eagle3_ref.py ARGS` (under torchrun for world > 1), started now."""
+    script = os.path.abspath(E.__file__)
+    launcher = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return subprocess.Popen(launcher + [script] + [str(a) for a in args], env=golden_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def golden_finish(*procs):
+    """Wait for processes started together (2 cores run two at once) -> CompletedProcess."""
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def train_cli(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, E.__file__, *args], cwd=cwd, env=env,
+                          capture_output=True, timeout=240)
+    return SimpleNamespace(returncode=proc.returncode, stdout=proc.stdout.decode("utf-8"),
+                           stderr=proc.stderr.decode("utf-8"))
+
+
+def run_command(argv):
+    """A subcommand in this process (so the test can instrument it), its stdout lines."""
+    args = E.build_parser().parse_args([str(a) for a in argv])
+    args.run(args)
+
+
+def cli_here(argv, capsys):
+    """main(argv) in this process: the command's code path without the interpreter start."""
+    with pytest.raises(SystemExit) as stopped:
+        E.main(argv)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=stopped.value.code, stdout=out.out, stderr=out.err)
+
+
+def refused(proc):
+    """The one error line of a refused CLI run; nothing else reaches stderr."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-1000:], proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------
+# transformers as the reference
+
+
+def hf_forward(model, ids):
+    """transformers' logits (T, V) and hidden states (tuple of (T, D)) for one sequence."""
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    return out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def hf_aux(hidden_states, layers):
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+def hf_greedy(model, ids, max_new_tokens):
+    """transformers' greedy decoding; the mask keeps prompt tokens equal to pad visible."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens)
+    return out[0, ids.shape[1]:]
+
+
+def hf_warped_probs(scores, sampling):
+    """softmax after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
+    TopPLogitsWarper (the order transformers' generate applies them), or with top-p before
+    top-k when sampling.order says so (the official EAGLE code's order); scores (B, V)."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    scores = scores.double()
+    top_k = [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+    top_p = [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []
+    warpers = [TemperatureLogitsWarper(sampling.temperature)] + (
+        top_k + top_p if sampling.order == "T-k-p" else top_p + top_k)
+    for warp in warpers:
+        scores = warp(None, scores)
+    return scores.softmax(-1)
+
+
+# ========================================================================================
+# SPEC 3. the target model and tensor parallelism
+# ========================================================================================
+
+
+# ----------------------------------------------------------------------------------------
+# logits, aux features and greedy decoding equal transformers'
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
@@ -235,6 +432,16 @@ def test_aux_features_are_residuals_entering_layers_2_mid_and_L_minus_3(zoo, nam
     expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
     assert aux.shape == (1, 20, 3 * HIDDEN)
     assert_close(aux[0], expected)
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([2, 30, 58], dict(specforge=(3, 31, 59), vllm=(2, 30, 58), sglang=(2, 30, 58),
+                       **{"sglang-legacy": (3, 31, 59)})),
+    ([1, 29, 57], dict(specforge=(2, 30, 58), vllm=(1, 29, 57), sglang=(2, 30, 58),
+                       **{"sglang-legacy": (2, 30, 58)})),
+])
+def test_aux_layer_ids_map_to_hidden_states_per_convention(ids, expected):
+    assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == expected
 
 
 def test_sharded_safetensors_checkpoint_loads_like_transformers(zoo, tmp_path):
@@ -268,15 +475,7 @@ def test_greedy_generate_equals_transformers_generate(zoo, name):
 
 
 # ----------------------------------------------------------------------------------------
-# tree verification over a KV cache, and commit
-
-
-def random_tree(seed, n_nodes=12):
-    """Random tokens and random parents (each parent precedes its child)."""
-    g = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n_nodes)]
-    tokens = torch.randint(0, VOCAB, (n_nodes,), generator=g)
-    return tokens, parents
+# the KV cache: tree verification and commit
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -316,675 +515,195 @@ def test_commit_then_decode_equals_recompute_from_scratch(zoo):
 
 
 # ----------------------------------------------------------------------------------------
-# bad input to the target and to generation: one clear Eagle3Error
+# the DeepSeek-V3 / Kimi-K2 family (MLA + MoE) against transformers' DeepseekV3ForCausalLM
+
+DS_FP8_BLOCK = [32, 32]  # blocks straddle the W = 2 slices of q_b, kv_b and the experts
+MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between implementations
 
 
-def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=VOCAB)))
-    supported = r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"
-    with pytest.raises(E.Eagle3Error, match=supported):
-        E.load_target(str(tmp_path))
+def routing_gap(hf, ids):
+    """The smallest margin, over every MoE layer and token of transformers' forward on ids,
+    between the last kept and the first dropped choice: of the k-th vs (k+1)-th biased
+    expert score among the allowed groups, and of the topk_group-th vs next group score.
+    Above MIN_ROUTING_GAP, round-off cannot flip an expert between two implementations."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    gaps = []
+
+    def hook(router, inputs, _):
+        x = inputs[0].reshape(-1, router.hidden_dim).float()
+        biased = torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias
+        G, kept = router.num_group, router.topk_group
+        group = biased.view(len(biased), G, -1).topk(2, -1).values.sum(-1)
+        ranked = group.sort(-1, descending=True).values
+        if kept < G:
+            gaps.append(float((ranked[:, kept - 1] - ranked[:, kept]).min()))
+        allowed = torch.zeros_like(group, dtype=torch.bool).scatter(
+            1, group.topk(kept, -1).indices, True).repeat_interleave(biased.shape[1] // G, 1)
+        s = biased.masked_fill(~allowed, -math.inf).sort(-1, descending=True).values
+        gaps.append(float((s[:, router.top_k - 1] - s[:, router.top_k]).min()))
+
+    handles = [m.register_forward_hook(hook) for m in hf.modules()
+               if isinstance(m, DeepseekV3TopkRouter)]
+    with torch.no_grad():
+        hf(ids)
+    for h in handles:
+        h.remove()
+    return min(gaps)
 
 
-def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
-    # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
-    # transformers' own validation catches the target's explicit head_dim (in one line of
-    # ours); a drafter's head width from hidden_size / heads slips past it.
-    config = dict(random_hf_model("llama").config.to_dict(), head_dim=9)
-    (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(E.Eagle3Error, match=r"config.json is not a valid config: RoPE requires "
-                                            r"an even rotary dimension.*head_dim.*9"):
-        E.read_target_config(str(tmp_path / "target"))
-    with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
-        E.read_draft_config(draft_config_dict(num_attention_heads=HIDDEN), zoo.target("llama").cfg)
+def assert_routing_is_robust(hf, ids):
+    gap = routing_gap(hf, ids)
+    assert gap > MIN_ROUTING_GAP, f"routing near-tie (gap {gap:.2e}): pick another seed/prompt"
 
 
-@pytest.mark.parametrize("world", [3, 4])   # 3: neither head count divides; 4: the kv heads
-def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
-    cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
-    with pytest.raises(E.Eagle3Error, match=r"num_attention_heads=4 and num_key_value_heads=2 "
-                                            rf"must both be divisible by the world size {world}"):
-        E.check_tp_sizes(cfg, world)
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_logits_and_aux_equal_transformers(ds_zoo, name):
+    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+    ids = random_prompt(40, length=16)
+    assert_routing_is_robust(hf, ids)
+    logits, hidden_states = hf_forward(hf, ids)
+    ours_logits, ours_aux = target(ids)
+    assert_close(ours_logits[0], logits, "logits")
+    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
 
 
-def edited_checkpoint(zoo, tmp_path, edit):
-    """A copy of the tiny llama checkpoint whose weights went through `edit(state)`."""
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    state = load_file(tmp_path / "model.safetensors")
-    edit(state)
-    save_file(state, tmp_path / "model.safetensors")
-    return str(tmp_path)
+def test_deepseek_softmax_scale_and_latent_eps_are_transformers(ds_zoo):
+    # (dn + dr)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2, and 1e-6 for the latent
+    # norms although rms_norm_eps is 1e-5
+    mla = ds_zoo.target("ds-v3").cfg.mla
+    assert mla.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.707 * math.log(4.0) + 1) ** 2)
+    assert mla.latent_eps == 1e-6 and ds_zoo.target("ds-v3").cfg.rms_eps == 1e-5
 
 
-def test_missing_weight_key_is_refused_naming_it(zoo, tmp_path):
-    path = edited_checkpoint(zoo, tmp_path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight"))
-    message = r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(path)
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(ds_zoo, name):
+    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+    cfg = target.cfg.mla
+    prefix = random_prompt(41, length=10)
+    cache = target.new_cache(32)
+    assert isinstance(cache, E.LatentCache)              # r + dr values per token and layer
+    assert cache.latent.shape == (LAYERS, 1, 1, 32, cfg.kv_lora_rank)
+    assert cache.k_pe.shape == (LAYERS, 1, 1, 32, cfg.qk_rope_head_dim)
+    target(prefix, cache=cache)
+    tokens, parents = random_tree(42)
+    tree = E.tree_from_parents(tokens, torch.tensor(parents))
+    logits, _ = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
+    for node in range(len(tokens)):
+        path = tokens[path_to(parents, node)]
+        sequence = torch.cat([prefix[0], path])[None]
+        assert_routing_is_robust(hf, sequence)
+        assert_close(logits[node], hf_forward(hf, sequence)[0][-1], f"node {node}")
 
 
-def test_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path):
-    path = edited_checkpoint(zoo, tmp_path, lambda s: s.update(
-        {"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
-    message = r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(path)
+def ds_quantise(w, block):
+    """FP8 e4m3 block quantisation as DeepSeek-V3 ships it: per (b0, b1) block one float32
+    scale_inv = amax / 448, weight = fp8(w / scale_inv). Returns (fp8, scale_inv, the
+    dequantised weight fp8 * scale_inv)."""
+    b0, b1 = block
+    rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
+    scale = torch.zeros(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            scale[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / 448.0
+    full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:w.shape[0], :w.shape[1]]
+    fp8 = (w / full).to(torch.float8_e4m3fn)
+    return fp8, scale, fp8.float() * full
 
 
-def test_corrupt_safetensors_file_is_refused(zoo, tmp_path):
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    weights = tmp_path / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.truncate(weights.stat().st_size // 2)
-    with pytest.raises(E.Eagle3Error, match=r"model\.safetensors.*corrupt"):
-        E.load_target(str(tmp_path))
-
-
-def official_draft_dir(path, target, draft_vocab_size=20):
-    """An official-layout drafter dir, as released for LLaMA-3.1-8B: architectures
-    LlamaForCausalLM, no rope_theta, pytorch_model.bin without the frozen embedding.
-    Returns the state dict written."""
-    os.makedirs(path, exist_ok=True)
-    kept = torch.arange(draft_vocab_size)
-    draft = random_draft(target, seed=5, kept=kept, std=0.2)
-    state = {k: v.clone() for k, v in draft.state_dict().items()
-             if not k.startswith("embed_tokens")}
-    torch.save(state, os.path.join(path, "pytorch_model.bin"))
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=HIDDEN,
-                  intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  num_hidden_layers=1, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                  hidden_act="silu", initializer_range=0.02, pad_token_id=0,
-                  tie_word_embeddings=False, torch_dtype="float16", use_cache=True,
-                  vocab_size=VOCAB, draft_vocab_size=draft_vocab_size)
-    with open(os.path.join(path, "config.json"), "w") as f:
+def ds_fp8_dir(hf, root):
+    """The checkpoint of `hf` with every 2-D layer weight but the router FP8-quantised, and
+    beside it the same checkpoint holding the dequantised weights (the reference)."""
+    hf.save_pretrained(root)
+    state = load_file(root / "model.safetensors")
+    dequantised = {}
+    for key in [k for k in state if k.startswith("model.layers.") and state[k].dim() == 2
+                and not k.endswith("mlp.gate.weight")]:
+        state[key], state[key + "_scale_inv"], dequantised[key] = ds_quantise(state[key],
+                                                                              DS_FP8_BLOCK)
+    save_file(state, root / "model.safetensors")
+    with open(root / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3",
+                                         activation_scheme="dynamic",
+                                         weight_block_size=DS_FP8_BLOCK)
+    with open(root / "config.json", "w") as f:
         json.dump(config, f)
-    return state
-
-
-def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, zoo):
-    with pytest.raises(E.Eagle3Error, match=r"num_hidden_layers >= 7"):
-        E.check_aux_layers((2, 3, 3), 6)          # (2, L//2, L-3) for L = 6 collide
-    six = random_hf_model("llama", layers=6)
-    six.save_pretrained(tmp_path / "target")
-    official_draft_dir(str(tmp_path / "draft"), zoo.target("llama"))
-    with pytest.raises(E.Eagle3Error, match=r"aux layers \(2, 3, 3\) for a 6-layer target"):
-        E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
-
-
-GENERATORS = {  # the generation entry points must check their inputs alike
-    "greedy": lambda target, draft, ids, n: E.greedy_generate(target, ids, n),
-    "sample": lambda target, draft, ids, n: E.sample_generate(target, ids, n, seed=1),
-    "speculative": lambda target, draft, ids, n: E.speculative_generate(
-        target, draft, ids, n, tree=E.TreeShape(2, 2, 6)),
-}
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("bad", [VOCAB, -1])
-def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, generate, bad):
-    # a forward would fail deep in the embedding (IndexError), or read another row silently
-    ids = random_prompt(0)
-    ids[0, 5] = bad
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside the target vocab "
-                                            rf"\[0, {VOCAB}\)"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, ids, 5)
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
-        E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), ids, 2, 2, 6)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_eos_outside_the_vocab_and_non_id_prompts_are_refused(zoo, plain_draft, generate):
-    target = zoo.target("llama")
-    with pytest.raises(E.Eagle3Error, match=r"must be a torch.long tensor of token ids"):
-        GENERATORS[generate](target, plain_draft, random_prompt(0).float(), 5)
-    eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
-           "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
-           "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
-                                                         eos_token_id=VOCAB + 3)}[generate]
-    with pytest.raises(E.Eagle3Error, match=r"eos_token_id=-?\d+ is not a token id of the "
-                                            rf"target vocab \[0, {VOCAB}\)"):
-        eos()
+    reference_dir = root.parent / (root.name + "-dequantised")
+    hf.save_pretrained(reference_dir)
+    plain = load_file(reference_dir / "model.safetensors")
+    save_file(dict(plain, **dequantised), reference_dir / "model.safetensors")
+    return reference_dir
 
 
 @pytest.fixture(scope="module")
-def plain_draft(zoo):
-    return random_draft(zoo.target("llama"), seed=3)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_empty_prompt_is_refused(zoo, plain_draft, generate):
-    with pytest.raises(E.Eagle3Error, match=r"prompt is empty"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft,
-                             torch.zeros(1, 0, dtype=torch.long), 5)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_prompt_plus_new_tokens_over_cache_length_is_refused(zoo, plain_draft, generate):
-    # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
-    with pytest.raises(E.Eagle3Error, match=r"exceeds the cache length 512"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), 501)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("max_new_tokens", [0, -3])
-def test_non_positive_max_new_tokens_is_refused(zoo, plain_draft, generate, max_new_tokens):
-    with pytest.raises(E.Eagle3Error, match=rf"max_new_tokens={max_new_tokens} must be a positive"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), max_new_tokens)
-
-
-def test_unbuildable_tree_shape_is_refused(zoo, plain_draft):
-    # top_k=2, depth=1: a pool of 2 + 1*4 = 6 candidates, so at most 7 nodes with the root
-    with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
-        E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
-                               tree=E.TreeShape(2, 1, 8))
-
-
-def test_top_k_larger_than_the_draft_vocab_is_refused(zoo):
-    # a drafter with 6 draft tokens cannot offer 8 distinct children per node
-    target = zoo.target("llama")
-    draft = random_draft(target, seed=4, kept=torch.tensor([0, 3, 5, 7, 9, 11]))
-    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
-        E.speculative_generate(target, draft, random_prompt(0), 5, tree=E.TreeShape(8, 2, 10))
-    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
-        E.draft_tree(draft, torch.zeros(1, 4, 3 * HIDDEN), random_prompt(0, length=5), 8, 2, 10)
-
-
-# ----------------------------------------------------------------------------------------
-# the draft tree: a hand-worked example with a scripted drafter
-
-
-class MarkovDrafter:
-    """A scripted drafter: next-token log-probabilities depend only on the last token
-    (a table written out in the test). Its hidden state is the one-hot last token, so
-    logits(h) reads that token's row. It records what each draft pass was given."""
-
-    def __init__(self, probs):
-        self.table = torch.tensor(probs).log()                       # (V, V) log-probs
-        V = self.table.shape[0]
-        self.cfg = SimpleNamespace(aux_layers=(2, 4, 5), vocab_size=V, draft_vocab_size=V)
-        self.calls = []
-
-    def fc(self, aux):
-        return aux.new_zeros(*aux.shape[:-1], self.cfg.vocab_size)
-
-    def __call__(self, h, tokens, positions, mask, cache=None, start=0):
-        self.calls.append(dict(tokens=tokens.tolist(), positions=positions.tolist(),
-                               mask=mask.int().tolist(), start=start))
-        return F.one_hot(tokens, self.cfg.vocab_size).to(h.dtype)
-
-    def logits(self, h):
-        return h @ self.table
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids
-
-    def new_cache(self, length):
-        return None
-
-
-def markov_rows(top, V=6):
-    """Probability rows: the listed tokens get their probabilities, the rest share what is left."""
-    rows = []
-    for last in range(V):
-        rest = [t for t in range(V) if t not in top[last]]
-        left = (1 - sum(top[last].values())) / len(rest)
-        rows.append([top[last].get(t, left) for t in range(V)])
-    return rows
-
-
-# P(next | last) for the hand-worked tree; the two most likely next tokens of each row:
-HAND_TABLE = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
-                          3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
-HAND_INPUT = torch.tensor([[5, 4, 3, 0]])   # three featured tokens, then the root 0
-
-
-def test_draft_tree_matches_hand_worked_example():
-    # top_k=2, depth=2, total_tokens=5; scores are cumulative probabilities (log-probs summed):
-    #   level 1, children of root 0:  pool 0 = token 1 (.6)   pool 1 = token 2 (.25)
-    #   expand pool 0 (token 1, .6):  pool 2 = token 3 (.42)  pool 3 = token 4 (.12)
-    #   expand pool 1 (token 2, .25): pool 4 = token 5 (.125) pool 5 = token 3 (.075)
-    #   rerank: best two of {.42, .12, .125, .075} = pool 2 (.42), pool 4 (.125)
-    #   expand pool 2 (token 3, .42): pool 6 = token 2 (.378) pool 7 = token 1 (.021)
-    #   expand pool 4 (token 5, .125):pool 8 = token 0 (.06875) pool 9 = token 4 (.05)
-    #   best 4 of the 10: .6 (0), .42 (2), .378 (6), .25 (1) -> by flat index [0, 1, 2, 6]
-    #   nodes 1..4 = pool 0, 1, 2, 6; parents: root, root, pool 0 = node 1, pool 2 = node 3
-    aux = torch.zeros(1, 3, 3 * HIDDEN)
-    tree = E.draft_tree(MarkovDrafter(HAND_TABLE), aux, HAND_INPUT, 2, 2, 5)
-    assert tree.tokens.tolist() == [0, 1, 2, 3, 2]
-    assert tree.parents.tolist() == [-1, 0, 0, 1, 3]
-    assert tree.positions.tolist() == [0, 1, 1, 2, 3]
-    assert tree.mask.int().tolist() == [[1, 0, 0, 0, 0],
-                                        [1, 1, 0, 0, 0],
-                                        [1, 0, 1, 0, 0],
-                                        [1, 1, 0, 1, 0],
-                                        [1, 1, 0, 1, 1]]
-    assert tree.retrieve_indices.tolist() == [[0, 2, -1, -1], [0, 1, 3, 4]]  # leaves 2 and 4
-
-
-def test_tree_drafting_feeds_each_level_at_one_position_seeing_prefix_and_ancestors():
-    # Same example. The prefix pass feeds pairs (feature of token p, token p+1) at positions
-    # 0..2; level 1 (tokens 1, 2) sits at position 3 in draft slots 3-4, level 2 (tokens 3, 5:
-    # children of slot 3 and slot 4) at position 4 in slots 5-6. Each row sees the 3 prefix
-    # slots, its ancestors and itself.
-    drafter = MarkovDrafter(HAND_TABLE)
-    E.draft_tree(drafter, torch.zeros(1, 3, 3 * HIDDEN), HAND_INPUT, 2, 2, 5)
-    assert drafter.calls == [
-        dict(tokens=[[4, 3, 0]], positions=[0, 1, 2], start=0,
-             mask=[[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
-        dict(tokens=[[1, 2]], positions=[3, 3], start=3,
-             mask=[[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]),
-        dict(tokens=[[3, 5]], positions=[4, 4], start=5,
-             mask=[[1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 0, 1]]),
-    ]
-
-
-# ----------------------------------------------------------------------------------------
-# the draft tree: invariants over many random drafters
-
-
-def test_draft_tree_invariants_hold_for_random_drafters(zoo):
-    target = zoo.target("llama")
-    kept = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11, 12, 14, 15, 17, 19, 20, 23])  # 16 of 24
-    drafters = [random_draft(target, seed=s, kept=kept if s % 2 else None, std=0.3)
-                for s in range(4)]
-    g = torch.Generator().manual_seed(11)
-    for case in range(40):
-        draft = drafters[case % 4]
-        top_k = int(torch.randint(1, 5, (), generator=g))
-        depth = int(torch.randint(1, 5, (), generator=g))
-        total = int(torch.randint(2, top_k + depth * top_k ** 2 + 2, (), generator=g))
-        T = int(torch.randint(1, 10, (), generator=g))
-        aux = torch.randn(1, T, 3 * HIDDEN, generator=g) * 3
-        ids = torch.randint(0, VOCAB, (1, T + 1), generator=g)
-        tree = E.draft_tree(draft, aux, ids, top_k, depth, total)
-        where = f"case {case}: top_k={top_k} depth={depth} total_tokens={total}"
-        parents = tree.parents.tolist()
-        assert len(parents) == total and parents[0] == -1, where
-        assert tree.tokens[0] == ids[0, -1], where
-        assert all(0 <= parents[i] < i for i in range(1, total)), where       # parent first
-        paths = [path_to(parents, i) for i in range(total)]
-        for i, path in enumerate(paths):
-            assert tree.mask[i].nonzero().flatten().tolist() == sorted(path), where
-            assert tree.positions[i] == len(path) - 1, where
-        assert max(len(p) for p in paths) <= depth + 2, where
-        leaves = [i for i in range(total) if i not in parents]
-        width = max(len(p) for p in paths)
-        assert tree.retrieve_indices.tolist() == [paths[leaf] + [-1] * (width - len(paths[leaf]))
-                                                  for leaf in leaves], where
-        for node in range(total):
-            children = [int(tree.tokens[c]) for c in range(total) if parents[c] == node]
-            assert len(children) == len(set(children)), where            # distinct siblings
-            assert len(children) <= top_k, where
-        if draft.cfg.has_vocab_map:                                 # drafted ids mapped by d2t
-            assert set(tree.tokens[1:].tolist()) <= set(kept.tolist()), where
-
-
-# ----------------------------------------------------------------------------------------
-# speculative decoding is lossless
-
-
-SPEC_TARGETS = {  # target -> draft vocab (None: the target's) and whether it is sharpened
-    "llama": dict(kept=None, sharpen=True),
-    "qwen3": dict(kept=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19,
-                                     20, 21, 22]), sharpen=True),
-    "qwen2": dict(kept=None, sharpen=False),
-}
-REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possible tree paths
-
-
-@pytest.fixture(scope="module")
-def speculation(zoo):
-    """Per target: a drafter, two prompts and transformers' greedy text for both. Sharpened
-    drafters were taught the greedy text of the 'memorized' prompt (drafts go deep) but not
-    of the 'fresh' one; the unsharpened drafter knows neither."""
-    setups = {}
-    for i, (name, spec) in enumerate(SPEC_TARGETS.items()):
-        hf, target = zoo.hf(name), zoo.target(name)
-        prompts = dict(memorized=random_prompt(100 + i, length=8), fresh=random_prompt(200 + i, 8))
-        reference = {kind: hf_greedy(hf, p, REFERENCE_TOKENS) for kind, p in prompts.items()}
-        if spec["sharpen"]:
-            draft = random_draft(target, seed=i, kept=spec["kept"])
-            others = [random_prompt(300 + i * 10 + j, 8) for j in range(2)]
-            texts = [torch.cat([p[0], hf_greedy(hf, p, REFERENCE_TOKENS)]) for p in others]
-            texts.append(torch.cat([prompts["memorized"][0], reference["memorized"]]))
-            sharpen(draft, target, torch.stack(texts), kept=spec["kept"])
-        else:
-            draft = random_draft(target, seed=i, std=0.3)
-            with torch.no_grad():
-                draft.lm_head.weight.mul_(3)
-        setups[name] = SimpleNamespace(hf=hf, target=target, draft=draft, kept=spec["kept"],
-                                       prompts=prompts, reference=reference)
-    return setups
-
-
-COMBOS = [  # (target, prompt, top_k, depth, total_tokens, max_new_tokens)
-    ("llama", "memorized", 1, 1, 2, 32),     # a chain of one draft
-    ("llama", "memorized", 1, 4, 6, 32),     # a chain at the pool maximum 1 + 4*1 + 1
-    ("llama", "fresh", 1, 3, 5, 32),
-    ("llama", "memorized", 2, 1, 7, 32),     # depth 1, pool maximum 2 + 1*4 + 1
-    ("llama", "fresh", 3, 1, 5, 32),
-    ("llama", "memorized", 2, 3, 15, 32),    # pool maximum 2 + 3*4 + 1
-    ("llama", "memorized", 3, 2, 10, 7),     # the budget ends inside a round
-    ("llama", "fresh", 4, 3, 20, 32),
-    ("llama", "memorized", 4, 5, 40, 32),
-    ("llama", "fresh", 2, 2, 4, 1),          # only the prefill's token
-    ("llama", "memorized", 10, 7, 60, 32),   # the official default tree
-    ("qwen3", "memorized", 1, 2, 4, 32),     # chain at the pool maximum
-    ("qwen3", "fresh", 2, 1, 3, 32),
-    ("qwen3", "memorized", 2, 2, 11, 32),    # pool maximum 2 + 2*4 + 1
-    ("qwen3", "memorized", 3, 3, 16, 32),
-    ("qwen3", "fresh", 3, 4, 40, 32),        # pool maximum 3 + 4*9 + 1
-    ("qwen3", "memorized", 5, 2, 25, 32),
-    ("qwen3", "fresh", 4, 1, 21, 32),        # depth 1, pool maximum 4 + 16 + 1
-    ("qwen2", "fresh", 2, 3, 8, 32),         # an unsharpened random drafter
-    ("qwen2", "memorized", 4, 4, 60, 32),
-    ("qwen2", "fresh", 1, 5, 7, 32),         # chain at the pool maximum
-]
-
-
-def combo_id(c):
-    return f"{c[0]}-{c[1]}-k{c[2]}-d{c[3]}-n{c[4]}-m{c[5]}"
-
-
-def run_combo(speculation, combo):
-    name, kind, top_k, depth, total, max_new = combo
-    s = speculation[name]
-    result = E.speculative_generate(s.target, s.draft, s.prompts[kind], max_new,
-                                    tree=E.TreeShape(top_k, depth, total))
-    return s, result
-
-
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-def test_greedy_speculative_equals_plain_greedy_and_transformers(speculation, combo):
-    s, result = run_combo(speculation, combo)
-    name, kind, max_new = combo[0], combo[1], combo[5]
-    expected = s.reference[kind][:max_new].tolist()
-    assert result.tokens.tolist() == expected
-    assert E.greedy_generate(s.target, s.prompts[kind], max_new).tolist() == expected
-
-
-def test_accept_length_is_longest_tree_path_matching_the_greedy_text(speculation):
-    # Brute force: in each round, enumerate every node of the verified tree and keep the
-    # deepest whose root-to-node tokens are the greedy text from the round's root on.
-    deepest = 0
-    for combo in COMBOS:
-        s, result = run_combo(speculation, combo)
-        text = s.reference[combo[1]].tolist()
-        at = 0                                   # output index of this round's root
-        assert len(result.rounds) == len(result.accept_lengths)
-        for r, (round_, accept_length) in enumerate(zip(result.rounds, result.accept_lengths)):
-            tokens, parents = round_.tree.tokens.tolist(), round_.tree.parents.tolist()
-            assert tokens[0] == text[at], f"{combo_id(combo)} round {r}"
-            matching = [len(p) - 1 for p in (path_to(parents, i) for i in range(len(tokens)))
-                        if [tokens[j] for j in p] == text[at:at + len(p)]]
-            assert accept_length == max(matching) + 1, f"{combo_id(combo)} round {r}"
-            at += accept_length
-            deepest = max(deepest, accept_length - 1)
-    assert deepest >= 2, "no round accepted two drafts: the drafters are too weak to test trees"
-
-
-class OracleDrafter:
-    """A scripted drafter that knows the target's greedy text `sequence` (prompt included):
-    draft position p predicts token p+2 with certainty. Its hidden state is the position.
-    It records the target features it is fed (its fc inputs)."""
-
-    def __init__(self, sequence, aux_layers=(2, 4, 5)):
-        self.sequence = sequence
-        self.cfg = SimpleNamespace(aux_layers=aux_layers, vocab_size=VOCAB, draft_vocab_size=VOCAB)
-        self.fed = []
-
-    def fc(self, aux):
-        self.fed.append(aux.clone())
-        return aux[..., :1] * 0
-
-    def __call__(self, h, tokens, positions, mask, cache=None, start=0):
-        B, T = tokens.shape
-        return positions.to(h.dtype).reshape(1, T, 1).expand(B, T, 1)
-
-    def logits(self, h):
-        return 50.0 * F.one_hot(self.sequence[h[..., 0].long() + 2], VOCAB).to(h.dtype)
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids
-
-    def new_cache(self, length):
-        return None
-
-
-@pytest.mark.parametrize("top_k, depth, total", [(1, 3, 5), (2, 2, 7), (3, 4, 20), (4, 1, 6)])
-def test_drafter_predicting_the_greedy_text_accepts_depth_plus_two_per_round(zoo, top_k, depth,
-                                                                             total):
-    prompt, max_new = random_prompt(12), 30
-    text = hf_greedy(zoo.hf("llama"), prompt, max_new + depth + 3)
-    oracle = OracleDrafter(torch.cat([prompt[0], text]))
-    result = E.speculative_generate(zoo.target("llama"), oracle, prompt, max_new,
-                                    tree=E.TreeShape(top_k, depth, total))
-    assert result.tokens.tolist() == text[:max_new].tolist()
-    # the prefill gives token 1; each round then emits depth+1 drafts and a bonus token
-    assert len(result.accept_lengths) == math.ceil((max_new - 1) / (depth + 2))
-    assert result.accept_lengths[:-1] == [depth + 2] * (len(result.accept_lengths) - 1)
-
-
-def test_drafter_is_fed_target_features_of_its_aux_layers(zoo):
-    # eagle_aux_hidden_state_layer_ids [0, 3, 6] (output of layer k) = inputs of layers 1, 4, 7.
-    # The prefill features, then each round's root + accepted nodes: consecutive positions.
-    target, prompt, max_new = zoo.target("llama"), random_prompt(13), 20
-    cfg = E.read_draft_config(draft_config_dict(
-        eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6])), target.cfg)
-    text = hf_greedy(zoo.hf("llama"), prompt, max_new + 6)
-    oracle = OracleDrafter(torch.cat([prompt[0], text]), aux_layers=cfg.aux_layers)
-    result = E.speculative_generate(target, oracle, prompt, max_new, tree=E.TreeShape(2, 3, 8))
-    fed = torch.cat(oracle.fed, dim=1)[0]                        # (positions, 3*D)
-    assert len(oracle.fed) == len(result.rounds)                 # prefill + all but the last round
-    assert fed.shape[0] == prompt.shape[1] + sum(result.accept_lengths[:-1])
-    _, hidden_states = hf_forward(zoo.hf("llama"), torch.cat([prompt[0], text])[None])
-    assert_close(fed, hf_aux(hidden_states, (1, 4, 7))[:fed.shape[0]])
-
-
-def test_speculative_generate_stops_at_first_eos(speculation):
-    s = speculation["llama"]
-    text = s.reference["memorized"].tolist()
-    first = next(i for i in range(8, 32) if text[i] not in text[:i])   # a token new at i >= 8
-    expected = text[:first + 1]                                       # up to and with the EOS
-    result = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], 32,
-                                    tree=E.TreeShape(3, 3, 12), eos_token_id=text[first])
-    assert result.tokens.tolist() == expected
-    assert E.greedy_generate(s.target, s.prompts["memorized"], 32, text[first]).tolist() == expected
-
-
-# ----------------------------------------------------------------------------------------
-# drafter checkpoints
-
-
-def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculation, tmp_path):
-    s = speculation["qwen3"]                                      # has d2t/t2d
-    E.save_draft(s.draft, str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        assert json.load(f)["architectures"] == ["LlamaForCausalLMEagle3"]
-    official_keys = {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-                     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-                     "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-                     "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
-                     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-                     "norm.weight", "lm_head.weight", "d2t", "t2d"}
-    assert set(load_file(tmp_path / "model.safetensors")) == official_keys  # no embed_tokens
-    loaded = E.load_draft(str(tmp_path), s.target)
-    _, aux = s.target(s.prompts["fresh"])
-    ids = torch.cat([s.prompts["fresh"], s.reference["fresh"][:1][None]], dim=1)
-    h = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(loaded.logits(h), s.draft.logits(h))
-    trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
-    for a, b in zip(*trees):
-        assert torch.equal(a, b)
-
-
-def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
-    target = zoo.target("llama3-rope")           # rope_theta 500000 + llama3 scaling
-    state = official_draft_dir(str(tmp_path), target)
-    draft = E.load_draft(str(tmp_path), target)
-    hs = HIDDEN // 4
-    expected = 1.0 / 10000 ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
-    assert torch.allclose(draft.cfg.inv_freq.cpu(), expected, rtol=1e-6, atol=0)
-    for key, value in state.items():
-        assert torch.equal(draft.state_dict()[key], value), key
-    assert torch.equal(draft.embed_tokens.weight, zoo.hf("llama3-rope").model.embed_tokens.weight)
-    assert draft.cfg.aux_layers == (2, 4, 5)
-
-
-def test_eagle_aux_layer_ids_use_output_of_layer_convention(zoo, tmp_path):
-    target = zoo.target("llama")
-    L = LAYERS
-
-    def aux_layers(ids):
-        raw = draft_config_dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=ids))
-        return E.read_draft_config(raw, target.cfg).aux_layers
-
-    assert aux_layers([1, L // 2 - 1, L - 4]) == (2, L // 2, L - 3)
-    assert aux_layers([0, 3, 6]) == (1, 4, 7)
-    # and save_draft writes them back in the same (output-of-layer) convention
-    draft = random_draft(target, seed=1,
-                         eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
-    E.save_draft(draft, str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
-
-
-def break_d2t_range(state):
-    state["d2t"][-1] = VOCAB              # draft id 19 -> target id 43
-
-
-def break_t2d(state):
-    state["t2d"][0], state["t2d"][4] = False, True   # same count, wrong ids
-
-
-def drop_up_proj(state):
-    state.pop("midlayer.mlp.up_proj.weight")
-
-
-def narrow_fc(state):
-    state["fc.weight"] = state["fc.weight"][:, :2 * HIDDEN].contiguous()
-
-
-BAD_DRAFTS = {
-    "d2t-outside-target-vocab": (break_d2t_range, r"d2t maps draft id 19 to target id 43, outside "
-                                                  r"the target vocab \[0, 24\)"),
-    "t2d-disagrees-with-d2t": (break_t2d, r"t2d disagrees with d2t"),
-    "missing-key": (drop_up_proj, r"missing keys \['midlayer\.mlp\.up_proj\.weight'\]"),
-    "wrong-fc-width": (narrow_fc, r"'fc\.weight'.* has shape \(64, 128\).*expects \(64, 192\)"),
-}
-
-
-@pytest.mark.parametrize("problem", list(BAD_DRAFTS))
-def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, problem):
-    edit, message = BAD_DRAFTS[problem]
-    target = zoo.target("llama")
-    kept = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22])
-    E.save_draft(random_draft(target, seed=2, kept=kept), str(tmp_path))
-    state = load_file(tmp_path / "model.safetensors")
-    edit(state)
-    save_file(state, tmp_path / "model.safetensors")
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.load_draft(str(tmp_path), target)
-
-
-def edit_draft_dir(path, config=None, state=None):
-    """Rewrite a saved drafter's config.json and/or weights through the given edits."""
-    if config:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-        config(raw)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(raw, f)
-    if state:
-        weights = load_file(os.path.join(path, "model.safetensors"))
-        state(weights)
-        save_file(weights, os.path.join(path, "model.safetensors"))
-
-
-def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation, tmp_path):
-    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
-    # must draft exactly as the same weights with an explicit identity map.
-    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
-    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
-    E.save_draft(s.draft, bare)
-    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
-    shutil.copytree(bare, mapped)
-    edit_draft_dir(mapped, state=lambda w: w.update(
-        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
-    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
-    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
-    for kind, prompt in s.prompts.items():
-        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
-        assert a.accept_lengths == b.accept_lengths
-        for ra, rb in zip(a.rounds, b.rounds):
-            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
-        if kind == "memorized":
-            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
-
-
-def test_full_vocab_drafter_with_a_broken_vocab_map_is_still_refused(zoo, tmp_path):
-    target = zoo.target("llama")
-    E.save_draft(random_draft(target, seed=8, kept=torch.arange(VOCAB)), str(tmp_path))
-    edit_draft_dir(str(tmp_path), state=lambda w: w["d2t"].__setitem__(3, 1))  # 3 -> 4, twice
-    with pytest.raises(E.Eagle3Error, match=r"d2t maps two draft ids to the same target id"):
-        E.load_draft(str(tmp_path), target)
-
-
-def reference_draft_layer(w, aux, tokens, H, Hkv, hs, eps, theta):
-    """The drafter's forward over one sequence, written out from the description in SPEC
-    section 4 with plain tensor ops: fc, [input_layernorm(embed) ; hidden_norm(h)], causal
-    GQA attention with RoPE (base theta, head size hs), residual h, SwiGLU, final norm and
-    lm_head. Returns (pre-norm output (T, D), logits (T, Vd))."""
-    T = tokens.shape[0]
-
-    def rms(x, weight):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    def rope(x):  # (T, heads, hs), rotate-half pairs (i, i + hs/2)
-        inv_freq = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
-        angle = torch.arange(T).float()[:, None] * inv_freq[None, :]
-        angle = torch.cat([angle, angle], -1)[:, None]                  # (T, 1, hs)
-        return x * angle.cos() + torch.cat([-x[..., hs // 2:], x[..., :hs // 2]], -1) * angle.sin()
-
-    h = aux @ w["fc.weight"].T
-    x = torch.cat([rms(w["embed_tokens.weight"][tokens], w["midlayer.input_layernorm.weight"]),
-                   rms(h, w["midlayer.hidden_norm.weight"])], -1)
-    q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, hs))
-    k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, Hkv, hs))
-    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, Hkv, hs)
-    y = torch.zeros(T, H, hs)
-    for head in range(H):
-        g = head // (H // Hkv)
-        scores = (q[:, head] @ k[:, g].T) / math.sqrt(hs)
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-        y[:, head] = torch.softmax(scores, -1) @ v[:, g]
-    h = h + y.reshape(T, H * hs) @ w["midlayer.self_attn.o_proj.weight"].T
-    n = rms(h, w["midlayer.post_attention_layernorm.weight"])
-    h = h + (F.silu(n @ w["midlayer.mlp.gate_proj.weight"].T) *
-             (n @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
-    return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
-
-
-def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_path):
-    # hidden 64 over 4 heads would give 16; the config says 24 (SpecForge writes head_dim)
-    target = zoo.target("llama")
-    E.save_draft(random_draft(target, seed=9, std=0.2, head_dim=24), str(tmp_path))
-    draft = E.load_draft(str(tmp_path), target)
-    assert draft.midlayer.self_attn.q_proj.weight.shape == (4 * 24, 2 * HIDDEN)
-    assert draft.midlayer.self_attn.k_proj.weight.shape == (2 * 24, 2 * HIDDEN)
-    assert draft.midlayer.self_attn.o_proj.weight.shape == (HIDDEN, 4 * 24)
-    prompt = random_prompt(31, length=9)
-    _, aux = target(prompt)
-    tokens = torch.cat([prompt[0, 1:], torch.tensor([5])])
-    w = {k: v.float() for k, v in draft.state_dict().items()}
-    h_ref, logits_ref = reference_draft_layer(w, aux[0], tokens, 4, 2, 24, 1e-6, 10000.0)
-    T = tokens.shape[0]
-    h = draft(draft.fc(aux), tokens[None], torch.arange(T), torch.ones(T, T).tril().bool())
-    assert_close(h[0], h_ref, "pre-norm output")
-    assert_close(draft.logits(h)[0], logits_ref, "logits")
+def ds_fp8(ds_zoo, tmp_path_factory):
+    from transformers import DeepseekV3ForCausalLM
+    root = tmp_path_factory.mktemp("fp8") / "ds-v3"
+    reference_dir = ds_fp8_dir(ds_zoo.hf("ds-v3"), root)
+    reference = DeepseekV3ForCausalLM.from_pretrained(reference_dir).eval()
+    reference.set_attn_implementation("eager")
+    reference.set_experts_implementation("eager")
+    return SimpleNamespace(dir=str(root), reference=reference)
+
+
+def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
+    with safe_open(os.path.join(ds_fp8.dir, "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.3.mlp.experts.1.up_proj.weight").dtype == \
+            torch.float8_e4m3fn
+    ids = random_prompt(43, length=12)
+    assert_routing_is_robust(ds_fp8.reference, ids)
+    assert_close(E.load_target(ds_fp8.dir)(ids)[0][0], hf_forward(ds_fp8.reference, ids)[0],
+                 "fp8 logits")
+
+
+def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
+    """A copy of an HF dir with its config.json and weight names rewritten."""
+    shutil.copytree(src, dst)
+    with open(dst / "config.json") as f:
+        config = json.load(f)
+    with open(dst / "config.json", "w") as f:
+        json.dump(config_edit(config), f)
+    state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
+    save_file(dict(state, **(extra or {})), dst / "model.safetensors")
+
+
+def kimi_k2_config(config):
+    """What moonshotai ships: model_type kimi_k2 with remote-code auto_map entries."""
+    return dict(config, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+
+
+def test_kimi_k2_config_dir_loads_without_remote_code(ds_zoo, tmp_path):
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k2", kimi_k2_config)
+    ids = random_prompt(44, length=12)
+    assert_close(E.load_target(str(tmp_path / "k2"))(ids)[0][0],
+                 hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k2 logits")
+
+
+def test_kimi_k25_wrapper_dir_loads_its_text_model(ds_zoo, tmp_path, capsys):
+    def wrap(config):
+        return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"],
+                    text_config=kimi_k2_config(config), vision_config=dict(hidden_size=8))
+    vision = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
+              "mm_projector.proj.weight": torch.zeros(4, 8)}
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k25", wrap,
+                   key_edit=lambda k: "language_model." + k, extra=vision)
+    ids = random_prompt(45, length=12)
+    target = E.load_target(str(tmp_path / "k25"))
+    assert "ignoring 2 non-text weights" in capsys.readouterr().err
+    assert_close(target(ids)[0][0], hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k25 logits")
+
+
+def test_deepseek_mtp_layer_weights_are_skipped(ds_zoo, tmp_path, capsys):
+    mtp = {f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN),
+           f"model.layers.{LAYERS}.enorm.weight": torch.ones(HIDDEN)}
+    ds_rewrite_dir(ds_zoo.root / "ds-v3", tmp_path / "mtp",
+                   lambda c: dict(c, num_nextn_predict_layers=1), extra=mtp)
+    ids = random_prompt(46, length=8)
+    logits = E.load_target(str(tmp_path / "mtp"))(ids)[0]
+    assert f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights" in capsys.readouterr().err
+    assert torch.equal(logits, ds_zoo.target("ds-v3")(ids)[0])
 
 
 # ----------------------------------------------------------------------------------------
@@ -1155,361 +874,6 @@ def test_tensor_parallel_batches_equal_single_process(speculation, tp_run, prese
             assert [t.tolist() for t in rank["batch"][(preset, temperature)]] == expected
 
 
-def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
-    s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
-    expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
-    rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
-    assert not torch.equal(rank0["logits"].argmax(-1), rank1["logits"].argmax(-1)), \
-        "rank 1's own choices must differ for this test to mean anything"
-    assert rank0["greedy"].tolist() == rank1["greedy"].tolist() == expected
-    for shape, (tokens0, _), (tokens1, _) in zip(TP_SHAPES, rank0["speculative"],
-                                                  rank1["speculative"]):
-        assert tokens0.tolist() == tokens1.tolist() == expected, shape
-
-# ----------------------------------------------------------------------------------------
-# the DeepSeek-V3 / Kimi-K2 family (MLA + MoE) against transformers' DeepseekV3ForCausalLM
-
-DS_BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-               num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-               max_position_embeddings=MAX_POS, num_nextn_predict_layers=0, rope_theta=10000.0,
-               eos_token_id=None, bos_token_id=None, pad_token_id=None)
-DS_TARGETS = {  # name -> (config overrides, seed); together they exercise every path
-    # DeepSeek-V3-like: q_lora, 4 groups of 2 experts with 2 kept, v_head_dim != nope, YaRN
-    # whose mscale != mscale_all_dim (cos/sin factor != 1, softmax mscale^2), eps != 1e-6
-    "ds-v3": (dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                   v_head_dim=12, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                   n_group=4, topk_group=2, first_k_dense_replace=2, moe_intermediate_size=32,
-                   rms_norm_eps=1e-5, routed_scaling_factor=2.5,
-                   rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128,
-                                     beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=0.707)),
-              1),
-    # Kimi-K2-like: plain q_proj, n_group = 1, 2 shared experts, one dense layer, YaRN with
-    # beta 1/1 (a hard step between scaled and unscaled dims)
-    "kimi": (dict(q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                  v_head_dim=16, n_routed_experts=6, n_shared_experts=2, num_experts_per_tok=3,
-                  n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16,
-                  rms_norm_eps=1e-6, routed_scaling_factor=2.827,
-                  rope_scaling=dict(type="yarn", factor=8.0, original_max_position_embeddings=64,
-                                    beta_fast=1, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
-             0),
-}
-DS_FP8_BLOCK = [32, 32]  # blocks straddle the W = 2 slices of q_b, kv_b and the experts
-MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between implementations
-
-
-def ds_hf_model(name):
-    overrides, seed = DS_TARGETS[name]
-    return ds_random_model(dict(DS_BASE, **overrides), seed)
-
-
-def ds_random_model(config, seed):
-    """A transformers DeepseekV3ForCausalLM with eager attention and experts, weights
-    ~ N(0, 0.2), norm gains ~ 1 + N(0, 0.2) and a random score-correction bias: the
-    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
-    from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    model = randomized(DeepseekV3Config(**config), seed, std=0.2)
-    model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, DeepseekV3TopkRouter):
-                module.e_score_correction_bias.normal_(std=0.05)
-    return model
-
-
-def routing_gap(hf, ids):
-    """The smallest margin, over every MoE layer and token of transformers' forward on ids,
-    between the last kept and the first dropped choice: of the k-th vs (k+1)-th biased
-    expert score among the allowed groups, and of the topk_group-th vs next group score.
-    Above MIN_ROUTING_GAP, round-off cannot flip an expert between two implementations."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-    gaps = []
-
-    def hook(router, inputs, _):
-        x = inputs[0].reshape(-1, router.hidden_dim).float()
-        biased = torch.sigmoid(x @ router.weight.float().T) + router.e_score_correction_bias
-        G, kept = router.num_group, router.topk_group
-        group = biased.view(len(biased), G, -1).topk(2, -1).values.sum(-1)
-        ranked = group.sort(-1, descending=True).values
-        if kept < G:
-            gaps.append(float((ranked[:, kept - 1] - ranked[:, kept]).min()))
-        allowed = torch.zeros_like(group, dtype=torch.bool).scatter(
-            1, group.topk(kept, -1).indices, True).repeat_interleave(biased.shape[1] // G, 1)
-        s = biased.masked_fill(~allowed, -math.inf).sort(-1, descending=True).values
-        gaps.append(float((s[:, router.top_k - 1] - s[:, router.top_k]).min()))
-
-    handles = [m.register_forward_hook(hook) for m in hf.modules()
-               if isinstance(m, DeepseekV3TopkRouter)]
-    with torch.no_grad():
-        hf(ids)
-    for h in handles:
-        h.remove()
-    return min(gaps)
-
-
-class DSZoo(Zoo):
-    def hf(self, name):
-        if name not in self.models:
-            self.models[name] = ds_hf_model(name)
-            self.models[name].save_pretrained(self.root / name)
-        return self.models[name]
-
-
-@pytest.fixture(scope="module")
-def ds_zoo(tmp_path_factory):
-    return DSZoo(tmp_path_factory.mktemp("deepseek"))
-
-
-def assert_routing_is_robust(hf, ids):
-    gap = routing_gap(hf, ids)
-    assert gap > MIN_ROUTING_GAP, f"routing near-tie (gap {gap:.2e}): pick another seed/prompt"
-
-
-@pytest.mark.parametrize("name", list(DS_TARGETS))
-def test_deepseek_logits_and_aux_equal_transformers(ds_zoo, name):
-    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
-    ids = random_prompt(40, length=16)
-    assert_routing_is_robust(hf, ids)
-    logits, hidden_states = hf_forward(hf, ids)
-    ours_logits, ours_aux = target(ids)
-    assert_close(ours_logits[0], logits, "logits")
-    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
-
-
-def test_deepseek_softmax_scale_and_latent_eps_are_transformers(ds_zoo):
-    # (dn + dr)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2, and 1e-6 for the latent
-    # norms although rms_norm_eps is 1e-5
-    mla = ds_zoo.target("ds-v3").cfg.mla
-    assert mla.softmax_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.707 * math.log(4.0) + 1) ** 2)
-    assert mla.latent_eps == 1e-6 and ds_zoo.target("ds-v3").cfg.rms_eps == 1e-5
-
-
-@pytest.mark.parametrize("name", list(DS_TARGETS))
-def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(ds_zoo, name):
-    hf, target = ds_zoo.hf(name), ds_zoo.target(name)
-    cfg = target.cfg.mla
-    prefix = random_prompt(41, length=10)
-    cache = target.new_cache(32)
-    assert isinstance(cache, E.LatentCache)              # r + dr values per token and layer
-    assert cache.latent.shape == (LAYERS, 1, 1, 32, cfg.kv_lora_rank)
-    assert cache.k_pe.shape == (LAYERS, 1, 1, 32, cfg.qk_rope_head_dim)
-    target(prefix, cache=cache)
-    tokens, parents = random_tree(42)
-    tree = E.tree_from_parents(tokens, torch.tensor(parents))
-    logits, _ = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
-    for node in range(len(tokens)):
-        path = tokens[path_to(parents, node)]
-        sequence = torch.cat([prefix[0], path])[None]
-        assert_routing_is_robust(hf, sequence)
-        assert_close(logits[node], hf_forward(hf, sequence)[0][-1], f"node {node}")
-
-
-DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
-
-
-@pytest.fixture(scope="module")
-def ds_speculation(ds_zoo):
-    """Per target: a drafter sharpened on transformers' greedy text of a prompt, the prompt
-    and 48 greedy tokens."""
-    setups = {}
-    for i, name in enumerate(DS_TARGETS):
-        hf, target = ds_zoo.hf(name), ds_zoo.target(name)
-        for seed in range(500 + 100 * i, 600 + 100 * i):  # the first prompt without near-ties
-            prompt = random_prompt(seed, length=8)
-            text = hf_greedy(hf, prompt, REFERENCE_TOKENS)
-            sequence = torch.cat([prompt[0], text])[None]
-            if routing_gap(hf, sequence) > MIN_ROUTING_GAP:
-                break
-        assert_routing_is_robust(hf, sequence)
-        draft = sharpen(random_draft(target, seed=i), target, sequence)
-        setups[name] = SimpleNamespace(hf=hf, target=target, draft=draft, prompt=prompt,
-                                       text=text)
-    return setups
-
-
-@pytest.mark.parametrize("shape", DS_SHAPES, ids=lambda s: "k{}-d{}-n{}".format(*s))
-@pytest.mark.parametrize("name", list(DS_TARGETS))
-def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, name, shape):
-    s = ds_speculation[name]
-    result = E.speculative_generate(s.target, s.draft, s.prompt, 32, tree=E.TreeShape(*shape))
-    assert result.tokens.tolist() == s.text[:32].tolist()
-    assert max(result.accept_lengths) >= 3     # rounds that accept >= 2 drafts
-
-
-def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path):
-    s = ds_speculation["ds-v3"]
-    example = E.Example(torch.cat([s.prompt[0], s.text]).tolist(), [0] * 8 + [1] * len(s.text))
-    draft = random_draft(s.target, seed=5)
-
-    def loss():
-        with torch.no_grad():
-            return float(E.ttt_batch(s.target, draft, [example], pad_id=0, steps=3).loss)
-    before = loss()
-    E.train_draft(s.target, draft, [example] * 4, [], train_config(steps=30, batch=4),
-                  str(tmp_path), 0)
-    assert loss() < 0.8 * before, (before, loss())
-
-
-# checkpoints: FP8 blocks, Kimi config dirs, the MTP layer, unsupported quantisation
-
-
-def ds_quantise(w, block):
-    """FP8 e4m3 block quantisation as DeepSeek-V3 ships it: per (b0, b1) block one float32
-    scale_inv = amax / 448, weight = fp8(w / scale_inv). Returns (fp8, scale_inv, the
-    dequantised weight fp8 * scale_inv)."""
-    b0, b1 = block
-    rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
-    scale = torch.zeros(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            scale[i, j] = w[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].abs().max() / 448.0
-    full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)[:w.shape[0], :w.shape[1]]
-    fp8 = (w / full).to(torch.float8_e4m3fn)
-    return fp8, scale, fp8.float() * full
-
-
-def ds_fp8_dir(hf, root):
-    """The checkpoint of `hf` with every 2-D layer weight but the router FP8-quantised, and
-    beside it the same checkpoint holding the dequantised weights (the reference)."""
-    hf.save_pretrained(root)
-    state = load_file(root / "model.safetensors")
-    dequantised = {}
-    for key in [k for k in state if k.startswith("model.layers.") and state[k].dim() == 2
-                and not k.endswith("mlp.gate.weight")]:
-        state[key], state[key + "_scale_inv"], dequantised[key] = ds_quantise(state[key],
-                                                                              DS_FP8_BLOCK)
-    save_file(state, root / "model.safetensors")
-    with open(root / "config.json") as f:
-        config = json.load(f)
-    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3",
-                                         activation_scheme="dynamic",
-                                         weight_block_size=DS_FP8_BLOCK)
-    with open(root / "config.json", "w") as f:
-        json.dump(config, f)
-    reference_dir = root.parent / (root.name + "-dequantised")
-    hf.save_pretrained(reference_dir)
-    plain = load_file(reference_dir / "model.safetensors")
-    save_file(dict(plain, **dequantised), reference_dir / "model.safetensors")
-    return reference_dir
-
-
-@pytest.fixture(scope="module")
-def ds_fp8(ds_zoo, tmp_path_factory):
-    from transformers import DeepseekV3ForCausalLM
-    root = tmp_path_factory.mktemp("fp8") / "ds-v3"
-    reference_dir = ds_fp8_dir(ds_zoo.hf("ds-v3"), root)
-    reference = DeepseekV3ForCausalLM.from_pretrained(reference_dir).eval()
-    reference.set_attn_implementation("eager")
-    reference.set_experts_implementation("eager")
-    return SimpleNamespace(dir=str(root), reference=reference)
-
-
-def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
-    with safe_open(os.path.join(ds_fp8.dir, "model.safetensors"), framework="pt") as f:
-        assert f.get_tensor("model.layers.3.mlp.experts.1.up_proj.weight").dtype == \
-            torch.float8_e4m3fn
-    ids = random_prompt(43, length=12)
-    assert_routing_is_robust(ds_fp8.reference, ids)
-    assert_close(E.load_target(ds_fp8.dir)(ids)[0][0], hf_forward(ds_fp8.reference, ids)[0],
-                 "fp8 logits")
-
-
-def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
-    """A copy of an HF dir with its config.json and weight names rewritten."""
-    shutil.copytree(src, dst)
-    with open(dst / "config.json") as f:
-        config = json.load(f)
-    with open(dst / "config.json", "w") as f:
-        json.dump(config_edit(config), f)
-    state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
-    save_file(dict(state, **(extra or {})), dst / "model.safetensors")
-
-
-def kimi_k2_config(config):
-    """What moonshotai ships: model_type kimi_k2 with remote-code auto_map entries."""
-    return dict(config, model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
-                auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
-
-
-def test_kimi_k2_config_dir_loads_without_remote_code(ds_zoo, tmp_path):
-    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k2", kimi_k2_config)
-    ids = random_prompt(44, length=12)
-    assert_close(E.load_target(str(tmp_path / "k2"))(ids)[0][0],
-                 hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k2 logits")
-
-
-def test_kimi_k25_wrapper_dir_loads_its_text_model(ds_zoo, tmp_path, capsys):
-    def wrap(config):
-        return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"],
-                    text_config=kimi_k2_config(config), vision_config=dict(hidden_size=8))
-    vision = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
-              "mm_projector.proj.weight": torch.zeros(4, 8)}
-    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "k25", wrap,
-                   key_edit=lambda k: "language_model." + k, extra=vision)
-    ids = random_prompt(45, length=12)
-    target = E.load_target(str(tmp_path / "k25"))
-    assert "ignoring 2 non-text weights" in capsys.readouterr().err
-    assert_close(target(ids)[0][0], hf_forward(ds_zoo.hf("kimi"), ids)[0], "kimi_k25 logits")
-
-
-def test_deepseek_mtp_layer_weights_are_skipped(ds_zoo, tmp_path, capsys):
-    mtp = {f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN),
-           f"model.layers.{LAYERS}.enorm.weight": torch.ones(HIDDEN)}
-    ds_rewrite_dir(ds_zoo.root / "ds-v3", tmp_path / "mtp",
-                   lambda c: dict(c, num_nextn_predict_layers=1), extra=mtp)
-    ids = random_prompt(46, length=8)
-    logits = E.load_target(str(tmp_path / "mtp"))(ids)[0]
-    assert f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights" in capsys.readouterr().err
-    assert torch.equal(logits, ds_zoo.target("ds-v3")(ids)[0])
-
-
-def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(ds_zoo, tmp_path):
-    int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
-                config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
-    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "int4",
-                   lambda c: dict(kimi_k2_config(c), quantization_config=int4))
-    with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
-                                            r"format='pack-quantized'.*only FP8"):
-        E.load_target(str(tmp_path / "int4"))
-
-
-def ds_config_dir(tmp_path, **overrides):
-    overrides = dict(DS_TARGETS["ds-v3"][0], **overrides)
-    (tmp_path / "config.json").write_text(json.dumps(dict(DS_BASE, model_type="deepseek_v3",
-                                                          **overrides)))
-    return str(tmp_path)
-
-
-@pytest.mark.parametrize("world, overrides, message", [
-    (3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be divisible by the "
-            r"world size 3"),
-    (4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be divisible"),
-    (2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not divisible by the "
-                                        r"world size 2"),
-], ids=["heads", "kv-heads", "experts-width"])
-def test_deepseek_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, world, overrides,
-                                                                    message):
-    cfg = E.read_target_config(ds_config_dir(tmp_path, **overrides))
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.check_tp_sizes(cfg, world)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json must be even"),
-    (dict(num_experts_per_tok=3, topk_group=1), r"cannot select num_experts_per_tok=3 experts: "
-                                                r"topk_group \* n_routed_experts / n_group = "
-                                                r"1 \* 8 / 4 = 2"),
-    (dict(n_group=3), r"n_routed_experts=8, n_group=3"),
-], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
-def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.read_target_config(ds_config_dir(tmp_path, **overrides))
-
-
-# tensor parallelism at W = 2: sharding, 2 all-reduces per layer, W = 1 results
-
 @pytest.fixture(scope="module")
 def ds_tp_run(ds_zoo, ds_speculation, ds_fp8, tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_tp")
@@ -1649,96 +1013,83 @@ def test_world_size_1_counts_nothing_as_sent(speculation):
             assert sum(tally.calls.values()) == 0 and sum(tally.bytes.values()) == 0
 
 
-def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_target,
-                                                                     train_generate_setup):
-    c = train_chat_target
-    proc = golden_finish(golden_cli(
-        "generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir, "--prompt",
-        TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12", "--tree-top-k", "2", "--depth",
-        "2", "--total-tokens", "6", "--comm", world=2))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)\s+"
-                      r"(\d+)\s+([\d,]+)$", proc.stdout, re.M)
-    assert rows, proc.stdout
-    L, D = TRAIN_LAYERS, 32                     # the chat target: 8 layers, hidden 32, fp32
-    for _, nodes, _, ar, size, ar_round, size_round, bcast, bcast_size in rows:
-        assert int(nodes) == 6 and int(ar) == int(ar_round) == 2 * L
-        assert int(size.replace(",", "")) == int(size_round.replace(",", "")) == 2 * L * 6 * D * 4
-        assert (int(bcast), int(bcast_size.replace(",", ""))) == (1, (6 + 2) * 8)
-    assert re.search(r"prefill: 16 all-reduces", proc.stdout)
+# ========================================================================================
+# SPEC 4. the EAGLE-3 drafter: checkpoints in the official layout, exact forward
+# ========================================================================================
 
 
-# comm-plan: from a config alone, against a hand computation
-
-KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
-    model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
-    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
-    routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-    v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8,
-    first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
-    max_position_embeddings=131072, rope_theta=50000.0, rms_norm_eps=1e-6,
-    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
-                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-    num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
-    tie_word_embeddings=False, quantization_config=dict(
-        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]))
-
-
-def comm_plan_json(*args):
-    proc = subprocess.run([sys.executable, E.__file__, "comm-plan", *map(str, args)],
-                          env=golden_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculation, tmp_path):
+    s = speculation["qwen3"]                                      # has d2t/t2d
+    E.save_draft(s.draft, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLMEagle3"]
+    official_keys = {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+                     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+                     "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+                     "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+                     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+                     "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert set(load_file(tmp_path / "model.safetensors")) == official_keys  # no embed_tokens
+    loaded = E.load_draft(str(tmp_path), s.target)
+    _, aux = s.target(s.prompts["fresh"])
+    ids = torch.cat([s.prompts["fresh"], s.reference["fresh"][:1][None]], dim=1)
+    h = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.logits(h), s.draft.logits(h))
+    trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
+    for a, b in zip(*trees):
+        assert torch.equal(a, b)
 
 
-def test_comm_plan_on_kimi_k2_gives_122_all_reduces_of_14336_n_bytes(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
-    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
-    for row in plan["shapes"]:
-        assert row["allreduce_per_verify"] == 122
-        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
-    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
+def official_draft_dir(path, target, draft_vocab_size=20):
+    """An official-layout drafter dir, as released for LLaMA-3.1-8B: architectures
+    LlamaForCausalLM, no rope_theta, pytorch_model.bin without the frozen embedding.
+    Returns the state dict written."""
+    os.makedirs(path, exist_ok=True)
+    kept = torch.arange(draft_vocab_size)
+    draft = random_draft(target, seed=5, kept=kept, std=0.2)
+    state = {k: v.clone() for k, v in draft.state_dict().items()
+             if not k.startswith("embed_tokens")}
+    torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=HIDDEN,
+                  intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=1, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  hidden_act="silu", initializer_range=0.02, pad_token_id=0,
+                  tie_word_embeddings=False, torch_dtype="float16", use_cache=True,
+                  vocab_size=VOCAB, draft_vocab_size=draft_vocab_size)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return state
 
 
-def test_comm_plan_equals_a_hand_computation(zoo):
-    # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
-    # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
-    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
-                                  "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5,
-                                  "--tree", "2,1,3")
-    rows = {r["shape"]: r for r in plan["shapes"]}
-
-    def us(nodes, saving=0.0):  # 16 all-reduces of nodes*64*4 B, then one broadcast
-        per_call = (5 - saving) + 2 * (2 - 1) / 2 * nodes * 64 * 4 / 10e3
-        return 16 * per_call + 5 + (nodes + 2) * 8 / 10e3
-
-    tree = rows["tree 2/1/3"]
-    assert tree["allreduce_per_verify"] == 16 and tree["bytes_per_allreduce"] == 3 * 64 * 4
-    t = tree["per_token"]["1.5"]
-    assert t["allreduce_calls"] == pytest.approx(16 / 1.5, abs=1e-3)
-    assert t["allreduce_bytes"] == pytest.approx(16 * 3 * 256 / 1.5, abs=1e-3)
-    assert t["link1_us"] == pytest.approx(us(3) / 1.5, abs=1e-3)
-    assert t["link1_fused_us"] == pytest.approx(us(3, 1.0) / 1.5, abs=1e-3)
-    plain = rows["plain decoding"]["per_token"]["1.0"]
-    assert plain["link1_us"] == pytest.approx(16 * (5 + 256 / 10e3) + 5 + 8 / 10e3, abs=1e-3)
-    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))["per_token"]["1.5"]
-    ratio = us(3) / us(4)
-    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
-    assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
+def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
+    target = zoo.target("llama3-rope")           # rope_theta 500000 + llama3 scaling
+    state = official_draft_dir(str(tmp_path), target)
+    draft = E.load_draft(str(tmp_path), target)
+    hs = HIDDEN // 4
+    expected = 1.0 / 10000 ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
+    assert torch.allclose(draft.cfg.inv_freq.cpu(), expected, rtol=1e-6, atol=0)
+    for key, value in state.items():
+        assert torch.equal(draft.state_dict()[key], value), key
+    assert torch.equal(draft.embed_tokens.weight, zoo.hf("llama3-rope").model.embed_tokens.weight)
+    assert draft.cfg.aux_layers == (2, 4, 5)
 
 
-# aux-layer ids read in a named convention, and draft-check
+def test_eagle_aux_layer_ids_use_output_of_layer_convention(zoo, tmp_path):
+    target = zoo.target("llama")
+    L = LAYERS
 
+    def aux_layers(ids):
+        raw = draft_config_dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=ids))
+        return E.read_draft_config(raw, target.cfg).aux_layers
 
-@pytest.mark.parametrize("ids, expected", [
-    ([2, 30, 58], dict(specforge=(3, 31, 59), vllm=(2, 30, 58), sglang=(2, 30, 58),
-                       **{"sglang-legacy": (3, 31, 59)})),
-    ([1, 29, 57], dict(specforge=(2, 30, 58), vllm=(1, 29, 57), sglang=(2, 30, 58),
-                       **{"sglang-legacy": (2, 30, 58)})),
-])
-def test_aux_layer_ids_map_to_hidden_states_per_convention(ids, expected):
-    assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == expected
+    assert aux_layers([1, L // 2 - 1, L - 4]) == (2, L // 2, L - 3)
+    assert aux_layers([0, 3, 6]) == (1, 4, 7)
+    # and save_draft writes them back in the same (output-of-layer) convention
+    draft = random_draft(target, seed=1,
+                         eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
+    E.save_draft(draft, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
 
 
 def test_draft_config_aux_convention_selects_the_features_it_reads(zoo):
@@ -1750,8 +1101,466 @@ def test_draft_config_aux_convention_selects_the_features_it_reads(zoo):
                                aux_convention="vllm").aux_layers == (2, 4, 5)   # the default
 
 
+def break_d2t_range(state):
+    state["d2t"][-1] = VOCAB              # draft id 19 -> target id 43
+
+
+def break_t2d(state):
+    state["t2d"][0], state["t2d"][4] = False, True   # same count, wrong ids
+
+
+def drop_up_proj(state):
+    state.pop("midlayer.mlp.up_proj.weight")
+
+
+def narrow_fc(state):
+    state["fc.weight"] = state["fc.weight"][:, :2 * HIDDEN].contiguous()
+
+
+BAD_DRAFTS = {
+    "d2t-outside-target-vocab": (break_d2t_range, r"d2t maps draft id 19 to target id 43, outside "
+                                                  r"the target vocab \[0, 24\)"),
+    "t2d-disagrees-with-d2t": (break_t2d, r"t2d disagrees with d2t"),
+    "missing-key": (drop_up_proj, r"missing keys \['midlayer\.mlp\.up_proj\.weight'\]"),
+    "wrong-fc-width": (narrow_fc, r"'fc\.weight'.* has shape \(64, 128\).*expects \(64, 192\)"),
+}
+
+
+@pytest.mark.parametrize("problem", list(BAD_DRAFTS))
+def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, problem):
+    edit, message = BAD_DRAFTS[problem]
+    target = zoo.target("llama")
+    kept = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22])
+    E.save_draft(random_draft(target, seed=2, kept=kept), str(tmp_path))
+    state = load_file(tmp_path / "model.safetensors")
+    edit(state)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.load_draft(str(tmp_path), target)
+
+
+def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation, tmp_path):
+    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
+    # must draft exactly as the same weights with an explicit identity map.
+    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
+    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
+    E.save_draft(s.draft, bare)
+    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
+    shutil.copytree(bare, mapped)
+    edit_draft_dir(mapped, state=lambda w: w.update(
+        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
+    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
+    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
+    for kind, prompt in s.prompts.items():
+        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
+        assert a.accept_lengths == b.accept_lengths
+        for ra, rb in zip(a.rounds, b.rounds):
+            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
+        if kind == "memorized":
+            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
+
+
+def test_full_vocab_drafter_with_a_broken_vocab_map_is_still_refused(zoo, tmp_path):
+    target = zoo.target("llama")
+    E.save_draft(random_draft(target, seed=8, kept=torch.arange(VOCAB)), str(tmp_path))
+    edit_draft_dir(str(tmp_path), state=lambda w: w["d2t"].__setitem__(3, 1))  # 3 -> 4, twice
+    with pytest.raises(E.Eagle3Error, match=r"d2t maps two draft ids to the same target id"):
+        E.load_draft(str(tmp_path), target)
+
+
+def reference_draft_layer(w, aux, tokens, H, Hkv, hs, eps, theta):
+    """The drafter's forward over one sequence, written out from the description in SPEC
+    section 4 with plain tensor ops: fc, [input_layernorm(embed) ; hidden_norm(h)], causal
+    GQA attention with RoPE (base theta, head size hs), residual h, SwiGLU, final norm and
+    lm_head. Returns (pre-norm output (T, D), logits (T, Vd))."""
+    T = tokens.shape[0]
+
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # (T, heads, hs), rotate-half pairs (i, i + hs/2)
+        inv_freq = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
+        angle = torch.arange(T).float()[:, None] * inv_freq[None, :]
+        angle = torch.cat([angle, angle], -1)[:, None]                  # (T, 1, hs)
+        return x * angle.cos() + torch.cat([-x[..., hs // 2:], x[..., :hs // 2]], -1) * angle.sin()
+
+    h = aux @ w["fc.weight"].T
+    x = torch.cat([rms(w["embed_tokens.weight"][tokens], w["midlayer.input_layernorm.weight"]),
+                   rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    q = rope((x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, H, hs))
+    k = rope((x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, Hkv, hs))
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, Hkv, hs)
+    y = torch.zeros(T, H, hs)
+    for head in range(H):
+        g = head // (H // Hkv)
+        scores = (q[:, head] @ k[:, g].T) / math.sqrt(hs)
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        y[:, head] = torch.softmax(scores, -1) @ v[:, g]
+    h = h + y.reshape(T, H * hs) @ w["midlayer.self_attn.o_proj.weight"].T
+    n = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + (F.silu(n @ w["midlayer.mlp.gate_proj.weight"].T) *
+             (n @ w["midlayer.mlp.up_proj.weight"].T)) @ w["midlayer.mlp.down_proj.weight"].T
+    return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_path):
+    # hidden 64 over 4 heads would give 16; the config says 24 (SpecForge writes head_dim)
+    target = zoo.target("llama")
+    E.save_draft(random_draft(target, seed=9, std=0.2, head_dim=24), str(tmp_path))
+    draft = E.load_draft(str(tmp_path), target)
+    assert draft.midlayer.self_attn.q_proj.weight.shape == (4 * 24, 2 * HIDDEN)
+    assert draft.midlayer.self_attn.k_proj.weight.shape == (2 * 24, 2 * HIDDEN)
+    assert draft.midlayer.self_attn.o_proj.weight.shape == (HIDDEN, 4 * 24)
+    prompt = random_prompt(31, length=9)
+    _, aux = target(prompt)
+    tokens = torch.cat([prompt[0, 1:], torch.tensor([5])])
+    w = {k: v.float() for k, v in draft.state_dict().items()}
+    h_ref, logits_ref = reference_draft_layer(w, aux[0], tokens, 4, 2, 24, 1e-6, 10000.0)
+    T = tokens.shape[0]
+    h = draft(draft.fc(aux), tokens[None], torch.arange(T), torch.ones(T, T).tril().bool())
+    assert_close(h[0], h_ref, "pre-norm output")
+    assert_close(draft.logits(h)[0], logits_ref, "logits")
+
+
+# ========================================================================================
+# SPEC 5. tree, verify, acceptance
+# ========================================================================================
+
+
 # ----------------------------------------------------------------------------------------
-# sampling: exact losslessness, hand-worked acceptance, replayable randomness (SPEC §5)
+# the draft tree: a hand-worked example with a scripted drafter, and invariants
+
+
+class MarkovDrafter:
+    """A scripted drafter: next-token log-probabilities depend only on the last token
+    (a table written out in the test). Its hidden state is the one-hot last token, so
+    logits(h) reads that token's row. It records what each draft pass was given."""
+
+    def __init__(self, probs):
+        self.table = torch.tensor(probs).log()                       # (V, V) log-probs
+        V = self.table.shape[0]
+        self.cfg = SimpleNamespace(aux_layers=(2, 4, 5), vocab_size=V, draft_vocab_size=V)
+        self.calls = []
+
+    def fc(self, aux):
+        return aux.new_zeros(*aux.shape[:-1], self.cfg.vocab_size)
+
+    def __call__(self, h, tokens, positions, mask, cache=None, start=0):
+        self.calls.append(dict(tokens=tokens.tolist(), positions=positions.tolist(),
+                               mask=mask.int().tolist(), start=start))
+        return F.one_hot(tokens, self.cfg.vocab_size).to(h.dtype)
+
+    def logits(self, h):
+        return h @ self.table
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def new_cache(self, length):
+        return None
+
+
+def markov_rows(top, V=6):
+    """Probability rows: the listed tokens get their probabilities, the rest share what is left."""
+    rows = []
+    for last in range(V):
+        rest = [t for t in range(V) if t not in top[last]]
+        left = (1 - sum(top[last].values())) / len(rest)
+        rows.append([top[last].get(t, left) for t in range(V)])
+    return rows
+
+
+# P(next | last) for the hand-worked tree; the two most likely next tokens of each row:
+HAND_TABLE = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
+                          3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
+HAND_INPUT = torch.tensor([[5, 4, 3, 0]])   # three featured tokens, then the root 0
+
+
+def test_draft_tree_matches_hand_worked_example():
+    # top_k=2, depth=2, total_tokens=5; scores are cumulative probabilities (log-probs summed):
+    #   level 1, children of root 0:  pool 0 = token 1 (.6)   pool 1 = token 2 (.25)
+    #   expand pool 0 (token 1, .6):  pool 2 = token 3 (.42)  pool 3 = token 4 (.12)
+    #   expand pool 1 (token 2, .25): pool 4 = token 5 (.125) pool 5 = token 3 (.075)
+    #   rerank: best two of {.42, .12, .125, .075} = pool 2 (.42), pool 4 (.125)
+    #   expand pool 2 (token 3, .42): pool 6 = token 2 (.378) pool 7 = token 1 (.021)
+    #   expand pool 4 (token 5, .125):pool 8 = token 0 (.06875) pool 9 = token 4 (.05)
+    #   best 4 of the 10: .6 (0), .42 (2), .378 (6), .25 (1) -> by flat index [0, 1, 2, 6]
+    #   nodes 1..4 = pool 0, 1, 2, 6; parents: root, root, pool 0 = node 1, pool 2 = node 3
+    aux = torch.zeros(1, 3, 3 * HIDDEN)
+    tree = E.draft_tree(MarkovDrafter(HAND_TABLE), aux, HAND_INPUT, 2, 2, 5)
+    assert tree.tokens.tolist() == [0, 1, 2, 3, 2]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert tree.positions.tolist() == [0, 1, 1, 2, 3]
+    assert tree.mask.int().tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [1, 0, 1, 0, 0],
+                                        [1, 1, 0, 1, 0],
+                                        [1, 1, 0, 1, 1]]
+    assert tree.retrieve_indices.tolist() == [[0, 2, -1, -1], [0, 1, 3, 4]]  # leaves 2 and 4
+
+
+def test_tree_drafting_feeds_each_level_at_one_position_seeing_prefix_and_ancestors():
+    # Same example. The prefix pass feeds pairs (feature of token p, token p+1) at positions
+    # 0..2; level 1 (tokens 1, 2) sits at position 3 in draft slots 3-4, level 2 (tokens 3, 5:
+    # children of slot 3 and slot 4) at position 4 in slots 5-6. Each row sees the 3 prefix
+    # slots, its ancestors and itself.
+    drafter = MarkovDrafter(HAND_TABLE)
+    E.draft_tree(drafter, torch.zeros(1, 3, 3 * HIDDEN), HAND_INPUT, 2, 2, 5)
+    assert drafter.calls == [
+        dict(tokens=[[4, 3, 0]], positions=[0, 1, 2], start=0,
+             mask=[[1, 0, 0], [1, 1, 0], [1, 1, 1]]),
+        dict(tokens=[[1, 2]], positions=[3, 3], start=3,
+             mask=[[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]),
+        dict(tokens=[[3, 5]], positions=[4, 4], start=5,
+             mask=[[1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 0, 1]]),
+    ]
+
+
+def test_draft_tree_invariants_hold_for_random_drafters(zoo):
+    target = zoo.target("llama")
+    kept = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11, 12, 14, 15, 17, 19, 20, 23])  # 16 of 24
+    drafters = [random_draft(target, seed=s, kept=kept if s % 2 else None, std=0.3)
+                for s in range(4)]
+    g = torch.Generator().manual_seed(11)
+    for case in range(40):
+        draft = drafters[case % 4]
+        top_k = int(torch.randint(1, 5, (), generator=g))
+        depth = int(torch.randint(1, 5, (), generator=g))
+        total = int(torch.randint(2, top_k + depth * top_k ** 2 + 2, (), generator=g))
+        T = int(torch.randint(1, 10, (), generator=g))
+        aux = torch.randn(1, T, 3 * HIDDEN, generator=g) * 3
+        ids = torch.randint(0, VOCAB, (1, T + 1), generator=g)
+        tree = E.draft_tree(draft, aux, ids, top_k, depth, total)
+        where = f"case {case}: top_k={top_k} depth={depth} total_tokens={total}"
+        parents = tree.parents.tolist()
+        assert len(parents) == total and parents[0] == -1, where
+        assert tree.tokens[0] == ids[0, -1], where
+        assert all(0 <= parents[i] < i for i in range(1, total)), where       # parent first
+        paths = [path_to(parents, i) for i in range(total)]
+        for i, path in enumerate(paths):
+            assert tree.mask[i].nonzero().flatten().tolist() == sorted(path), where
+            assert tree.positions[i] == len(path) - 1, where
+        assert max(len(p) for p in paths) <= depth + 2, where
+        leaves = [i for i in range(total) if i not in parents]
+        width = max(len(p) for p in paths)
+        assert tree.retrieve_indices.tolist() == [paths[leaf] + [-1] * (width - len(paths[leaf]))
+                                                  for leaf in leaves], where
+        for node in range(total):
+            children = [int(tree.tokens[c]) for c in range(total) if parents[c] == node]
+            assert len(children) == len(set(children)), where            # distinct siblings
+            assert len(children) <= top_k, where
+        if draft.cfg.has_vocab_map:                                 # drafted ids mapped by d2t
+            assert set(tree.tokens[1:].tolist()) <= set(kept.tolist()), where
+
+
+# ----------------------------------------------------------------------------------------
+# greedy acceptance: speculative output equals greedy decoding
+
+SPEC_TARGETS = {  # target -> draft vocab (None: the target's) and whether it is sharpened
+    "llama": dict(kept=None, sharpen=True),
+    "qwen3": dict(kept=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19,
+                                     20, 21, 22]), sharpen=True),
+    "qwen2": dict(kept=None, sharpen=False),
+}
+REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possible tree paths
+
+
+@pytest.fixture(scope="module")
+def speculation(zoo):
+    """Per target: a drafter, two prompts and transformers' greedy text for both. Sharpened
+    drafters were taught the greedy text of the 'memorized' prompt (drafts go deep) but not
+    of the 'fresh' one; the unsharpened drafter knows neither."""
+    setups = {}
+    for i, (name, spec) in enumerate(SPEC_TARGETS.items()):
+        hf, target = zoo.hf(name), zoo.target(name)
+        prompts = dict(memorized=random_prompt(100 + i, length=8), fresh=random_prompt(200 + i, 8))
+        reference = {kind: hf_greedy(hf, p, REFERENCE_TOKENS) for kind, p in prompts.items()}
+        if spec["sharpen"]:
+            draft = random_draft(target, seed=i, kept=spec["kept"])
+            others = [random_prompt(300 + i * 10 + j, 8) for j in range(2)]
+            texts = [torch.cat([p[0], hf_greedy(hf, p, REFERENCE_TOKENS)]) for p in others]
+            texts.append(torch.cat([prompts["memorized"][0], reference["memorized"]]))
+            sharpen(draft, target, torch.stack(texts), kept=spec["kept"])
+        else:
+            draft = random_draft(target, seed=i, std=0.3)
+            with torch.no_grad():
+                draft.lm_head.weight.mul_(3)
+        setups[name] = SimpleNamespace(hf=hf, target=target, draft=draft, kept=spec["kept"],
+                                       prompts=prompts, reference=reference)
+    return setups
+
+
+COMBOS = [  # (target, prompt, top_k, depth, total_tokens, max_new_tokens)
+    ("llama", "memorized", 1, 1, 2, 32),     # a chain of one draft
+    ("llama", "memorized", 1, 4, 6, 32),     # a chain at the pool maximum 1 + 4*1 + 1
+    ("llama", "fresh", 1, 3, 5, 32),
+    ("llama", "memorized", 2, 1, 7, 32),     # depth 1, pool maximum 2 + 1*4 + 1
+    ("llama", "fresh", 3, 1, 5, 32),
+    ("llama", "memorized", 2, 3, 15, 32),    # pool maximum 2 + 3*4 + 1
+    ("llama", "memorized", 3, 2, 10, 7),     # the budget ends inside a round
+    ("llama", "fresh", 4, 3, 20, 32),
+    ("llama", "memorized", 4, 5, 40, 32),
+    ("llama", "fresh", 2, 2, 4, 1),          # only the prefill's token
+    ("llama", "memorized", 10, 7, 60, 32),   # the official default tree
+    ("qwen3", "memorized", 1, 2, 4, 32),     # chain at the pool maximum
+    ("qwen3", "fresh", 2, 1, 3, 32),
+    ("qwen3", "memorized", 2, 2, 11, 32),    # pool maximum 2 + 2*4 + 1
+    ("qwen3", "memorized", 3, 3, 16, 32),
+    ("qwen3", "fresh", 3, 4, 40, 32),        # pool maximum 3 + 4*9 + 1
+    ("qwen3", "memorized", 5, 2, 25, 32),
+    ("qwen3", "fresh", 4, 1, 21, 32),        # depth 1, pool maximum 4 + 16 + 1
+    ("qwen2", "fresh", 2, 3, 8, 32),         # an unsharpened random drafter
+    ("qwen2", "memorized", 4, 4, 60, 32),
+    ("qwen2", "fresh", 1, 5, 7, 32),         # chain at the pool maximum
+]
+
+
+def combo_id(c):
+    return f"{c[0]}-{c[1]}-k{c[2]}-d{c[3]}-n{c[4]}-m{c[5]}"
+
+
+def run_combo(speculation, combo):
+    name, kind, top_k, depth, total, max_new = combo
+    s = speculation[name]
+    result = E.speculative_generate(s.target, s.draft, s.prompts[kind], max_new,
+                                    tree=E.TreeShape(top_k, depth, total))
+    return s, result
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
+def test_greedy_speculative_equals_plain_greedy_and_transformers(speculation, combo):
+    s, result = run_combo(speculation, combo)
+    name, kind, max_new = combo[0], combo[1], combo[5]
+    expected = s.reference[kind][:max_new].tolist()
+    assert result.tokens.tolist() == expected
+    assert E.greedy_generate(s.target, s.prompts[kind], max_new).tolist() == expected
+
+
+def test_accept_length_is_longest_tree_path_matching_the_greedy_text(speculation):
+    # Brute force: in each round, enumerate every node of the verified tree and keep the
+    # deepest whose root-to-node tokens are the greedy text from the round's root on.
+    deepest = 0
+    for combo in COMBOS:
+        s, result = run_combo(speculation, combo)
+        text = s.reference[combo[1]].tolist()
+        at = 0                                   # output index of this round's root
+        assert len(result.rounds) == len(result.accept_lengths)
+        for r, (round_, accept_length) in enumerate(zip(result.rounds, result.accept_lengths)):
+            tokens, parents = round_.tree.tokens.tolist(), round_.tree.parents.tolist()
+            assert tokens[0] == text[at], f"{combo_id(combo)} round {r}"
+            matching = [len(p) - 1 for p in (path_to(parents, i) for i in range(len(tokens)))
+                        if [tokens[j] for j in p] == text[at:at + len(p)]]
+            assert accept_length == max(matching) + 1, f"{combo_id(combo)} round {r}"
+            at += accept_length
+            deepest = max(deepest, accept_length - 1)
+    assert deepest >= 2, "no round accepted two drafts: the drafters are too weak to test trees"
+
+
+class OracleDrafter:
+    """A scripted drafter that knows the target's greedy text `sequence` (prompt included):
+    draft position p predicts token p+2 with certainty. Its hidden state is the position.
+    It records the target features it is fed (its fc inputs)."""
+
+    def __init__(self, sequence, aux_layers=(2, 4, 5)):
+        self.sequence = sequence
+        self.cfg = SimpleNamespace(aux_layers=aux_layers, vocab_size=VOCAB, draft_vocab_size=VOCAB)
+        self.fed = []
+
+    def fc(self, aux):
+        self.fed.append(aux.clone())
+        return aux[..., :1] * 0
+
+    def __call__(self, h, tokens, positions, mask, cache=None, start=0):
+        B, T = tokens.shape
+        return positions.to(h.dtype).reshape(1, T, 1).expand(B, T, 1)
+
+    def logits(self, h):
+        return 50.0 * F.one_hot(self.sequence[h[..., 0].long() + 2], VOCAB).to(h.dtype)
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def new_cache(self, length):
+        return None
+
+
+@pytest.mark.parametrize("top_k, depth, total", [(1, 3, 5), (2, 2, 7), (3, 4, 20), (4, 1, 6)])
+def test_drafter_predicting_the_greedy_text_accepts_depth_plus_two_per_round(zoo, top_k, depth,
+                                                                             total):
+    prompt, max_new = random_prompt(12), 30
+    text = hf_greedy(zoo.hf("llama"), prompt, max_new + depth + 3)
+    oracle = OracleDrafter(torch.cat([prompt[0], text]))
+    result = E.speculative_generate(zoo.target("llama"), oracle, prompt, max_new,
+                                    tree=E.TreeShape(top_k, depth, total))
+    assert result.tokens.tolist() == text[:max_new].tolist()
+    # the prefill gives token 1; each round then emits depth+1 drafts and a bonus token
+    assert len(result.accept_lengths) == math.ceil((max_new - 1) / (depth + 2))
+    assert result.accept_lengths[:-1] == [depth + 2] * (len(result.accept_lengths) - 1)
+
+
+def test_drafter_is_fed_target_features_of_its_aux_layers(zoo):
+    # eagle_aux_hidden_state_layer_ids [0, 3, 6] (output of layer k) = inputs of layers 1, 4, 7.
+    # The prefill features, then each round's root + accepted nodes: consecutive positions.
+    target, prompt, max_new = zoo.target("llama"), random_prompt(13), 20
+    cfg = E.read_draft_config(draft_config_dict(
+        eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6])), target.cfg)
+    text = hf_greedy(zoo.hf("llama"), prompt, max_new + 6)
+    oracle = OracleDrafter(torch.cat([prompt[0], text]), aux_layers=cfg.aux_layers)
+    result = E.speculative_generate(target, oracle, prompt, max_new, tree=E.TreeShape(2, 3, 8))
+    fed = torch.cat(oracle.fed, dim=1)[0]                        # (positions, 3*D)
+    assert len(oracle.fed) == len(result.rounds)                 # prefill + all but the last round
+    assert fed.shape[0] == prompt.shape[1] + sum(result.accept_lengths[:-1])
+    _, hidden_states = hf_forward(zoo.hf("llama"), torch.cat([prompt[0], text])[None])
+    assert_close(fed, hf_aux(hidden_states, (1, 4, 7))[:fed.shape[0]])
+
+
+def test_speculative_generate_stops_at_first_eos(speculation):
+    s = speculation["llama"]
+    text = s.reference["memorized"].tolist()
+    first = next(i for i in range(8, 32) if text[i] not in text[:i])   # a token new at i >= 8
+    expected = text[:first + 1]                                       # up to and with the EOS
+    result = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], 32,
+                                    tree=E.TreeShape(3, 3, 12), eos_token_id=text[first])
+    assert result.tokens.tolist() == expected
+    assert E.greedy_generate(s.target, s.prompts["memorized"], 32, text[first]).tolist() == expected
+
+
+DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
+
+
+@pytest.fixture(scope="module")
+def ds_speculation(ds_zoo):
+    """Per target: a drafter sharpened on transformers' greedy text of a prompt, the prompt
+    and 48 greedy tokens."""
+    setups = {}
+    for i, name in enumerate(DS_TARGETS):
+        hf, target = ds_zoo.hf(name), ds_zoo.target(name)
+        for seed in range(500 + 100 * i, 600 + 100 * i):  # the first prompt without near-ties
+            prompt = random_prompt(seed, length=8)
+            text = hf_greedy(hf, prompt, REFERENCE_TOKENS)
+            sequence = torch.cat([prompt[0], text])[None]
+            if routing_gap(hf, sequence) > MIN_ROUTING_GAP:
+                break
+        assert_routing_is_robust(hf, sequence)
+        draft = sharpen(random_draft(target, seed=i), target, sequence)
+        setups[name] = SimpleNamespace(hf=hf, target=target, draft=draft, prompt=prompt,
+                                       text=text)
+    return setups
+
+
+@pytest.mark.parametrize("shape", DS_SHAPES, ids=lambda s: "k{}-d{}-n{}".format(*s))
+@pytest.mark.parametrize("name", list(DS_TARGETS))
+def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, name, shape):
+    s = ds_speculation[name]
+    result = E.speculative_generate(s.target, s.draft, s.prompt, 32, tree=E.TreeShape(*shape))
+    assert result.tokens.tolist() == s.text[:32].tolist()
+    assert max(result.accept_lengths) >= 3     # rounds that accept >= 2 drafts
+
+
+# ----------------------------------------------------------------------------------------
+# sampling acceptance: exact losslessness against an enumeration (vocab 6)
 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
 PROMPT = torch.tensor([[1, 4, 2]])
@@ -1788,9 +1597,6 @@ def coins(seed):
     g = torch.Generator().manual_seed(seed)
     while True:
         yield float(torch.rand((), generator=g, dtype=torch.float64))
-
-# ----------------------------------------------------------------------------------------
-# tiny models (vocab 6)
 
 
 def vocab6_hf_config():
@@ -1846,25 +1652,6 @@ def vocab6_drafts(vocab6_target):
     return {"full": vocab6_new_draft(vocab6_target, seed=1),
             "vd4": vocab6_new_draft(vocab6_target, seed=2, draft_vocab_size=4)}
 
-# ----------------------------------------------------------------------------------------
-# the independent oracle: transformers' logits and warpers, enumerated
-
-
-def hf_warped_probs(scores, sampling):
-    """softmax after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
-    TopPLogitsWarper (the order transformers' generate applies them), or with top-p before
-    top-k when sampling.order says so (the official EAGLE code's order); scores (B, V)."""
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-    scores = scores.double()
-    top_k = [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
-    top_p = [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []
-    warpers = [TemperatureLogitsWarper(sampling.temperature)] + (
-        top_k + top_p if sampling.order == "T-k-p" else top_p + top_k)
-    for warp in warpers:
-        scores = warp(None, scores)
-    return scores.softmax(-1)
-
 
 class ExactLaw(NamedTuple):
     p1: np.ndarray      # (V,) p(a | prompt)
@@ -1919,9 +1706,6 @@ def chi_square_p(samples, law):
     small, rest = order[:pooled], order[pooled:]
     observed = np.append(counts[rest], counts[small].sum())
     return chisquare(observed, np.append(expected[rest], expected[small].sum())).pvalue
-
-# ----------------------------------------------------------------------------------------
-# round-by-round replay of speculative_generate from states built with the real pieces
 
 
 @torch.no_grad()
@@ -2059,9 +1843,6 @@ def monte_carlo(replay, accept=None, seed=2024):
     kwargs = {} if accept is None else dict(accept=accept)
     return [replay(uniforms, **kwargs) for _ in range(TRIALS)]
 
-# ----------------------------------------------------------------------------------------
-# losslessness: 20,000 runs against the enumeration
-
 
 @pytest.mark.parametrize("sampling_name", SAMPLINGS)
 @pytest.mark.parametrize("case_name", CASES)
@@ -2090,9 +1871,6 @@ def test_speculative_generate_replays_round_by_round(case_name, sampling_name, v
             scheme=case.scheme)
         assert tuple(result.tokens.tolist()) == replay(coins(seed), n_tokens=REPLAY_TOKENS), \
             f"seed {seed}"
-
-# ----------------------------------------------------------------------------------------
-# power: the same test rejects deliberately broken acceptance
 
 
 def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
@@ -2142,14 +1920,14 @@ def test_chi_square_rejects_broken_acceptance(case_name, broken, vocab6_replay, 
     p = chi_square_p(samples, vocab6_exact_law(T1).joint)
     assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
 
+
 # ----------------------------------------------------------------------------------------
-# hand-worked acceptance
-#
+# sampling acceptance: hand-worked cases
+
 # Tree (node: token):   0:0 (root) -> 1:1 -> 3:3
 #                                  -> 2:2
 # HAND_P[i] is the target distribution after node i; logits = log p, so at temperature 1
 # the warped distribution is exactly p.
-
 HAND_P = torch.tensor([[0.10, 0.40, 0.30, 0.20],    # after node 0 (root)
                        [0.40, 0.30, 0.20, 0.10],    # after node 1
                        [0.05, 0.05, 0.10, 0.80],    # after node 2 (a leaf)
@@ -2275,8 +2053,9 @@ def test_accept_chain_never_accepts_zero_probability_draft():
                          E.Sampling(temperature=1.0, top_k=2))
     assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 0)
 
+
 # ----------------------------------------------------------------------------------------
-# warpers and inverse CDF
+# warpers, inverse CDF, and replayable randomness
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [
@@ -2329,9 +2108,6 @@ def test_sample_inverse_cdf_never_picks_zero_probability_token():
         for u in [0.0, below_one] + cdf + torch.rand(20, generator=g).tolist():
             token = E.sample_inverse_cdf(p, u)
             assert p[token] > 0, f"u={u} chose token {token} of probability 0 in {p.tolist()}"
-
-# ----------------------------------------------------------------------------------------
-# seeds, the plain sampler, tensor parallelism
 
 
 @pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
@@ -2397,6 +2173,22 @@ def test_sample_generate_same_seed_same_tokens(vocab6_target):
     assert run() == run()
 
 
+# ----------------------------------------------------------------------------------------
+# tensor parallelism: rank 0 decides, every rank emits its decisions
+
+
+def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
+    s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
+    expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
+    rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
+    assert not torch.equal(rank0["logits"].argmax(-1), rank1["logits"].argmax(-1)), \
+        "rank 1's own choices must differ for this test to mean anything"
+    assert rank0["greedy"].tolist() == rank1["greedy"].tolist() == expected
+    for shape, (tokens0, _), (tokens1, _) in zip(TP_SHAPES, rank0["speculative"],
+                                                  rank1["speculative"]):
+        assert tokens0.tolist() == tokens1.tolist() == expected, shape
+
+
 TP_SEED = 11
 
 
@@ -2426,6 +2218,15 @@ def vocab6_tp_outputs(vocab6_checkpoint, tmp_path_factory):
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
+def sampling_tp_worker(target_dir, out_dir):
+    rank = E.init_distributed().rank
+    tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
+    tp_draft = vocab6_new_draft(tp_target, seed=1)
+    outputs = {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
+               "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
+    torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def test_tensor_parallel_ranks_emit_identical_tokens(vocab6_tp_outputs, vocab6_target,
                                                      vocab6_drafts):
     single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
@@ -2444,46 +2245,53 @@ def test_tensor_parallel_rank0_decides_sampled_tokens(vocab6_tp_outputs, vocab6_
         assert vocab6_tp_outputs[1]["own seed"][name] == tokens, f"{name}: rank 1 decided"
         assert vocab6_tp_outputs[0]["own seed"][name] == tokens, name
 
-# ----------------------------------------------------------------------------------------
-# bad input
-
-
-BAD_SAMPLING = [
-    (dict(temperature=-0.5), r"temperature=-0\.5.*>= ?0"),
-    (dict(top_p=0.0), r"top_p=0\.0.*\(0, 1\]"),
-    (dict(top_p=1.5), r"top_p=1\.5.*\(0, 1\]"),
-    (dict(top_p=-0.2), r"top_p=-0\.2.*\(0, 1\]"),
-    (dict(top_k=-1), r"top_k=-1.*>= ?0"),
-    (dict(top_k=2.5), r"top_k=2\.5.*integer"),
-]
-
-
-@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
-def test_speculative_generate_rejects_bad_sampling(kwargs, match, vocab6_target, vocab6_drafts):
-    with pytest.raises(E.Eagle3Error, match=match):
-        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
-                               **dict(dict(temperature=1.0), **kwargs))
-
-
-@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
-def test_sample_generate_rejects_bad_sampling(kwargs, match, vocab6_target):
-    with pytest.raises(E.Eagle3Error, match=match):
-        E.sample_generate(vocab6_target, PROMPT, 4, **dict(dict(temperature=1.0), **kwargs))
-
-
-def test_chain_scheme_needs_temperature(vocab6_target, vocab6_drafts):
-    with pytest.raises(E.Eagle3Error, match=r"scheme='chain'.*temperature > 0"):
-        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
-                               temperature=0.0, scheme="chain")
-
-
-def test_unknown_scheme_rejected(vocab6_target, vocab6_drafts):
-    with pytest.raises(E.Eagle3Error, match=r"scheme='beam'.*one of"):
-        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
-                               temperature=1.0, scheme="beam")
 
 # ----------------------------------------------------------------------------------------
-# presets: the engines' own conventions (SGLang, vLLM) and the official warper order
+# variant: batches of prompts of different lengths, one verify forward for all trees
+
+BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7, 12))]
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, preset):
+    s = speculation["llama"]
+    prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
+    results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
+                                           tree=E.TreeShape(3, 3, 12), preset=preset)
+    for ids, r in zip(prompts, results):
+        assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
+    assert max(results[3].accept_lengths) >= 3
+
+
+def test_batch_rows_that_finish_early_stop_emitting(speculation):
+    s = speculation["llama"]
+    eos = int(s.reference["memorized"][5])           # the 6th greedy token of row 0
+    results = E.speculative_generate_batch(s.target, s.draft, [s.prompts["memorized"]] +
+                                           BATCH_PROMPTS[1:3], 20, tree=E.TreeShape(2, 2, 6),
+                                           eos_token_id=eos)
+    for ids, r in zip([s.prompts["memorized"]] + BATCH_PROMPTS[1:3], results):
+        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
+    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
+
+
+@pytest.mark.parametrize("preset", list(E.PRESETS))
+def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation, preset):
+    # row b draws from its own generator seeded seed + b, so it is exactly the batch-1 run
+    # with that seed: each row keeps the (tested lossless) distribution of a single run
+    s = speculation["qwen3"]
+    results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16,
+                                           temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
+                                           seed=40, preset=preset)
+    for b, (ids, r) in enumerate(zip(BATCH_PROMPTS, results)):
+        single = E.speculative_generate(s.target, s.draft, ids, 16, temperature=0.9, top_k=8,
+                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, preset=preset)
+        assert r.tokens.tolist() == single.tokens.tolist(), b
+        assert r.accept_lengths == single.accept_lengths
+
+
+# ========================================================================================
+# SPEC 10. presets: the engines' conventions (SGLang, vLLM) and the official warper order
+# ========================================================================================
 
 T1_K4_P08 = {order: E.Sampling(temperature=1.0, top_k=4, top_p=0.8, order=order)
              for order in ("T-k-p", "T-p-k")}   # both warpers on: their order matters
@@ -2585,6 +2393,7 @@ def test_vllm_first_rejection_zeroes_the_draft_in_r():
     assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 3)
 
 
+# ----------------------------------------------------------------------------------------
 # losslessness of the engines' sampled verification, by chi-square against the enumeration
 
 PRESET_CASES = {  # name -> (Case, sampling)
@@ -2713,8 +2522,23 @@ def test_sglang_before_pr_25015_drafts_levels_one_position_late():
         assert [c["positions"] for c in drafter.calls] == [[10 + offset] * 2, [11 + offset] * 2,
                                                            [12 + offset] * 2]
 
-# the engines' own test cases, reproduced from their inputs (sgl-project/sglang and
-# vllm-project/vllm test files; the commit each was read at is named)
+
+def test_sglang_product_scores_grow_the_tree_official_log_probabilities_grow():
+    # SGLang multiplies fp32 probabilities where the official code adds log-probabilities:
+    # the same ranking (up to fp32 rounding), so the same tree from the same drafter
+    probs = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
+                         3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
+    drafter = MarkovDrafter(probs)
+    tree = E.grow_tree(drafter, None, 3, F.one_hot(torch.tensor([0]), 6).float(),
+                       torch.tensor(0), E.TreeShape(2, 2, 6), E.PRESETS["sglang"])
+    official = E.grow_tree(MarkovDrafter(probs), None, 3, F.one_hot(torch.tensor([0]), 6).float(),
+                           torch.tensor(0), E.TreeShape(2, 2, 6))
+    assert tree.tokens.tolist() == official.tokens.tolist()       # same order, other space
+    assert tree.parents.tolist() == official.parents.tolist()
+
+
+# ----------------------------------------------------------------------------------------
+# the engines' own test cases, reproduced from their inputs (the commit each was read at is named)
 
 SGL_SCORES = [  # build_eagle_tree.py self-test, sglang@009db01a: bs 2, topk 4, 4 steps, ndt 8
     [[[7.1127e-01, 2.8292e-01, 2.2995e-03, 1.7357e-03]],
@@ -2775,20 +2599,6 @@ def test_sglang_preset_reproduces_sglangs_build_eagle_tree_self_test():
     assert out["draft_tokens"].tolist() == [29974, 29896, 29906, 29889, 29974, 29946, 29896,
                                             29946, 13, 13, 22550, 4136, 16492, 8439, 29871,
                                             29941]
-
-
-def test_sglang_product_scores_grow_the_tree_official_log_probabilities_grow():
-    # SGLang multiplies fp32 probabilities where the official code adds log-probabilities:
-    # the same ranking (up to fp32 rounding), so the same tree from the same drafter
-    probs = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
-                         3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
-    drafter = MarkovDrafter(probs)
-    tree = E.grow_tree(drafter, None, 3, F.one_hot(torch.tensor([0]), 6).float(),
-                       torch.tensor(0), E.TreeShape(2, 2, 6), E.PRESETS["sglang"])
-    official = E.grow_tree(MarkovDrafter(probs), None, 3, F.one_hot(torch.tensor([0]), 6).float(),
-                           torch.tensor(0), E.TreeShape(2, 2, 6))
-    assert tree.tokens.tolist() == official.tokens.tolist()       # same order, other space
-    assert tree.parents.tolist() == official.parents.tolist()
 
 
 SGL_CANDIDATES = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]  # test_eagle_utils.py, sglang@9bfd52e8
@@ -2894,60 +2704,15 @@ def test_vllm_preset_reproduces_vllms_greedy_rejection_sampler_tests(drafts, tar
     assert E.vllm_greedy_output(drafts, targets, bonus, max_spec_len).tolist() == expected
 
 
-
-# batches: B prompts of different lengths, one verify forward for all trees
-
-BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7, 12))]
-
-
-@pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, preset):
-    s = speculation["llama"]
-    prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
-    results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
-                                           tree=E.TreeShape(3, 3, 12), preset=preset)
-    for ids, r in zip(prompts, results):
-        assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
-    assert max(results[3].accept_lengths) >= 3
-
-
-def test_batch_rows_that_finish_early_stop_emitting(speculation):
-    s = speculation["llama"]
-    eos = int(s.reference["memorized"][5])           # the 6th greedy token of row 0
-    results = E.speculative_generate_batch(s.target, s.draft, [s.prompts["memorized"]] +
-                                           BATCH_PROMPTS[1:3], 20, tree=E.TreeShape(2, 2, 6),
-                                           eos_token_id=eos)
-    for ids, r in zip([s.prompts["memorized"]] + BATCH_PROMPTS[1:3], results):
-        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
-    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
-
-
-@pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation, preset):
-    # row b draws from its own generator seeded seed + b, so it is exactly the batch-1 run
-    # with that seed: each row keeps the (tested lossless) distribution of a single run
-    s = speculation["qwen3"]
-    results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16,
-                                           temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
-                                           seed=40, preset=preset)
-    for b, (ids, r) in enumerate(zip(BATCH_PROMPTS, results)):
-        single = E.speculative_generate(s.target, s.draft, ids, 16, temperature=0.9, top_k=8,
-                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, preset=preset)
-        assert r.tokens.tolist() == single.tokens.tolist(), b
-        assert r.accept_lengths == single.accept_lengths
-
-# ----------------------------------------------------------------------------------------
-# training: vocab mapping, the TTT loss, data parallelism, resume, the train/generate CLI (SPEC §6)
+# ========================================================================================
+# SPEC 6. training: vocab mapping, the TTT loss, data parallelism, resume, offline features
+# ========================================================================================
 
 TRAIN_VOCAB = 32         # target vocab of the in-process training tests
 TRAIN_DRAFT_VOCAB = 16   # draft vocab < target vocab, so d2t/t2d and the position mask matter
 TRAIN_LAYERS = 8         # aux layers (2, L//2, L-3) = (2, 4, 5)
 TRAIN_AUX = (2, 4, 5)
 TRAIN_PAD = 0
-
-
-# ----------------------------------------------------------------------------------------
-# tiny models and data, built here
 
 
 def train_hf_llama(vocab_size, seed, std=0.25, **extra):
@@ -3114,8 +2879,26 @@ def train_max_diff(dir_a, dir_b):
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def train_config(**overrides):
+    return E.TrainConfig(**dict(dict(steps=4, batch=4, lr=1e-2, warmup=1, ttt_steps=3,
+                                     eval_every=1000, save_every=1000, seed=0), **overrides))
+
+
+def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
+    """The lowest TTT loss any drafter can reach: each step's cross-entropy of the
+    restricted teacher with itself (its entropy), masked and normalised like the loss."""
+    B, T = loss_mask.shape
+    floor = 0.0
+    for k in range(steps):
+        teacher = train_shift(target_logits.float(), 1 + k)
+        p = torch.softmax(teacher[..., t2d], -1)
+        position_mask = t2d[teacher.argmax(-1)].float() * train_shift(loss_mask, k)
+        floor += decay ** k * float(-(position_mask * (p * p.log()).sum(-1)).sum() / (B * T))
+    return floor
+
+
 # ----------------------------------------------------------------------------------------
-# 1. vocab mapping
+# vocab mapping
 
 
 def test_vocab_mapping_keeps_most_frequent_ids_smaller_id_wins_ties():
@@ -3153,7 +2936,7 @@ def test_vocab_mapping_refuses_draft_vocab_size_outside_1_to_V(draft_vocab_size)
 
 
 # ----------------------------------------------------------------------------------------
-# 2. the training-time-test loss
+# the training-time-test loss
 
 
 @pytest.fixture(scope="module")
@@ -3196,25 +2979,7 @@ def test_ttt_per_step_hits_and_counts_equal_stepwise_reference(train_ttt_case):
 
 
 # ----------------------------------------------------------------------------------------
-# 3.-6. the training loop
-
-
-def train_config(**overrides):
-    return E.TrainConfig(**dict(dict(steps=4, batch=4, lr=1e-2, warmup=1, ttt_steps=3,
-                                     eval_every=1000, save_every=1000, seed=0), **overrides))
-
-
-def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
-    """The lowest TTT loss any drafter can reach: each step's cross-entropy of the
-    restricted teacher with itself (its entropy), masked and normalised like the loss."""
-    B, T = loss_mask.shape
-    floor = 0.0
-    for k in range(steps):
-        teacher = train_shift(target_logits.float(), 1 + k)
-        p = torch.softmax(teacher[..., t2d], -1)
-        position_mask = t2d[teacher.argmax(-1)].float() * train_shift(loss_mask, k)
-        floor += decay ** k * float(-(position_mask * (p * p.log()).sum(-1)).sum() / (B * T))
-    return floor
+# the training loop: steps, data parallelism, resume
 
 
 def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
@@ -3242,6 +3007,20 @@ def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
     E.train_draft(t.target, draft, t.examples, [], train_config(steps=20), str(tmp_path), TRAIN_PAD)
     after, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
     assert after - floor < 0.75 * (before - floor), (floor, before, after)
+
+
+def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path):
+    s = ds_speculation["ds-v3"]
+    example = E.Example(torch.cat([s.prompt[0], s.text]).tolist(), [0] * 8 + [1] * len(s.text))
+    draft = random_draft(s.target, seed=5)
+
+    def loss():
+        with torch.no_grad():
+            return float(E.ttt_batch(s.target, draft, [example], pad_id=0, steps=3).loss)
+    before = loss()
+    E.train_draft(s.target, draft, [example] * 4, [], train_config(steps=30, batch=4),
+                  str(tmp_path), 0)
+    assert loss() < 0.8 * before, (before, loss())
 
 
 def train_dp_worker(job_file, out_dir):
@@ -3342,55 +3121,8 @@ def test_resumed_training_equals_uninterrupted_training(train_target, tmp_path, 
     assert train_max_diff(str(tmp_path / "run"), str(tmp_path / "straight")) <= 1e-6
 
 
-@pytest.fixture(scope="module")
-def train_checkpoint(train_target, tmp_path_factory):
-    """A 2-step training run with its checkpoint (drafter dir + train_state.pt)."""
-    t = train_target
-    out = tmp_path_factory.mktemp("train_checkpoint")
-    E.train_draft(t.target, train_new_draft(t.target, t.kept, seed=51), t.examples, [],
-                  train_config(steps=2, save_every=2), str(out), TRAIN_PAD)
-    return str(out)
-
-
-def train_truncate(path):
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.truncate(size // 2)
-
-
-def test_resume_from_truncated_train_state_is_refused(train_target, train_checkpoint, tmp_path):
-    t = train_target
-    out = str(tmp_path / "run")
-    shutil.copytree(train_checkpoint, out)
-    train_truncate(os.path.join(out, "train_state.pt"))
-    draft = train_new_draft(t.target, t.kept, seed=52)
-    with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
-        E.train_draft(t.target, draft, t.examples, [], train_config(steps=4), out, TRAIN_PAD,
-                      resume=True)
-
-
-def test_truncated_draft_safetensors_is_refused(train_target, train_checkpoint, tmp_path):
-    intact, broken = str(tmp_path / "intact"), str(tmp_path / "broken")
-    shutil.copytree(train_checkpoint, intact)
-    shutil.copytree(train_checkpoint, broken)
-    E.load_draft(intact, train_target.target)  # the untouched copy loads
-    train_truncate(os.path.join(broken, "model.safetensors"))
-    with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
-        E.load_draft(broken, train_target.target)
-
-
 # ----------------------------------------------------------------------------------------
-# 7.-8. the train and generate commands on a real-style target dir
-
-
-def train_cli(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, E.__file__, *args], cwd=cwd, env=env,
-                          capture_output=True, timeout=240)
-    return SimpleNamespace(returncode=proc.returncode, stdout=proc.stdout.decode("utf-8"),
-                           stderr=proc.stderr.decode("utf-8"))
+# chat data and the train command
 
 
 @pytest.fixture(scope="module")
@@ -3504,7 +3236,6 @@ def test_train_cli_draft_vocab_is_the_64_most_frequent_reply_tokens(train_chat_t
     assert (torch.arange(64) + draft.d2t).tolist() == expected
 
 
-
 def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_target, tmp_path):
     # The official code and SpecForge freeze embed_tokens, the target's or the drafter's own.
     c = train_chat_target
@@ -3534,127 +3265,702 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     assert not torch.equal(after["fc.weight"], before["fc.weight"])   # training did run
 
 
-
-def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
-    # A drafter trained on hidden_states[2, 4, 5] whose config says [2, 4, 5] (vLLM's and
-    # new SGLang's reading); SpecForge's reading of the same ids, [3, 5, 6], must fit worse.
-    # The data are the target's own replies (as text, the EAGLE-3 recipe). The random
-    # target's replies are hardly learnable beyond the ones trained on, so the drafter is
-    # measured on its training replies: what matters here is which features fit.
-    c = train_chat_target
-    target = E.load_target(c.dir, dtype=torch.float32)
-    prompts = [p for p, _ in E.synthetic_corpus(32, seed=21)]
-    chats = [[dict(role="user", content=p), dict(role="assistant", content=c.tok.decode(
-        [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != c.tok.eos_token_id]))]
-        for p, ex in zip(prompts, E.replies_as_examples(target, c.tok, prompts, 24))]
-    examples = [E.tokenize_conversation(c.tok, m) for m in chats]
-    d2t, _ = E.build_vocab_mapping(E.count_reply_tokens(examples, c.vocab), 64)
-    draft = train_new_draft(target, (torch.arange(64) + d2t).tolist(), seed=71)
-    assert draft.cfg.aux_layers == (2, 4, 5)
-    E.train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
-                  str(tmp_path / "draft"), c.tok.pad_token_id)
-    edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
-        eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
-    data = tmp_path / "chats.jsonl"
-    data.write_text("\n".join(train_jsonl_line(i, m) for i, m in enumerate(chats)) + "\n")
-    proc = train_cli(["draft-check", "--draft", str(tmp_path / "draft"), "--target", c.dir,
-                      "--data", str(data)], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "WARNING: the conventions disagree" in proc.stderr
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
-                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
-    assert report["best"] == ["vllm", "sglang"]
-    right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
-    assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
-
-TRAIN_GEN_PROMPT = "What is the capital of peru?"
+# ----------------------------------------------------------------------------------------
+# offline features: capture, train --features (SpecForge's offline layout)
 
 
-def train_chat_prompt_ids(tok, prompt):
-    """Our rendering of the chat-templated prompt with the generation prompt appended."""
-    ids, _ = train_render(tok, [dict(role="user", content=prompt)])
-    return ids + [train_special(tok, E.ASSISTANT)]
-
-
-def train_hf_greedy(c, ids, max_new_tokens):
-    """transformers' greedy continuation (new tokens only), stopping at the tokenizer's EOS."""
-    ids = torch.tensor([ids])
-    out = c.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                        max_new_tokens=max_new_tokens, eos_token_id=c.tok.eos_token_id,
-                        pad_token_id=c.tok.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+def chat_data(path):
+    path.write_text("\n".join(train_jsonl_line(i, m)
+                              for i, m in enumerate(train_conversations())) + "\n")
+    return path
 
 
 @pytest.fixture(scope="module")
-def train_generate_setup(train_chat_target):
-    """A drafter over 64 of the chat target's ids that has memorised the target's reply to
-    the test prompt (train_draft on that reply), so its drafts get accepted."""
+def captured(train_chat_target, tmp_path_factory):
     c = train_chat_target
+    root = tmp_path_factory.mktemp("captured")
+    data = chat_data(root / "chats.jsonl")
+    run_command(["capture", "--target", c.dir, "--data", data, "--out", root / "features"])
     target = E.load_target(c.dir, dtype=torch.float32)
-    prompt = train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)
-    reply = train_hf_greedy(c, prompt, 24)
-    kept = sorted(set(reply))
-    kept += [v for v in range(c.vocab) if v not in kept][:64 - len(kept)]
-    draft = train_new_draft(target, kept, seed=61)
-    example = E.Example(prompt + reply, [0] * len(prompt) + [1] * len(reply))
-    E.train_draft(target, draft, [example] * 2, [], train_config(steps=40, batch=2),
-                  str(c.root / "spec_draft"), c.tok.pad_token_id)
-    return SimpleNamespace(draft_dir=str(c.root / "spec_draft"))
+    examples = E.training_examples(c.tok, str(data), 2048)
+    return SimpleNamespace(dir=str(root / "features"), data=str(data), target=target,
+                           examples=examples, root=root)
 
 
-CUSTOM_TOKENIZER = """from transformers import PreTrainedTokenizerFast
+def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
+                                                                        captured):
+    c, examples = train_chat_target, captured.examples
+    assert len(examples) == 18
+    for i, ex in enumerate(examples):
+        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        sample = torch.load(file, weights_only=True)
+        assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
+        T = len(ex.tokens)
+        assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
+            ex.reply_mask
+        assert sample["hidden_state"].shape == (1, T, 32)
+        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
+        logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
+        assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
+        assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
 
 
-class TinyCustomTokenizer(PreTrainedTokenizerFast):
-    pass
+def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
+                                                                         captured, tmp_path,
+                                                                         monkeypatch):
+    c, out = train_chat_target, tmp_path / "features"
+    real, written = E.atomic_write, []
+
+    def killed_after_7(path, write):
+        if path.endswith(".ckpt") and len(written) == 7:
+            write(f"{path}.tmp999")              # a kill mid-write leaves a temporary file
+            raise KeyboardInterrupt("killed")
+        written.append(path)
+        real(path, write)
+    monkeypatch.setattr(E, "atomic_write", killed_after_7)
+    with pytest.raises(KeyboardInterrupt):
+        run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
+    before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns
+              for f in os.listdir(out / "rows_0-2000") if f.endswith(".ckpt")}
+    rewritten = []
+
+    def recording(path, write):
+        rewritten.append(os.path.basename(path))
+        real(path, write)
+    monkeypatch.setattr(E, "atomic_write", recording)
+    run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
+    # the resumed run wrote only the missing samples, and left the others untouched
+    assert 0 < len(before) < 18
+    assert sorted(f for f in rewritten if f.endswith(".ckpt")) == sorted(
+        f"data_{i}.ckpt" for i in range(18) if f"data_{i}.ckpt" not in before)
+    assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
+    files = sorted(os.listdir(out / "rows_0-2000"))
+    assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
+        f"data_{i}.ckpt" for i in range(18))
+    for i in range(18):
+        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                       weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a), i
+    assert len(E.captured_examples(str(out))) == 18
+
+
+def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
+    import gzip
+    group = tmp_path / "rows_0-2000"
+    group.mkdir()
+    for i in range(3):
+        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
+            g.write(f.read())
+    examples = E.captured_examples(str(tmp_path))
+    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
+
+
+def test_offline_training_from_features_equals_online_training_step_for_step(
+        train_chat_target, captured):
+    c = train_chat_target
+    head = E.load_target_head(c.dir, features=captured.dir)
+    online, offline = captured.examples, E.captured_examples(captured.dir)
+    kept = sorted(set(t for ex in online for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
+    drafts = [train_new_draft(t, kept, seed=81) for t in (captured.target, head)]
+    cfg = train_config(steps=6, batch=4)
+    opts = [E.new_optimizer(d, cfg) for d in drafts]
+    for step in range(cfg.steps):
+        rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
+        a = E.train_step(captured.target, drafts[0], opts[0], [online[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        b = E.train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        for la, lb in zip(a.losses, b.losses):
+            assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
+        assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
+    for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
+        assert_close(pb.detach(), pa.detach(), name)
+
+
+def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
+    out = captured.root / "offline_draft"
+    proc = train_cli(["train", "--target", train_chat_target.dir, "--features", captured.dir,
+                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64"],
+                     cwd=captured.root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    draft = E.load_draft(str(out), captured.target)
+    # the map: the 64 most frequent loss-masked tokens of the training split (all but the
+    # first max(1, n // 50) = 1 sample, held out), counted from the features' own fields
+    counts = Counter()
+    for i in range(1, 18):
+        sample = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                            weights_only=True)
+        counts.update(t for t, m in zip(sample["input_ids"].tolist(),
+                                        sample["loss_mask"].tolist()) if m)
+    expected = train_top_ids([counts[v] for v in range(train_chat_target.vocab)], 64)
+    assert (torch.arange(64) + draft.d2t).tolist() == expected
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
+
+
+# ========================================================================================
+# SPEC 8. bad input: a clear one-line error, nothing half-written
+# ========================================================================================
+
+
+# ----------------------------------------------------------------------------------------
+# the target's config and weights
+
+
+def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=VOCAB)))
+    supported = r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"
+    with pytest.raises(E.Eagle3Error, match=supported):
+        E.load_target(str(tmp_path))
+
+
+def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
+    # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
+    # transformers' own validation catches the target's explicit head_dim (in one line of
+    # ours); a drafter's head width from hidden_size / heads slips past it.
+    config = dict(random_hf_model("llama").config.to_dict(), head_dim=9)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(E.Eagle3Error, match=r"config.json is not a valid config: RoPE requires "
+                                            r"an even rotary dimension.*head_dim.*9"):
+        E.read_target_config(str(tmp_path / "target"))
+    with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
+        E.read_draft_config(draft_config_dict(num_attention_heads=HIDDEN), zoo.target("llama").cfg)
+
+
+@pytest.mark.parametrize("world", [3, 4])   # 3: neither head count divides; 4: the kv heads
+def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
+    cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
+    with pytest.raises(E.Eagle3Error, match=r"num_attention_heads=4 and num_key_value_heads=2 "
+                                            rf"must both be divisible by the world size {world}"):
+        E.check_tp_sizes(cfg, world)
+
+
+def edited_checkpoint(zoo, tmp_path, edit):
+    """A copy of the tiny llama checkpoint whose weights went through `edit(state)`."""
+    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
+    state = load_file(tmp_path / "model.safetensors")
+    edit(state)
+    save_file(state, tmp_path / "model.safetensors")
+    return str(tmp_path)
+
+
+def test_missing_weight_key_is_refused_naming_it(zoo, tmp_path):
+    path = edited_checkpoint(zoo, tmp_path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight"))
+    message = r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.load_target(path)
+
+
+def test_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path):
+    path = edited_checkpoint(zoo, tmp_path, lambda s: s.update(
+        {"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
+    message = r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.load_target(path)
+
+
+def test_corrupt_safetensors_file_is_refused(zoo, tmp_path):
+    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
+    weights = tmp_path / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(E.Eagle3Error, match=r"model\.safetensors.*corrupt"):
+        E.load_target(str(tmp_path))
+
+
+def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, zoo):
+    with pytest.raises(E.Eagle3Error, match=r"num_hidden_layers >= 7"):
+        E.check_aux_layers((2, 3, 3), 6)          # (2, L//2, L-3) for L = 6 collide
+    six = random_hf_model("llama", layers=6)
+    six.save_pretrained(tmp_path / "target")
+    official_draft_dir(str(tmp_path / "draft"), zoo.target("llama"))
+    with pytest.raises(E.Eagle3Error, match=r"aux layers \(2, 3, 3\) for a 6-layer target"):
+        E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
+
+
+def ds_config_dir(tmp_path, **overrides):
+    overrides = dict(DS_TARGETS["ds-v3"][0], **overrides)
+    (tmp_path / "config.json").write_text(json.dumps(dict(DS_BASE, model_type="deepseek_v3",
+                                                          **overrides)))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be divisible by the "
+            r"world size 3"),
+    (4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be divisible"),
+    (2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not divisible by the "
+                                        r"world size 2"),
+], ids=["heads", "kv-heads", "experts-width"])
+def test_deepseek_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, world, overrides,
+                                                                    message):
+    cfg = E.read_target_config(ds_config_dir(tmp_path, **overrides))
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.check_tp_sizes(cfg, world)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json must be even"),
+    (dict(num_experts_per_tok=3, topk_group=1), r"cannot select num_experts_per_tok=3 experts: "
+                                                r"topk_group \* n_routed_experts / n_group = "
+                                                r"1 \* 8 / 4 = 2"),
+    (dict(n_group=3), r"n_routed_experts=8, n_group=3"),
+], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
+def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
+    with pytest.raises(E.Eagle3Error, match=message):
+        E.read_target_config(ds_config_dir(tmp_path, **overrides))
+
+
+def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(ds_zoo, tmp_path):
+    int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
+                config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
+    ds_rewrite_dir(ds_zoo.root / "kimi", tmp_path / "int4",
+                   lambda c: dict(kimi_k2_config(c), quantization_config=int4))
+    with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
+                                            r"format='pack-quantized'.*only FP8"):
+        E.load_target(str(tmp_path / "int4"))
+
+
+# ----------------------------------------------------------------------------------------
+# generation inputs
+
+GENERATORS = {  # the generation entry points must check their inputs alike
+    "greedy": lambda target, draft, ids, n: E.greedy_generate(target, ids, n),
+    "sample": lambda target, draft, ids, n: E.sample_generate(target, ids, n, seed=1),
+    "speculative": lambda target, draft, ids, n: E.speculative_generate(
+        target, draft, ids, n, tree=E.TreeShape(2, 2, 6)),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_draft(zoo):
+    return random_draft(zoo.target("llama"), seed=3)
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, generate, bad):
+    # a forward would fail deep in the embedding (IndexError), or read another row silently
+    ids = random_prompt(0)
+    ids[0, 5] = bad
+    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside the target vocab "
+                                            rf"\[0, {VOCAB}\)"):
+        GENERATORS[generate](zoo.target("llama"), plain_draft, ids, 5)
+    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
+        E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), ids, 2, 2, 6)
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+def test_eos_outside_the_vocab_and_non_id_prompts_are_refused(zoo, plain_draft, generate):
+    target = zoo.target("llama")
+    with pytest.raises(E.Eagle3Error, match=r"must be a torch.long tensor of token ids"):
+        GENERATORS[generate](target, plain_draft, random_prompt(0).float(), 5)
+    eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
+           "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
+           "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
+                                                         eos_token_id=VOCAB + 3)}[generate]
+    with pytest.raises(E.Eagle3Error, match=r"eos_token_id=-?\d+ is not a token id of the "
+                                            rf"target vocab \[0, {VOCAB}\)"):
+        eos()
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+def test_empty_prompt_is_refused(zoo, plain_draft, generate):
+    with pytest.raises(E.Eagle3Error, match=r"prompt is empty"):
+        GENERATORS[generate](zoo.target("llama"), plain_draft,
+                             torch.zeros(1, 0, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+def test_prompt_plus_new_tokens_over_cache_length_is_refused(zoo, plain_draft, generate):
+    # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
+    with pytest.raises(E.Eagle3Error, match=r"exceeds the cache length 512"):
+        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), 501)
+
+
+@pytest.mark.parametrize("generate", list(GENERATORS))
+@pytest.mark.parametrize("max_new_tokens", [0, -3])
+def test_non_positive_max_new_tokens_is_refused(zoo, plain_draft, generate, max_new_tokens):
+    with pytest.raises(E.Eagle3Error, match=rf"max_new_tokens={max_new_tokens} must be a positive"):
+        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), max_new_tokens)
+
+
+def test_unbuildable_tree_shape_is_refused(zoo, plain_draft):
+    # top_k=2, depth=1: a pool of 2 + 1*4 = 6 candidates, so at most 7 nodes with the root
+    with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
+        E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
+                               tree=E.TreeShape(2, 1, 8))
+
+
+def test_top_k_larger_than_the_draft_vocab_is_refused(zoo):
+    # a drafter with 6 draft tokens cannot offer 8 distinct children per node
+    target = zoo.target("llama")
+    draft = random_draft(target, seed=4, kept=torch.tensor([0, 3, 5, 7, 9, 11]))
+    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
+        E.speculative_generate(target, draft, random_prompt(0), 5, tree=E.TreeShape(8, 2, 10))
+    with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
+        E.draft_tree(draft, torch.zeros(1, 4, 3 * HIDDEN), random_prompt(0, length=5), 8, 2, 10)
+
+
+BAD_SAMPLING = [
+    (dict(temperature=-0.5), r"temperature=-0\.5.*>= ?0"),
+    (dict(top_p=0.0), r"top_p=0\.0.*\(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1\.5.*\(0, 1\]"),
+    (dict(top_p=-0.2), r"top_p=-0\.2.*\(0, 1\]"),
+    (dict(top_k=-1), r"top_k=-1.*>= ?0"),
+    (dict(top_k=2.5), r"top_k=2\.5.*integer"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
+def test_speculative_generate_rejects_bad_sampling(kwargs, match, vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=match):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               **dict(dict(temperature=1.0), **kwargs))
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_SAMPLING, ids=lambda x: str(x)[:40])
+def test_sample_generate_rejects_bad_sampling(kwargs, match, vocab6_target):
+    with pytest.raises(E.Eagle3Error, match=match):
+        E.sample_generate(vocab6_target, PROMPT, 4, **dict(dict(temperature=1.0), **kwargs))
+
+
+def test_chain_scheme_needs_temperature(vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=r"scheme='chain'.*temperature > 0"):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               temperature=0.0, scheme="chain")
+
+
+def test_unknown_scheme_rejected(vocab6_target, vocab6_drafts):
+    with pytest.raises(E.Eagle3Error, match=r"scheme='beam'.*one of"):
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4,
+                               temperature=1.0, scheme="beam")
+
+
+# ----------------------------------------------------------------------------------------
+# checkpoints: truncated files are refused, interrupted writes leave whole files
+
+
+@pytest.fixture(scope="module")
+def train_checkpoint(train_target, tmp_path_factory):
+    """A 2-step training run with its checkpoint (drafter dir + train_state.pt)."""
+    t = train_target
+    out = tmp_path_factory.mktemp("train_checkpoint")
+    E.train_draft(t.target, train_new_draft(t.target, t.kept, seed=51), t.examples, [],
+                  train_config(steps=2, save_every=2), str(out), TRAIN_PAD)
+    return str(out)
+
+
+def train_truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+def test_resume_from_truncated_train_state_is_refused(train_target, train_checkpoint, tmp_path):
+    t = train_target
+    out = str(tmp_path / "run")
+    shutil.copytree(train_checkpoint, out)
+    train_truncate(os.path.join(out, "train_state.pt"))
+    draft = train_new_draft(t.target, t.kept, seed=52)
+    with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
+        E.train_draft(t.target, draft, t.examples, [], train_config(steps=4), out, TRAIN_PAD,
+                      resume=True)
+
+
+def test_truncated_draft_safetensors_is_refused(train_target, train_checkpoint, tmp_path):
+    intact, broken = str(tmp_path / "intact"), str(tmp_path / "broken")
+    shutil.copytree(train_checkpoint, intact)
+    shutil.copytree(train_checkpoint, broken)
+    E.load_draft(intact, train_target.target)  # the untouched copy loads
+    train_truncate(os.path.join(broken, "model.safetensors"))
+    with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
+        E.load_draft(broken, train_target.target)
+
+
+KILLABLE = """
+import os, sys, time
+import eagle3_ref
+# Stop at the n-th file the command renames into place, in one of three states: its temp
+# file cut short (a kill while the bytes are written), complete but not yet renamed, or
+# renamed. The test then sends SIGKILL.
+n, state = int(os.environ["STOP_AT_WRITE"]), os.environ["STOP_STATE"]
+rename, seen = os.replace, []
+
+def replace(src, dst):
+    seen.append(dst)
+    if len(seen) == n:
+        if state == "cut":
+            with open(src, "r+b") as f:
+                f.truncate(os.path.getsize(src) * int(os.environ["STOP_CUT_PERCENT"]) // 100)
+        if state == "renamed":
+            rename(src, dst)
+        print("STOPPED", state, dst, flush=True)
+        time.sleep(600)
+    rename(src, dst)
+
+os.replace = replace
+eagle3_ref.main(sys.argv[1:])
 """
 
 
-def test_tokenizer_with_its_own_code_needs_trust_remote_code(train_chat_target,
-                                                             train_generate_setup, tmp_path,
-                                                             monkeypatch):
-    # Kimi's tokenizer ships its own code: without the flag a one-line error says so; with
-    # it the command runs (and golden encodes the prompt through that tokenizer)
-    target = tmp_path / "target"
-    shutil.copytree(train_chat_target.dir, target)
-    with open(target / "tokenizer_config.json") as f:
-        config = json.load(f)
-    config.update(tokenizer_class="TinyCustomTokenizer",
-                  auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]})
-    with open(target / "tokenizer_config.json", "w") as f:
-        json.dump(config, f)
-    (target / "tokenization_tiny.py").write_text(CUSTOM_TOKENIZER)
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where it is copied
-    args = ["golden", "--out", str(tmp_path / "trace.safetensors"), "--target", str(target),
-            "--draft", train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT,
-            "--max-new-tokens", "4"]
-    refused = train_cli(args, cwd=tmp_path)
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert re.search(r"^error: the tokenizer in .* ships its own code; rerun with "
-                     r"--trust-remote-code", refused.stderr, re.M)
-    trusted = train_cli(args + ["--trust-remote-code"], cwd=tmp_path)
-    assert trusted.returncode == 0, trusted.stderr[-3000:]
-    header, _ = golden_read(tmp_path / "trace.safetensors")
-    assert header["config"]["input_ids"] == train_chat_prompt_ids(train_chat_target.tok,
-                                                                  TRAIN_GEN_PROMPT)
+def run_killed(argv, cwd, write, state, cut_percent=50):
+    """Run the CLI, SIGKILL it where KILLABLE stops (write `write`, in `state`). -> the file
+    it was writing, or None when the command finished first."""
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here, STOP_AT_WRITE=str(write),
+               STOP_STATE=state, STOP_CUT_PERCENT=str(cut_percent))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, *map(str, argv)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if line.startswith("STOPPED"):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=60)
+            return line.split()[2]
+    assert proc.wait(timeout=240) == 0, "the command failed before it was stopped"
+    return None
 
 
-def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
-    c = train_chat_target
-    proc = train_cli(["generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
-                      "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12",
-                      "--tree-top-k", "2", "--depth", "2", "--total-tokens", "6"], cwd=c.root)
+def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
+        train_chat_target, train_cli_run, tmp_path):
+    # 17 training conversations, batch 2: 8 steps, each saving model.safetensors,
+    # config.json and train_state.pt (3 renames per step, counted from each process's start).
+    # Five kills, each resumed, each in another file and state, the run moving on between
+    # them; train_state.pt under its name always holds the last step whose save completed.
+    c, rng = train_chat_target, random.Random(15)
+    assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
+    out = tmp_path / "run"
+    argv = ["train", "--target", c.dir, "--data", str(c.root / "chats.jsonl"), "--out", str(out),
+            "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"]
+    target, kills = E.load_target(c.dir, dtype=torch.float32), []
+    for write, state, name, step in ((6, "cut", "train_state.pt", 1),      # in step 2
+                                     (4, "whole", "model.safetensors", 2),  # in step 3
+                                     (2, "renamed", "config.json", 2),      # in step 3
+                                     (6, "renamed", "train_state.pt", 4),   # in step 4
+                                     (7, "cut", "model.safetensors", 6)):   # in step 7
+        stopped = run_killed(argv + ["--resume"] * bool(kills), tmp_path, write, state,
+                             rng.randint(1, 99))
+        assert stopped == str(out / name), (stopped, name)
+        kills.append((write, state, name))
+        assert torch.load(out / "train_state.pt", weights_only=True)["step"] == step, kills
+        E.load_draft(str(out), target)               # the drafter under its names is whole
+    proc = train_cli(argv + ["--resume"], cwd=tmp_path)
+    assert proc.returncode == 0, (kills, proc.stderr[-3000:])
+    straight, resumed = (load_file(os.path.join(d, "model.safetensors"))
+                         for d in (train_cli_run.out, out))
+    assert sorted(straight) == sorted(resumed)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), (name, kills)
+    assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 8
+
+
+def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path,
+                                                                      capsys):
+    trace = str(tmp_path / "trace.safetensors")
+    for state in ("cut", "whole"):   # killed before the rename: nothing under the name
+        stopped = run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, state)
+        assert stopped == trace and not os.path.exists(trace)
+        leftovers = [f for f in os.listdir(tmp_path) if f.startswith("trace.safetensors.tmp")]
+        assert leftovers, os.listdir(tmp_path)
+        for name in leftovers:       # a cut-short temp file is refused, not half-checked
+            if state == "cut":
+                line = refused(cli_here(["golden", "--check", str(tmp_path / name)], capsys))
+                assert "is not a golden trace" in line, line
+            os.remove(tmp_path / name)
+        line = refused(cli_here(["golden", "--check", trace], capsys))
+        assert "does not exist" in line
+    # a complete trace, then a rewrite killed mid-way: the complete one is still there
+    proc = train_cli([str(a) for a in golden_args(golden_models, trace, "sampled")], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    new = train_hf_greedy(c, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12)
-    text = c.tok.decode(new)
-    assert proc.stdout.startswith(text + "\n"), (proc.stdout, text)
-    tau_line = proc.stdout[len(text) + 1:]
-    match = re.fullmatch(r"tau (\d+\.\d\d) \| rounds (\d+) \| tokens (\d+) \| [\d.]+ tokens/s\n",
-                         tau_line)
-    assert match, tau_line
-    # drafts were accepted (tau > 1), at most depth + 2 = 4 tokens per round
-    assert 1.0 < float(match[1]) <= 4.0 and int(match[3]) == len(new) == 12
+    before = open(trace, "rb").read()
+    run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, "cut", 70)
+    assert open(trace, "rb").read() == before
+    check = train_cli(["golden", "--check", trace], cwd=tmp_path)
+    assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# wrong input through the CLI: one `error:` line naming the value, exit code 2, no traceback
+
+
+def cli_path_flags():
+    """(command, dest) of every path-taking flag of every command, read off the parser."""
+    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(command, action.dest) for command, parser in sub.choices.items()
+            for action in parser._actions if action.dest in E.PATH_FLAGS or action.dest == "out"]
+
+
+def cli_path_kind(command, dest):
+    if dest == "out":
+        return "out_file" if command in E.FILE_OUTPUTS else "out_dir"
+    return E.PATH_FLAGS[dest]
+
+
+def cli_required_argv(command, tmp_path):
+    """`command` with a value for each required flag that passes every path check."""
+    (tmp_path / "a_dir").mkdir(exist_ok=True)
+    (tmp_path / "a_file").write_text("{}\n")
+    value = dict(dir=tmp_path / "a_dir", file=tmp_path / "a_file", any=tmp_path / "a_dir",
+                 out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "out")
+    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    argv = [command]
+    for action in sub.choices[command]._actions:
+        if action.required:
+            given = value[cli_path_kind(command, action.dest)] \
+                if action.dest in E.PATH_FLAGS or action.dest == "out" else \
+                dict(prompt="hi", tp="2")[action.dest]
+            argv += [action.option_strings[-1], str(given)]
+    return argv
+
+
+def cli_with(argv, flag, path):
+    """argv with `flag` set to `path` (replacing the value it had)."""
+    if flag in argv:
+        argv = argv[:argv.index(flag)] + argv[argv.index(flag) + 2:]
+    return argv + [flag, str(path)]
+
+
+@pytest.mark.parametrize("command,dest", cli_path_flags(), ids=lambda x: x)
+def test_every_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(command, dest, tmp_path,
+                                                                         capsys, monkeypatch):
+    # checked before anything loads: a typo costs one line, not minutes of loading, and a
+    # missing local dir is never handed to the hub as a repo id
+    flag, kind = "--" + dest.replace("_", "-"), cli_path_kind(command, dest)
+    argv = cli_required_argv(command, tmp_path)
+    missing = tmp_path / "no_such" / "thing" if kind == "out_file" else tmp_path / "no_such"
+    if kind != "out_dir":  # a missing output dir is created
+        line = refused(cli_here(cli_with(argv, flag, missing), capsys))
+        assert f"{flag} {str(missing)!r}" in line and "does not exist" in line, line
+    wrong = dict(dir=(tmp_path / "a_file", "is a file; expected a directory"),
+                 file=(tmp_path / "a_dir", "is a directory; expected a file"),
+                 out_file=(tmp_path / "a_dir", "is a directory; expected the path of the file"),
+                 out_dir=(tmp_path / "a_file", "is a file; expected a directory")).get(kind)
+    if wrong:
+        line = refused(cli_here(cli_with(argv, flag, wrong[0]), capsys))
+        assert f"{flag} {str(wrong[0])!r} {wrong[1]}" in line, line
+    # unreadable (or, for --out, unwritable): os.access says no, as it does for a user
+    # without the permission (root passes every permission check, so it is asked here)
+    (tmp_path / "locked_dir").mkdir()
+    (tmp_path / "locked_file").write_text("{}\n")
+    blocked = str(tmp_path / ("locked_dir" if kind in ("dir", "any") else
+                              "locked_file" if kind == "file" else ""))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: os.path.abspath(p) != os.path.abspath(
+        blocked) and real_access(p, mode))
+    path = dict(out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "new_out").get(
+        kind, blocked)
+    line = refused(cli_here(cli_with(argv, flag, path), capsys))
+    assert flag in line and ("not readable" in line or "cannot be written" in line), line
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(train_chat_target, train_generate_setup, tmp_path_factory):
+    """A working target dir, drafter dir and chat file, and broken copies of each."""
+    c, root = train_chat_target, tmp_path_factory.mktemp("bad_inputs")
+    chats = root / "chats.jsonl"
+    chats.write_text("\n".join(train_jsonl_line(i, m)
+                               for i, m in enumerate(train_conversations())) + "\n")
+    lines = chats.read_text().splitlines()
+    broken_chats = root / "broken.jsonl"
+    broken_chats.write_text("\n".join(lines[:2] + [lines[2][:-7]] + lines[3:]) + "\n")
+    turnless = root / "turnless.jsonl"
+    turnless.write_text("\n".join(lines[:4] + ['{"messages": ["hi", "there"]}']) + "\n")
+    target, draft = root / "target", root / "draft"
+    shutil.copytree(c.dir, target)
+    shutil.copytree(train_generate_setup.draft_dir, draft)
+    (target / "config.json").write_text('{"model_type": "llama", "hidden_size": 32,\n')
+    (draft / "config.json").write_text("{'architectures': ['LlamaForCausalLMEagle3']}")
+    heads = root / "draft_heads"
+    shutil.copytree(train_generate_setup.draft_dir, heads)
+    edit_draft_dir(str(heads), config=lambda raw: raw.update(num_attention_heads=5))
+    no_tokenizer = root / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(c.dir, name), no_tokenizer)
+    return SimpleNamespace(root=root, target=c.dir, draft=train_generate_setup.draft_dir,
+                           vocab=c.vocab, chats=str(chats), broken_chats=str(broken_chats),
+                           turnless=str(turnless),
+                           broken_target=str(target), broken_draft=str(draft),
+                           draft_heads=str(heads), no_tokenizer=str(no_tokenizer))
+
+
+BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the line must say)
+    # the six that used to end in a traceback, run as a user runs them
+    "target config.json is not JSON": (lambda b: [
+        "generate", "--target", b.broken_target, "--draft", b.draft, "--prompt", "hi"],
+        r"config.json' is not valid JSON \(.* at line 2 column 1\)"),
+    "a data line is not JSON": (lambda b: [
+        "train", "--target", b.target, "--data", b.broken_chats, "--out", str(b.root / "o1")],
+        r"broken.jsonl:3 is not valid JSON"),
+    "--data does not exist": (lambda b: [
+        "train", "--target", b.target, "--data", str(b.root / "nope.jsonl"), "--out",
+        str(b.root / "o2")], r"--data '.*nope.jsonl' does not exist; expected a local file"),
+    "--prompt-ids are not integers": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4;5,x1",
+        "--out", str(b.root / "g.safetensors")], r"--prompt-ids '5,x1': 'x1' is not an int"),
+    "--prompt-ids outside the vocab": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", f"3,{b.vocab},4",
+        "--out", str(b.root / "g.safetensors")],
+        r"token id (\d+), outside the target vocab \[0, \1\)"),
+    "vocab-check --draft dir does not exist": (lambda b: [
+        "vocab-check", "--draft", str(b.root / "nope"), "--target", b.target],
+        r"--draft '.*nope' does not exist; expected a local directory$"),
+}
+BAD_INPUTS_HERE = {  # the other error classes, through main() in this process
+    "drafter config.json is not JSON": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.broken_draft, "--prompt", "hi"],
+        r"draft/config.json' is not valid JSON \(Expecting property name .* column 2\)"),
+    "drafter config transformers rejects": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.draft_heads, "--prompt", "hi"],
+        r"draft_heads/config.json is not a valid config: The hidden size \(32\) is not a "
+        r"multiple of the number of attention heads \(5\)"),
+    "a data line whose turns are not chat turns": (lambda b: [
+        "train", "--target", b.target, "--data", b.turnless, "--out", str(b.root / "o4")],
+        r"turnless.jsonl:5: turn 'hi' is not \{role, content\} or \{from, value\}"),
+    "golden --check on a drafter's weights": (lambda b: [
+        "golden", "--check", os.path.join(b.draft, "model.safetensors")],
+        r"model.safetensors' is not a golden trace of format 'eagle3-ref-golden'"),
+    "golden --check on a text file": (lambda b: ["golden", "--check", b.chats],
+                                      r"chats.jsonl' is not a golden trace \("),
+    "chain at temperature 0": (lambda b: [
+        "generate", "--target", b.target, "--draft", b.draft, "--prompt", "hi", "--scheme",
+        "chain"], r"scheme='chain' samples its drafts and needs temperature > 0"),
+    "EOS outside the vocab": (lambda b: [
+        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4",
+        "--eos-token-id", "100000", "--out", str(b.root / "g.safetensors")],
+        r"eos_token_id=100000 is not a token id of the target vocab"),
+    "a model dir without a tokenizer": (lambda b: [
+        "generate", "--target", b.no_tokenizer, "--draft", b.draft, "--prompt", "hi"],
+        r"no tokenizer in '.*no_tokenizer' \(none of tokenizer.json"),
+    "an option argparse rejects": (lambda b: [
+        "generate", "--prompt", "hi", "--max-new-tokens", "ten"],
+        r"argument --max-new-tokens: invalid int value: 'ten'"),
+    "a count that is not positive": (lambda b: [
+        "train", "--target", b.target, "--data", b.chats, "--out", str(b.root / "o3"),
+        "--batch", "0"], r"--batch 0 must be > 0"),
+    "a list with a bad number": (lambda b: ["comm-plan", "--config", b.target, "--tp", "2",
+                                            "--tau", "1.5,two"], r"'two' is not a float"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_error_line_with_exit_code_2(bad_inputs, name):
+    argv, expected = BAD_INPUTS[name]
+    line = refused(train_cli(argv(bad_inputs), cwd=bad_inputs.root))
+    assert re.search(expected, line), line
+    assert "repo" not in line.lower() and "hub" not in line.lower(), line
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS_HERE)
+def test_every_error_class_is_one_line_naming_the_value(bad_inputs, name, capsys):
+    argv, expected = BAD_INPUTS_HERE[name]
+    line = refused(cli_here(argv(bad_inputs), capsys))
+    assert re.search(expected, line), line
+    assert "must be one of ('tree', 'chain')" not in line and "weight file" not in line, line
 
 
 def test_generate_cli_bad_temperature_is_one_line_error_exit_2(train_chat_target,
@@ -3670,21 +3976,9 @@ def test_generate_cli_bad_temperature_is_one_line_error_exit_2(train_chat_target
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-# ----------------------------------------------------------------------------------------
-# torchrun worker: python -m torch.distributed.run --nproc_per_node=2 THIS worker TARGET OUT
-
-
-def sampling_tp_worker(target_dir, out_dir):
-    rank = E.init_distributed().rank
-    tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
-    tp_draft = vocab6_new_draft(tp_target, seed=1)
-    outputs = {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
-               "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
-    torch.save(outputs, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-# ----------------------------------------------------------------------------------------
-# golden traces, vocab-check and remap-draft
+# ========================================================================================
+# tools: golden traces (write, replay, --check)
+# ========================================================================================
 
 GOLDEN_VOCAB = 24        # small vocab: varied greedy text, drafts accepted several levels deep
 GOLDEN_PROMPT = [3, 1, 4, 1, 5]
@@ -3697,33 +3991,6 @@ GOLDEN_RUNS = {          # trace kind -> the sampling flags of `golden`
     "chain": ["--scheme", "chain", "--temperature", "0.8", "--top-p", "0.9", "--seed", "7"],
 }
 GOLDEN_ATOL = 1e-4       # fp32 round-off between world size 1 and 2 (all-reduce order)
-
-
-def golden_env():
-    here = os.path.dirname(os.path.abspath(E.__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def golden_cli(*args, world=1):
-    """The command line `eagle3_ref.py ARGS` (under torchrun for world > 1), started now."""
-    script = os.path.abspath(E.__file__)
-    launcher = [sys.executable] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    return subprocess.Popen(launcher + [script] + [str(a) for a in args], env=golden_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def golden_finish(*procs):
-    """Wait for processes started together (2 cores run two at once) -> CompletedProcess."""
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
 
 
 def golden_read(path):
@@ -3778,10 +4045,6 @@ def golden_root_index(tensors, r):
     return int(tensors["accept_lengths"][:r].sum())
 
 
-# ----------------------------------------------------------------------------------------
-# fixtures: a tiny random target, a drafter taught its greedy text, and the traces
-
-
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
     """A random 8-layer target (4 query / 2 kv heads: divisible by W = 2) saved as an HF
@@ -3808,26 +4071,6 @@ def golden_models(tmp_path_factory):
     ttt_sharpen(draft, target, hf, GOLDEN_PROMPT, new_tokens=40, steps=40)
     E.save_draft(draft, str(root / "draft"))
     return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
-
-
-def ttt_sharpen(draft, target, hf, prompt, new_tokens, steps):
-    """Adam steps (lr 1e-2) of the 3-step TTT loss on transformers' greedy continuation of
-    `prompt`: the drafter learns the target's text, so acceptance paths go deep (SPEC §9)."""
-    prompt = torch.tensor([prompt])
-    with torch.no_grad():
-        text = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                           max_new_tokens=new_tokens)
-        logits, aux = target(text, aux_layers=draft.cfg.aux_layers)
-    params = E.trainable(draft)
-    for p in params:
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(params, lr=1e-2)
-    for _ in range(steps):
-        loss = E.ttt_loss(draft, aux, text, torch.ones_like(text), logits, steps=3).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    draft.requires_grad_(False)
 
 
 def golden_args(models, out, kind):
@@ -4116,7 +4359,7 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 
 
 # ----------------------------------------------------------------------------------------
-# golden --check
+# golden --check, and batches in the engines' layouts
 
 
 @pytest.fixture(scope="module")
@@ -4156,6 +4399,15 @@ def test_golden_check_names_round_field_index_and_both_values_of_a_flipped_token
     assert re.search(r"\bround 2\b", lines[0]) and "tree_tokens" in lines[0], lines[0]
     assert re.search(r"\bindex 3\b", lines[0]), lines[0]
     assert f"file {new}, re-run {old}" in lines[0], lines[0]
+
+
+def test_golden_check_refuses_another_format_version_in_one_line(golden_checks):
+    proc = golden_checks["version2"]
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    assert re.search(r"version\W{0,3}2\b", lines[0]), lines[0]
+    assert "match" not in proc.stdout
 
 
 BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
@@ -4228,17 +4480,9 @@ def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(b
     assert f"file {batch_golden.new}, re-run {batch_golden.old}" in line, line
 
 
-def test_golden_check_refuses_another_format_version_in_one_line(golden_checks):
-    proc = golden_checks["version2"]
-    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    assert re.search(r"version\W{0,3}2\b", lines[0]), lines[0]
-    assert "match" not in proc.stdout
-
-
-# ----------------------------------------------------------------------------------------
-# drafter diagnostics: vocab-check and remap-draft
+# ========================================================================================
+# tools: drafter diagnostics (vocab-check, remap-draft, draft-check, eval-draft)
+# ========================================================================================
 
 
 def golden_reversed(text):
@@ -4361,6 +4605,50 @@ def test_vocab_check_reports_t2d_coverage_of_the_data(golden_vocab, case, tokeni
     assert golden_fit_json(golden_vocab[case])["coverage"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(golden_vocab,
+                                                                          tmp_path):
+    # The map train would build from other data of the same kind shares almost all tokens
+    # with the drafter's, but one different token early in the sorted vocabulary shifts
+    # every later d2t offset: low positional agreement, high overlap -> "remap".
+    tok1 = golden_vocab["tok1"]
+    pairs = E.synthetic_corpus(300, 10)
+    golden_write_jsonl(tmp_path / "other.jsonl", pairs)
+    end = tok1.convert_tokens_to_ids(E.END)
+    counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
+    other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
+    kept = golden_vocab["kept"].tolist()
+    proc = golden_finish(golden_cli("vocab-check", "--draft", golden_vocab["draft1"], "--target",
+                                    golden_vocab["target1"], "--draft-tokenizer",
+                                    golden_vocab["target1"], "--against-data",
+                                    tmp_path / "other.jsonl"))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["positional"] == sum(a == b for a, b in zip(kept, other))
+    assert report["overlap"] == len(set(kept) & set(other))
+    assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
+    assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
+    assert "remap the lm_head rows (remap-draft)" in proc.stdout
+
+
+def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
+        golden_vocab):
+    tok1, tok2 = golden_vocab["tok1"], golden_vocab["tok2"]
+    proc = golden_finish(golden_cli(
+        "vocab-check", "--draft", golden_vocab["draft1"], "--target", golden_vocab["target2"],
+        "--draft-tokenizer", golden_vocab["target1"], "--against-draft", golden_vocab["draft2"],
+        "--against-tokenizer", golden_vocab["target2"]))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    with safe_open(os.path.join(golden_vocab["draft2"], "model.safetensors"), framework="pt") as f:
+        ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
+    a = [tok1.convert_ids_to_tokens(i) for i in golden_vocab["kept"].tolist()]
+    b = [tok2.convert_ids_to_tokens(i) for i in ids2]
+    assert report["by_string"]
+    assert report["positional"] == sum(x == y for x, y in zip(a, b))
+    assert report["overlap"] == len(set(a) & set(b))
+    assert report["overlap"] > report["positional"]        # strings shared, offsets shifted
+
+
 @pytest.fixture(scope="module")
 def golden_remapped(golden_vocab):
     """Both drafters loaded for their targets, and draft-id pairs (old i, new j) that name
@@ -4426,102 +4714,42 @@ def test_remap_draft_carries_over_the_drafter_body_unchanged(golden_vocab):
         assert torch.equal(old[k], new[k]), f"{k} changed"
 
 
-# ----------------------------------------------------------------------------------------
-# offline features: capture, eval-draft, train --features (SpecForge's offline layout)
-
-
-def run_command(argv):
-    """A subcommand in this process (so the test can instrument it), its stdout lines."""
-    args = E.build_parser().parse_args([str(a) for a in argv])
-    args.run(args)
-
-
-def chat_data(path):
-    path.write_text("\n".join(train_jsonl_line(i, m)
-                              for i, m in enumerate(train_conversations())) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def captured(train_chat_target, tmp_path_factory):
+def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
+    # A drafter trained on hidden_states[2, 4, 5] whose config says [2, 4, 5] (vLLM's and
+    # new SGLang's reading); SpecForge's reading of the same ids, [3, 5, 6], must fit worse.
+    # The data are the target's own replies (as text, the EAGLE-3 recipe). The random
+    # target's replies are hardly learnable beyond the ones trained on, so the drafter is
+    # measured on its training replies: what matters here is which features fit.
     c = train_chat_target
-    root = tmp_path_factory.mktemp("captured")
-    data = chat_data(root / "chats.jsonl")
-    run_command(["capture", "--target", c.dir, "--data", data, "--out", root / "features"])
     target = E.load_target(c.dir, dtype=torch.float32)
-    examples = E.training_examples(c.tok, str(data), 2048)
-    return SimpleNamespace(dir=str(root / "features"), data=str(data), target=target,
-                           examples=examples, root=root)
+    prompts = [p for p, _ in E.synthetic_corpus(32, seed=21)]
+    chats = [[dict(role="user", content=p), dict(role="assistant", content=c.tok.decode(
+        [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != c.tok.eos_token_id]))]
+        for p, ex in zip(prompts, E.replies_as_examples(target, c.tok, prompts, 24))]
+    examples = [E.tokenize_conversation(c.tok, m) for m in chats]
+    d2t, _ = E.build_vocab_mapping(E.count_reply_tokens(examples, c.vocab), 64)
+    draft = train_new_draft(target, (torch.arange(64) + d2t).tolist(), seed=71)
+    assert draft.cfg.aux_layers == (2, 4, 5)
+    E.train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
+                  str(tmp_path / "draft"), c.tok.pad_token_id)
+    edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(train_jsonl_line(i, m) for i, m in enumerate(chats)) + "\n")
+    proc = train_cli(["draft-check", "--draft", str(tmp_path / "draft"), "--target", c.dir,
+                      "--data", str(data)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING: the conventions disagree" in proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
+                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
+    assert report["best"] == ["vllm", "sglang"]
+    right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
+    assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
 
 
-def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
-                                                                        captured):
-    c, examples = train_chat_target, captured.examples
-    assert len(examples) == 18
-    for i, ex in enumerate(examples):
-        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        sample = torch.load(file, weights_only=True)
-        assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
-        T = len(ex.tokens)
-        assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
-            ex.reply_mask
-        assert sample["hidden_state"].shape == (1, T, 32)
-        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
-        logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
-        assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
-        assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
-
-
-def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
-                                                                         captured, tmp_path,
-                                                                         monkeypatch):
-    c, out = train_chat_target, tmp_path / "features"
-    real, written = E.atomic_write, []
-
-    def killed_after_7(path, write):
-        if path.endswith(".ckpt") and len(written) == 7:
-            write(f"{path}.tmp999")              # a kill mid-write leaves a temporary file
-            raise KeyboardInterrupt("killed")
-        written.append(path)
-        real(path, write)
-    monkeypatch.setattr(E, "atomic_write", killed_after_7)
-    with pytest.raises(KeyboardInterrupt):
-        run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
-    before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns
-              for f in os.listdir(out / "rows_0-2000") if f.endswith(".ckpt")}
-    rewritten = []
-
-    def recording(path, write):
-        rewritten.append(os.path.basename(path))
-        real(path, write)
-    monkeypatch.setattr(E, "atomic_write", recording)
-    run_command(["capture", "--target", c.dir, "--data", captured.data, "--out", out])
-    # the resumed run wrote only the missing samples, and left the others untouched
-    assert 0 < len(before) < 18
-    assert sorted(f for f in rewritten if f.endswith(".ckpt")) == sorted(
-        f"data_{i}.ckpt" for i in range(18) if f"data_{i}.ckpt" not in before)
-    assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
-    files = sorted(os.listdir(out / "rows_0-2000"))
-    assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
-        f"data_{i}.ckpt" for i in range(18))
-    for i in range(18):
-        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                       weights_only=True)
-        assert all(torch.equal(a[k], b[k]) for k in a), i
-    assert len(E.captured_examples(str(out))) == 18
-
-
-def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
-    import gzip
-    group = tmp_path / "rows_0-2000"
-    group.mkdir()
-    for i in range(3):
-        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
-            g.write(f.read())
-    examples = E.captured_examples(str(tmp_path))
-    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
+# ----------------------------------------------------------------------------------------
+# eval-draft: the offline probe, break-even tau
 
 
 def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
@@ -4567,50 +4795,7 @@ def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(ds_zoo, t
     assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
 
 
-def test_offline_training_from_features_equals_online_training_step_for_step(
-        train_chat_target, captured):
-    c = train_chat_target
-    head = E.load_target_head(c.dir, features=captured.dir)
-    online, offline = captured.examples, E.captured_examples(captured.dir)
-    kept = sorted(set(t for ex in online for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
-    drafts = [train_new_draft(t, kept, seed=81) for t in (captured.target, head)]
-    cfg = train_config(steps=6, batch=4)
-    opts = [E.new_optimizer(d, cfg) for d in drafts]
-    for step in range(cfg.steps):
-        rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
-        a = E.train_step(captured.target, drafts[0], opts[0], [online[i] for i in rows],
-                         c.tok.pad_token_id, step, cfg)
-        b = E.train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
-                         c.tok.pad_token_id, step, cfg)
-        for la, lb in zip(a.losses, b.losses):
-            assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
-        assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
-    for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
-        assert_close(pb.detach(), pa.detach(), name)
-
-
-def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
-    out = captured.root / "offline_draft"
-    proc = train_cli(["train", "--target", train_chat_target.dir, "--features", captured.dir,
-                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64"],
-                     cwd=captured.root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    draft = E.load_draft(str(out), captured.target)
-    # the map: the 64 most frequent loss-masked tokens of the training split (all but the
-    # first max(1, n // 50) = 1 sample, held out), counted from the features' own fields
-    counts = Counter()
-    for i in range(1, 18):
-        sample = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                            weights_only=True)
-        counts.update(t for t, m in zip(sample["input_ids"].tolist(),
-                                        sample["loss_mask"].tolist()) if m)
-    expected = train_top_ids([counts[v] for v in range(train_chat_target.vocab)], 64)
-    assert (torch.arange(64) + draft.d2t).tolist() == expected
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
-
-
 # break-even: a round = 1 verify + k draft steps, in plain decode steps
-
 @pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
     (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
     (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
@@ -4641,359 +4826,183 @@ def test_chain_stats_by_hand():
     assert stats.step_accuracy == [1.0, 0.5, 0.0]
 
 
-# vocab-check --against-*: positional d2t agreement vs the draft vocabularies as sets
+# ========================================================================================
+# tools: comm-plan
+# ========================================================================================
+
+KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
+    model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+    routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8,
+    first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    max_position_embeddings=131072, rope_theta=50000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
+    tie_word_embeddings=False, quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]))
 
 
-def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(golden_vocab,
-                                                                          tmp_path):
-    # The map train would build from other data of the same kind shares almost all tokens
-    # with the drafter's, but one different token early in the sorted vocabulary shifts
-    # every later d2t offset: low positional agreement, high overlap -> "remap".
-    tok1 = golden_vocab["tok1"]
-    pairs = E.synthetic_corpus(300, 10)
-    golden_write_jsonl(tmp_path / "other.jsonl", pairs)
-    end = tok1.convert_tokens_to_ids(E.END)
-    counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
-    other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
-    kept = golden_vocab["kept"].tolist()
-    proc = golden_finish(golden_cli("vocab-check", "--draft", golden_vocab["draft1"], "--target",
-                                    golden_vocab["target1"], "--draft-tokenizer",
-                                    golden_vocab["target1"], "--against-data",
-                                    tmp_path / "other.jsonl"))[0]
+def comm_plan_json(*args):
+    proc = subprocess.run([sys.executable, E.__file__, "comm-plan", *map(str, args)],
+                          env=golden_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["positional"] == sum(a == b for a, b in zip(kept, other))
-    assert report["overlap"] == len(set(kept) & set(other))
-    assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
-    assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
-    assert "remap the lm_head rows (remap-draft)" in proc.stdout
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
-        golden_vocab):
-    tok1, tok2 = golden_vocab["tok1"], golden_vocab["tok2"]
-    proc = golden_finish(golden_cli(
-        "vocab-check", "--draft", golden_vocab["draft1"], "--target", golden_vocab["target2"],
-        "--draft-tokenizer", golden_vocab["target1"], "--against-draft", golden_vocab["draft2"],
-        "--against-tokenizer", golden_vocab["target2"]))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    with safe_open(os.path.join(golden_vocab["draft2"], "model.safetensors"), framework="pt") as f:
-        ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
-    a = [tok1.convert_ids_to_tokens(i) for i in golden_vocab["kept"].tolist()]
-    b = [tok2.convert_ids_to_tokens(i) for i in ids2]
-    assert report["by_string"]
-    assert report["positional"] == sum(x == y for x, y in zip(a, b))
-    assert report["overlap"] == len(set(a) & set(b))
-    assert report["overlap"] > report["positional"]        # strings shared, offsets shifted
+def test_comm_plan_on_kimi_k2_gives_122_all_reduces_of_14336_n_bytes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
+    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
+    for row in plan["shapes"]:
+        assert row["allreduce_per_verify"] == 122
+        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
+    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
 
 
-# ----------------------------------------------------------------------------------------
-# wrong input through the CLI: one `error:` line naming the value, exit code 2, no traceback
+def test_comm_plan_equals_a_hand_computation(zoo):
+    # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
+    # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
+    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
+                                  "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5,
+                                  "--tree", "2,1,3")
+    rows = {r["shape"]: r for r in plan["shapes"]}
+
+    def us(nodes, saving=0.0):  # 16 all-reduces of nodes*64*4 B, then one broadcast
+        per_call = (5 - saving) + 2 * (2 - 1) / 2 * nodes * 64 * 4 / 10e3
+        return 16 * per_call + 5 + (nodes + 2) * 8 / 10e3
+
+    tree = rows["tree 2/1/3"]
+    assert tree["allreduce_per_verify"] == 16 and tree["bytes_per_allreduce"] == 3 * 64 * 4
+    t = tree["per_token"]["1.5"]
+    assert t["allreduce_calls"] == pytest.approx(16 / 1.5, abs=1e-3)
+    assert t["allreduce_bytes"] == pytest.approx(16 * 3 * 256 / 1.5, abs=1e-3)
+    assert t["link1_us"] == pytest.approx(us(3) / 1.5, abs=1e-3)
+    assert t["link1_fused_us"] == pytest.approx(us(3, 1.0) / 1.5, abs=1e-3)
+    plain = rows["plain decoding"]["per_token"]["1.0"]
+    assert plain["link1_us"] == pytest.approx(16 * (5 + 256 / 10e3) + 5 + 8 / 10e3, abs=1e-3)
+    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))["per_token"]["1.5"]
+    ratio = us(3) / us(4)
+    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
+    assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
 
 
-def refused(proc):
-    """The one error line of a refused CLI run; nothing else reaches stderr."""
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-1000:], proc.stderr[-3000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    return lines[0]
+# ========================================================================================
+# tools: the generate command
+# ========================================================================================
+
+TRAIN_GEN_PROMPT = "What is the capital of peru?"
 
 
-def cli_here(argv, capsys):
-    """main(argv) in this process: the command's code path without the interpreter start."""
-    with pytest.raises(SystemExit) as stopped:
-        E.main(argv)
-    out = capsys.readouterr()
-    return SimpleNamespace(returncode=stopped.value.code, stdout=out.out, stderr=out.err)
+def train_chat_prompt_ids(tok, prompt):
+    """Our rendering of the chat-templated prompt with the generation prompt appended."""
+    ids, _ = train_render(tok, [dict(role="user", content=prompt)])
+    return ids + [train_special(tok, E.ASSISTANT)]
 
 
-def cli_path_flags():
-    """(command, dest) of every path-taking flag of every command, read off the parser."""
-    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return [(command, action.dest) for command, parser in sub.choices.items()
-            for action in parser._actions if action.dest in E.PATH_FLAGS or action.dest == "out"]
-
-
-def cli_path_kind(command, dest):
-    if dest == "out":
-        return "out_file" if command in E.FILE_OUTPUTS else "out_dir"
-    return E.PATH_FLAGS[dest]
-
-
-def cli_required_argv(command, tmp_path):
-    """`command` with a value for each required flag that passes every path check."""
-    (tmp_path / "a_dir").mkdir(exist_ok=True)
-    (tmp_path / "a_file").write_text("{}\n")
-    value = dict(dir=tmp_path / "a_dir", file=tmp_path / "a_file", any=tmp_path / "a_dir",
-                 out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "out")
-    sub = next(a for a in E.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    argv = [command]
-    for action in sub.choices[command]._actions:
-        if action.required:
-            given = value[cli_path_kind(command, action.dest)] \
-                if action.dest in E.PATH_FLAGS or action.dest == "out" else \
-                dict(prompt="hi", tp="2")[action.dest]
-            argv += [action.option_strings[-1], str(given)]
-    return argv
-
-
-def cli_with(argv, flag, path):
-    """argv with `flag` set to `path` (replacing the value it had)."""
-    if flag in argv:
-        argv = argv[:argv.index(flag)] + argv[argv.index(flag) + 2:]
-    return argv + [flag, str(path)]
-
-
-@pytest.mark.parametrize("command,dest", cli_path_flags(), ids=lambda x: x)
-def test_every_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(command, dest, tmp_path,
-                                                                         capsys, monkeypatch):
-    # checked before anything loads: a typo costs one line, not minutes of loading, and a
-    # missing local dir is never handed to the hub as a repo id
-    flag, kind = "--" + dest.replace("_", "-"), cli_path_kind(command, dest)
-    argv = cli_required_argv(command, tmp_path)
-    missing = tmp_path / "no_such" / "thing" if kind == "out_file" else tmp_path / "no_such"
-    if kind != "out_dir":  # a missing output dir is created
-        line = refused(cli_here(cli_with(argv, flag, missing), capsys))
-        assert f"{flag} {str(missing)!r}" in line and "does not exist" in line, line
-    wrong = dict(dir=(tmp_path / "a_file", "is a file; expected a directory"),
-                 file=(tmp_path / "a_dir", "is a directory; expected a file"),
-                 out_file=(tmp_path / "a_dir", "is a directory; expected the path of the file"),
-                 out_dir=(tmp_path / "a_file", "is a file; expected a directory")).get(kind)
-    if wrong:
-        line = refused(cli_here(cli_with(argv, flag, wrong[0]), capsys))
-        assert f"{flag} {str(wrong[0])!r} {wrong[1]}" in line, line
-    # unreadable (or, for --out, unwritable): os.access says no, as it does for a user
-    # without the permission (root passes every permission check, so it is asked here)
-    (tmp_path / "locked_dir").mkdir()
-    (tmp_path / "locked_file").write_text("{}\n")
-    blocked = str(tmp_path / ("locked_dir" if kind in ("dir", "any") else
-                              "locked_file" if kind == "file" else ""))
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: os.path.abspath(p) != os.path.abspath(
-        blocked) and real_access(p, mode))
-    path = dict(out_file=tmp_path / "trace.safetensors", out_dir=tmp_path / "new_out").get(
-        kind, blocked)
-    line = refused(cli_here(cli_with(argv, flag, path), capsys))
-    assert flag in line and ("not readable" in line or "cannot be written" in line), line
+def train_hf_greedy(c, ids, max_new_tokens):
+    """transformers' greedy continuation (new tokens only), stopping at the tokenizer's EOS."""
+    ids = torch.tensor([ids])
+    out = c.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                        max_new_tokens=max_new_tokens, eos_token_id=c.tok.eos_token_id,
+                        pad_token_id=c.tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
-def bad_inputs(train_chat_target, train_generate_setup, tmp_path_factory):
-    """A working target dir, drafter dir and chat file, and broken copies of each."""
-    c, root = train_chat_target, tmp_path_factory.mktemp("bad_inputs")
-    chats = root / "chats.jsonl"
-    chats.write_text("\n".join(train_jsonl_line(i, m)
-                               for i, m in enumerate(train_conversations())) + "\n")
-    lines = chats.read_text().splitlines()
-    broken_chats = root / "broken.jsonl"
-    broken_chats.write_text("\n".join(lines[:2] + [lines[2][:-7]] + lines[3:]) + "\n")
-    turnless = root / "turnless.jsonl"
-    turnless.write_text("\n".join(lines[:4] + ['{"messages": ["hi", "there"]}']) + "\n")
-    target, draft = root / "target", root / "draft"
-    shutil.copytree(c.dir, target)
-    shutil.copytree(train_generate_setup.draft_dir, draft)
-    (target / "config.json").write_text('{"model_type": "llama", "hidden_size": 32,\n')
-    (draft / "config.json").write_text("{'architectures': ['LlamaForCausalLMEagle3']}")
-    heads = root / "draft_heads"
-    shutil.copytree(train_generate_setup.draft_dir, heads)
-    edit_draft_dir(str(heads), config=lambda raw: raw.update(num_attention_heads=5))
-    no_tokenizer = root / "no_tokenizer"
-    no_tokenizer.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(os.path.join(c.dir, name), no_tokenizer)
-    return SimpleNamespace(root=root, target=c.dir, draft=train_generate_setup.draft_dir,
-                           vocab=c.vocab, chats=str(chats), broken_chats=str(broken_chats),
-                           turnless=str(turnless),
-                           broken_target=str(target), broken_draft=str(draft),
-                           draft_heads=str(heads), no_tokenizer=str(no_tokenizer))
+def train_generate_setup(train_chat_target):
+    """A drafter over 64 of the chat target's ids that has memorised the target's reply to
+    the test prompt (train_draft on that reply), so its drafts get accepted."""
+    c = train_chat_target
+    target = E.load_target(c.dir, dtype=torch.float32)
+    prompt = train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)
+    reply = train_hf_greedy(c, prompt, 24)
+    kept = sorted(set(reply))
+    kept += [v for v in range(c.vocab) if v not in kept][:64 - len(kept)]
+    draft = train_new_draft(target, kept, seed=61)
+    example = E.Example(prompt + reply, [0] * len(prompt) + [1] * len(reply))
+    E.train_draft(target, draft, [example] * 2, [], train_config(steps=40, batch=2),
+                  str(c.root / "spec_draft"), c.tok.pad_token_id)
+    return SimpleNamespace(draft_dir=str(c.root / "spec_draft"))
 
 
-BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the line must say)
-    # the six that used to end in a traceback, run as a user runs them
-    "target config.json is not JSON": (lambda b: [
-        "generate", "--target", b.broken_target, "--draft", b.draft, "--prompt", "hi"],
-        r"config.json' is not valid JSON \(.* at line 2 column 1\)"),
-    "a data line is not JSON": (lambda b: [
-        "train", "--target", b.target, "--data", b.broken_chats, "--out", str(b.root / "o1")],
-        r"broken.jsonl:3 is not valid JSON"),
-    "--data does not exist": (lambda b: [
-        "train", "--target", b.target, "--data", str(b.root / "nope.jsonl"), "--out",
-        str(b.root / "o2")], r"--data '.*nope.jsonl' does not exist; expected a local file"),
-    "--prompt-ids are not integers": (lambda b: [
-        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4;5,x1",
-        "--out", str(b.root / "g.safetensors")], r"--prompt-ids '5,x1': 'x1' is not an int"),
-    "--prompt-ids outside the vocab": (lambda b: [
-        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", f"3,{b.vocab},4",
-        "--out", str(b.root / "g.safetensors")],
-        r"token id (\d+), outside the target vocab \[0, \1\)"),
-    "vocab-check --draft dir does not exist": (lambda b: [
-        "vocab-check", "--draft", str(b.root / "nope"), "--target", b.target],
-        r"--draft '.*nope' does not exist; expected a local directory$"),
-}
-BAD_INPUTS_HERE = {  # the other error classes, through main() in this process
-    "drafter config.json is not JSON": (lambda b: [
-        "generate", "--target", b.target, "--draft", b.broken_draft, "--prompt", "hi"],
-        r"draft/config.json' is not valid JSON \(Expecting property name .* column 2\)"),
-    "drafter config transformers rejects": (lambda b: [
-        "generate", "--target", b.target, "--draft", b.draft_heads, "--prompt", "hi"],
-        r"draft_heads/config.json is not a valid config: The hidden size \(32\) is not a "
-        r"multiple of the number of attention heads \(5\)"),
-    "a data line whose turns are not chat turns": (lambda b: [
-        "train", "--target", b.target, "--data", b.turnless, "--out", str(b.root / "o4")],
-        r"turnless.jsonl:5: turn 'hi' is not \{role, content\} or \{from, value\}"),
-    "golden --check on a drafter's weights": (lambda b: [
-        "golden", "--check", os.path.join(b.draft, "model.safetensors")],
-        r"model.safetensors' is not a golden trace of format 'eagle3-ref-golden'"),
-    "golden --check on a text file": (lambda b: ["golden", "--check", b.chats],
-                                      r"chats.jsonl' is not a golden trace \("),
-    "chain at temperature 0": (lambda b: [
-        "generate", "--target", b.target, "--draft", b.draft, "--prompt", "hi", "--scheme",
-        "chain"], r"scheme='chain' samples its drafts and needs temperature > 0"),
-    "EOS outside the vocab": (lambda b: [
-        "golden", "--target", b.target, "--draft", b.draft, "--prompt-ids", "3,4",
-        "--eos-token-id", "100000", "--out", str(b.root / "g.safetensors")],
-        r"eos_token_id=100000 is not a token id of the target vocab"),
-    "a model dir without a tokenizer": (lambda b: [
-        "generate", "--target", b.no_tokenizer, "--draft", b.draft, "--prompt", "hi"],
-        r"no tokenizer in '.*no_tokenizer' \(none of tokenizer.json"),
-    "an option argparse rejects": (lambda b: [
-        "generate", "--prompt", "hi", "--max-new-tokens", "ten"],
-        r"argument --max-new-tokens: invalid int value: 'ten'"),
-    "a count that is not positive": (lambda b: [
-        "train", "--target", b.target, "--data", b.chats, "--out", str(b.root / "o3"),
-        "--batch", "0"], r"--batch 0 must be > 0"),
-    "a list with a bad number": (lambda b: ["comm-plan", "--config", b.target, "--tp", "2",
-                                            "--tau", "1.5,two"], r"'two' is not a float"),
-}
+def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
+    c = train_chat_target
+    proc = train_cli(["generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
+                      "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12",
+                      "--tree-top-k", "2", "--depth", "2", "--total-tokens", "6"], cwd=c.root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = train_hf_greedy(c, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12)
+    text = c.tok.decode(new)
+    assert proc.stdout.startswith(text + "\n"), (proc.stdout, text)
+    tau_line = proc.stdout[len(text) + 1:]
+    match = re.fullmatch(r"tau (\d+\.\d\d) \| rounds (\d+) \| tokens (\d+) \| [\d.]+ tokens/s\n",
+                         tau_line)
+    assert match, tau_line
+    # drafts were accepted (tau > 1), at most depth + 2 = 4 tokens per round
+    assert 1.0 < float(match[1]) <= 4.0 and int(match[3]) == len(new) == 12
 
 
-@pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_input_is_one_error_line_with_exit_code_2(bad_inputs, name):
-    argv, expected = BAD_INPUTS[name]
-    line = refused(train_cli(argv(bad_inputs), cwd=bad_inputs.root))
-    assert re.search(expected, line), line
-    assert "repo" not in line.lower() and "hub" not in line.lower(), line
+def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_target,
+                                                                     train_generate_setup):
+    c = train_chat_target
+    proc = golden_finish(golden_cli(
+        "generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir, "--prompt",
+        TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12", "--tree-top-k", "2", "--depth",
+        "2", "--total-tokens", "6", "--comm", world=2))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)\s+"
+                      r"(\d+)\s+([\d,]+)$", proc.stdout, re.M)
+    assert rows, proc.stdout
+    L, D = TRAIN_LAYERS, 32                     # the chat target: 8 layers, hidden 32, fp32
+    for _, nodes, _, ar, size, ar_round, size_round, bcast, bcast_size in rows:
+        assert int(nodes) == 6 and int(ar) == int(ar_round) == 2 * L
+        assert int(size.replace(",", "")) == int(size_round.replace(",", "")) == 2 * L * 6 * D * 4
+        assert (int(bcast), int(bcast_size.replace(",", ""))) == (1, (6 + 2) * 8)
+    assert re.search(r"prefill: 16 all-reduces", proc.stdout)
 
 
-@pytest.mark.parametrize("name", BAD_INPUTS_HERE)
-def test_every_error_class_is_one_line_naming_the_value(bad_inputs, name, capsys):
-    argv, expected = BAD_INPUTS_HERE[name]
-    line = refused(cli_here(argv(bad_inputs), capsys))
-    assert re.search(expected, line), line
-    assert "must be one of ('tree', 'chain')" not in line and "weight file" not in line, line
+CUSTOM_TOKENIZER = """from transformers import PreTrainedTokenizerFast
 
 
-# ----------------------------------------------------------------------------------------
-# interrupted writes: a SIGKILL leaves the previous complete file or the new one, never half
-
-
-KILLABLE = """
-import os, sys, time
-import eagle3_ref
-# Stop at the n-th file the command renames into place, in one of three states: its temp
-# file cut short (a kill while the bytes are written), complete but not yet renamed, or
-# renamed. The test then sends SIGKILL.
-n, state = int(os.environ["STOP_AT_WRITE"]), os.environ["STOP_STATE"]
-rename, seen = os.replace, []
-
-def replace(src, dst):
-    seen.append(dst)
-    if len(seen) == n:
-        if state == "cut":
-            with open(src, "r+b") as f:
-                f.truncate(os.path.getsize(src) * int(os.environ["STOP_CUT_PERCENT"]) // 100)
-        if state == "renamed":
-            rename(src, dst)
-        print("STOPPED", state, dst, flush=True)
-        time.sleep(600)
-    rename(src, dst)
-
-os.replace = replace
-eagle3_ref.main(sys.argv[1:])
+class TinyCustomTokenizer(PreTrainedTokenizerFast):
+    pass
 """
 
 
-def run_killed(argv, cwd, write, state, cut_percent=50):
-    """Run the CLI, SIGKILL it where KILLABLE stops (write `write`, in `state`). -> the file
-    it was writing, or None when the command finished first."""
-    here = os.path.dirname(os.path.abspath(E.__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here, STOP_AT_WRITE=str(write),
-               STOP_STATE=state, STOP_CUT_PERCENT=str(cut_percent))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, *map(str, argv)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    for line in proc.stdout:
-        if line.startswith("STOPPED"):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-            return line.split()[2]
-    assert proc.wait(timeout=240) == 0, "the command failed before it was stopped"
-    return None
+def test_tokenizer_with_its_own_code_needs_trust_remote_code(train_chat_target,
+                                                             train_generate_setup, tmp_path,
+                                                             monkeypatch):
+    # Kimi's tokenizer ships its own code: without the flag a one-line error says so; with
+    # it the command runs (and golden encodes the prompt through that tokenizer)
+    target = tmp_path / "target"
+    shutil.copytree(train_chat_target.dir, target)
+    with open(target / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config.update(tokenizer_class="TinyCustomTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]})
+    with open(target / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    (target / "tokenization_tiny.py").write_text(CUSTOM_TOKENIZER)
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where it is copied
+    args = ["golden", "--out", str(tmp_path / "trace.safetensors"), "--target", str(target),
+            "--draft", train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT,
+            "--max-new-tokens", "4"]
+    refused = train_cli(args, cwd=tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert re.search(r"^error: the tokenizer in .* ships its own code; rerun with "
+                     r"--trust-remote-code", refused.stderr, re.M)
+    trusted = train_cli(args + ["--trust-remote-code"], cwd=tmp_path)
+    assert trusted.returncode == 0, trusted.stderr[-3000:]
+    header, _ = golden_read(tmp_path / "trace.safetensors")
+    assert header["config"]["input_ids"] == train_chat_prompt_ids(train_chat_target.tok,
+                                                                  TRAIN_GEN_PROMPT)
 
 
-def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
-        train_chat_target, train_cli_run, tmp_path):
-    # 17 training conversations, batch 2: 8 steps, each saving model.safetensors,
-    # config.json and train_state.pt (3 renames per step, counted from each process's start).
-    # Five kills, each resumed, each in another file and state, the run moving on between
-    # them; train_state.pt under its name always holds the last step whose save completed.
-    c, rng = train_chat_target, random.Random(15)
-    assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
-    out = tmp_path / "run"
-    argv = ["train", "--target", c.dir, "--data", str(c.root / "chats.jsonl"), "--out", str(out),
-            "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"]
-    target, kills = E.load_target(c.dir, dtype=torch.float32), []
-    for write, state, name, step in ((6, "cut", "train_state.pt", 1),      # in step 2
-                                     (4, "whole", "model.safetensors", 2),  # in step 3
-                                     (2, "renamed", "config.json", 2),      # in step 3
-                                     (6, "renamed", "train_state.pt", 4),   # in step 4
-                                     (7, "cut", "model.safetensors", 6)):   # in step 7
-        stopped = run_killed(argv + ["--resume"] * bool(kills), tmp_path, write, state,
-                             rng.randint(1, 99))
-        assert stopped == str(out / name), (stopped, name)
-        kills.append((write, state, name))
-        assert torch.load(out / "train_state.pt", weights_only=True)["step"] == step, kills
-        E.load_draft(str(out), target)               # the drafter under its names is whole
-    proc = train_cli(argv + ["--resume"], cwd=tmp_path)
-    assert proc.returncode == 0, (kills, proc.stderr[-3000:])
-    straight, resumed = (load_file(os.path.join(d, "model.safetensors"))
-                         for d in (train_cli_run.out, out))
-    assert sorted(straight) == sorted(resumed)
-    for name in straight:
-        assert torch.equal(straight[name], resumed[name]), (name, kills)
-    assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 8
-
-
-def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path,
-                                                                      capsys):
-    trace = str(tmp_path / "trace.safetensors")
-    for state in ("cut", "whole"):   # killed before the rename: nothing under the name
-        stopped = run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, state)
-        assert stopped == trace and not os.path.exists(trace)
-        leftovers = [f for f in os.listdir(tmp_path) if f.startswith("trace.safetensors.tmp")]
-        assert leftovers, os.listdir(tmp_path)
-        for name in leftovers:       # a cut-short temp file is refused, not half-checked
-            if state == "cut":
-                line = refused(cli_here(["golden", "--check", str(tmp_path / name)], capsys))
-                assert "is not a golden trace" in line, line
-            os.remove(tmp_path / name)
-        line = refused(cli_here(["golden", "--check", trace], capsys))
-        assert "does not exist" in line
-    # a complete trace, then a rewrite killed mid-way: the complete one is still there
-    proc = train_cli([str(a) for a in golden_args(golden_models, trace, "sampled")], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    before = open(trace, "rb").read()
-    run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, "cut", 70)
-    assert open(trace, "rb").read() == before
-    check = train_cli(["golden", "--check", trace], cwd=tmp_path)
-    assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
-
-
-# ----------------------------------------------------------------------------------------
+# ========================================================================================
 # the losslessness fuzzer: random targets, drafters, trees and prompts (-m fuzz --fuzz-cases N)
+# ========================================================================================
 
 FUZZ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 FUZZ_ROPE = (None, "linear", "dynamic", "llama3", "yarn")
@@ -5376,8 +5385,9 @@ def test_fuzz_greedy_equals_transformers_and_samples_replay(fuzz_seed, tmp_path,
             check_sampled(built, sampled2, f"sampled at W=2, rank {rank}")
 
 
-# ----------------------------------------------------------------------------------------
-# the file's structure: Part I (the method) never calls Part II (tools)
+# ========================================================================================
+# the file's structure: Part I (the method) never calls Part II (tools); the torchrun workers
+# ========================================================================================
 
 
 def file_parts():
@@ -5424,7 +5434,6 @@ def finish_worker():
 
 WORKERS = {"tp": tp_worker, "worker": sampling_tp_worker, "train_worker": train_dp_worker,
            "ds_tp": ds_tp_worker, "fuzz": fuzz_worker}
-
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in WORKERS:
         WORKERS[sys.argv[1]](*sys.argv[2:4])
