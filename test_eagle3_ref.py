@@ -331,6 +331,23 @@ def refused(proc):
 
 
 # ----------------------------------------------------------------------------------------
+# the method's inner steps, for the tests that drive them one at a time: their signatures are
+# being reshaped (issue 18: presets resolved once, the collective tally on the TP handle), so
+# each is called from here only
+
+
+def verify(target, cache, n, tree, aux_layers=None):
+    """verify_tree: the tree's N nodes after n cached tokens -> (logits (N, V), aux)."""
+    return E.verify_tree(target, cache, n, tree, aux_layers or target.cfg.default_aux_layers)
+
+
+def grow(drafter, cache, n, h_last, root, shape, preset="official", **preset_fields):
+    """grow_tree under a preset, some of its fields replaced -> Tree."""
+    return E.grow_tree(drafter, cache, n, h_last, root, shape,
+                       E.PRESETS[preset]._replace(**preset_fields))
+
+
+# ----------------------------------------------------------------------------------------
 # transformers as the reference
 
 
@@ -468,7 +485,7 @@ def test_verify_tree_gives_each_node_the_logits_and_features_of_its_path(zoo, na
     cache = target.new_cache(64)
     target(prefix, cache=cache)
     tree = E.tree_from_parents(tokens, torch.tensor(parents))
-    logits, aux = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
+    logits, aux = verify(target, cache, 10, tree)
     for node in range(len(tokens)):
         ids = torch.cat([prefix[0], tokens[path_to(parents, node)]])[None]
         ref_logits, hidden_states = hf_forward(hf, ids)
@@ -482,7 +499,7 @@ def test_commit_then_decode_equals_recompute_from_scratch(zoo):
     tokens, parents = random_tree(9)
     cache = target.new_cache(64)
     target(prefix, cache=cache)
-    E.verify_tree(target, cache, 10, E.tree_from_parents(tokens, torch.tensor(parents)), (2, 4, 5))
+    verify(target, cache, 10, E.tree_from_parents(tokens, torch.tensor(parents)))
     path = max((path_to(parents, i) for i in range(len(parents))), key=len)  # deepest node
     assert path != list(range(len(path))), "path must need a gather, not be the first nodes"
     n = E.commit(cache, 10, torch.tensor(path))
@@ -568,7 +585,7 @@ def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(z
     target(prefix, cache=cache)
     tokens, parents = random_tree(42)
     tree = E.tree_from_parents(tokens, torch.tensor(parents))
-    logits, _ = E.verify_tree(target, cache, 10, tree, target.cfg.default_aux_layers)
+    logits, _ = verify(target, cache, 10, tree)
     for node in range(len(tokens)):
         path = tokens[path_to(parents, node)]
         sequence = torch.cat([prefix[0], path])[None]
@@ -1664,16 +1681,15 @@ class TreeRounds:
 
     def __init__(self, target, draft, shape, preset="official"):
         self.target, self.draft, self.shape, self.rounds = target, draft, shape, {}
-        self.preset = E.PRESETS[preset]
+        self.preset = preset
 
     @torch.no_grad()
     def __getitem__(self, ctx):
         if ctx not in self.rounds:
             target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
-            tree = E.grow_tree(self.draft, draft_cache, n, h_last, root, self.shape,
-                               self.preset)
-            self.rounds[ctx] = tree, E.verify_tree(self.target, target_cache, n, tree,
-                                                   self.draft.cfg.aux_layers)[0]
+            tree = grow(self.draft, draft_cache, n, h_last, root, self.shape, self.preset)
+            self.rounds[ctx] = tree, verify(self.target, target_cache, n, tree,
+                                            self.draft.cfg.aux_layers)[0]
         return self.rounds[ctx]
 
 
@@ -1718,8 +1734,8 @@ class ChainRounds:
             target_cache, _, n, _, root = self.start(ctx)
             chain = E.tree_from_parents(torch.tensor((int(root),) + drafts),
                                         torch.arange(-1, len(drafts)))
-            self.chain_logits[(ctx, drafts)] = E.verify_tree(
-                self.target, target_cache, n, chain, self.draft.cfg.aux_layers)[0]
+            self.chain_logits[(ctx, drafts)] = verify(self.target, target_cache, n, chain,
+                                                      self.draft.cfg.aux_layers)[0]
         return self.chain_logits[(ctx, drafts)]
 
 
@@ -2433,9 +2449,8 @@ def test_sglang_before_pr_25015_drafts_levels_one_position_late():
     # one later before it; the trees are the same (positions do not reach the scripted scores)
     for offset in (0, 1):
         drafter = MarkovDrafter(HAND_TABLE)
-        preset = E.PRESETS["sglang"]._replace(draft_pos_offset=offset)
-        E.grow_tree(drafter, None, 10, F.one_hot(torch.tensor([0]), 6).float(),
-                    torch.tensor(0), E.TreeShape(2, 3, 8), preset)
+        grow(drafter, None, 10, F.one_hot(torch.tensor([0]), 6).float(), torch.tensor(0),
+             E.TreeShape(2, 3, 8), "sglang", draft_pos_offset=offset)
         assert [c["positions"] for c in drafter.calls] == [[10 + offset] * 2, [11 + offset] * 2,
                                                            [12 + offset] * 2]
 
@@ -2443,13 +2458,9 @@ def test_sglang_before_pr_25015_drafts_levels_one_position_late():
 def test_sglang_product_scores_grow_the_tree_official_log_probabilities_grow():
     # SGLang multiplies fp32 probabilities where the official code adds log-probabilities:
     # the same ranking (up to fp32 rounding), so the same tree from the same drafter
-    probs = markov_rows({0: {1: .6, 2: .25}, 1: {3: .7, 4: .2}, 2: {5: .5, 3: .3},
-                         3: {2: .9, 1: .05}, 4: {0: .4, 1: .3}, 5: {0: .55, 4: .4}})
-    drafter = MarkovDrafter(probs)
-    tree = E.grow_tree(drafter, None, 3, F.one_hot(torch.tensor([0]), 6).float(),
-                       torch.tensor(0), E.TreeShape(2, 2, 6), E.PRESETS["sglang"])
-    official = E.grow_tree(MarkovDrafter(probs), None, 3, F.one_hot(torch.tensor([0]), 6).float(),
-                           torch.tensor(0), E.TreeShape(2, 2, 6))
+    h_last, root = F.one_hot(torch.tensor([0]), 6).float(), torch.tensor(0)
+    tree, official = (grow(MarkovDrafter(HAND_TABLE), None, 3, h_last, root,
+                           E.TreeShape(2, 2, 6), preset) for preset in ("sglang", "official"))
     assert tree.tokens.tolist() == official.tokens.tolist()       # same order, other space
     assert tree.parents.tolist() == official.parents.tolist()
 
@@ -3274,6 +3285,38 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     expected = train_top_ids([counts[v] for v in range(train_chat_target.vocab)], 64)
     assert (torch.arange(64) + draft.d2t).tolist() == expected
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
+
+
+# ========================================================================================
+# SPEC 7. tiny models: the embedded default
+# ========================================================================================
+
+
+def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width():
+    # depth >= 8 layers (aux layers 2, L//2, L-3 distinct and apart); the drafter is one layer
+    # of the target's width
+    with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")) as f:
+        target = json.load(f)
+    with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json")) as f:
+        draft = json.load(f)
+    L = target["num_hidden_layers"]
+    assert L >= 8 and len({2, L // 2, L - 3}) == 3
+    assert draft["num_hidden_layers"] == 1 and draft["hidden_size"] == target["hidden_size"]
+
+
+def test_tiny_tokenizer_saves_as_a_model_dir_and_round_trips_the_synthetic_chats(
+        train_chat_target):
+    # trained with the `tokenizers` library on the corpus generated in code, it loads back
+    # with transformers' AutoTokenizer like a real model's and decodes every chat it encodes
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(train_chat_target.dir)
+    assert len(tok) == len(train_chat_target.tok) < train_chat_target.vocab + 64
+    for prompt, reply in E.synthetic_corpus(20, seed=99):
+        text = E.chat_text(prompt, reply)
+        assert tok(text).input_ids == train_chat_target.tok(text).input_ids
+        assert tok.decode(tok(text).input_ids) == text
+    assert [tok.convert_tokens_to_ids(t) for t in (E.USER, E.ASSISTANT, E.END)] == [
+        train_special(train_chat_target.tok, t) for t in (E.USER, E.ASSISTANT, E.END)]
 
 
 # ========================================================================================
@@ -4653,6 +4696,31 @@ def test_comm_plan_equals_a_hand_computation(zoo):
     ratio = us(3) / us(4)
     assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
     assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
+
+
+# ========================================================================================
+# tools: bench
+# ========================================================================================
+
+
+def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
+                                                                 train_generate_setup):
+    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
+    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
+    # that memorised this reply gets drafts accepted
+    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
+                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                   "--max-new-tokens", 12)
+    report = last_json(proc)
+    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
+                           r"speculative) +[\d.]+ +([\d.]+)$", proc.stdout, re.M))
+    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
+    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
+    assert report["lossless"] is True and report["world_size"] == 1
+    assert 1 < report["tau"] <= 9 and report["break_even_tau"] > 0
+    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
+    assert set(report["presets"]) == {"official", "sglang", "vllm", "official_batch4"}
+    assert all(1 <= report["presets"][p]["tau"] <= 9 for p in ("official", "sglang", "vllm"))
 
 
 # ========================================================================================
