@@ -297,7 +297,7 @@ def run_cli(*args, **kwargs):
     return finish(cli(*args, **kwargs))[0]
 
 
-def run_workers(worker, job, root, timeout=240):
+def run_workers(worker, job, root, timeout=600):
     """`worker(job, rank)` of this file on 2 torchrun ranks (gloo) -> each rank's result."""
     torch.save(job, root / "job.pt")
     proc = finish(cli(worker.__name__, root, world=2, script=__file__), timeout=timeout)[0]
@@ -713,11 +713,12 @@ TP_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def tp_run(zoo, speculation, tmp_path_factory):
+def tp_run(zoo, speculation, vocab6_checkpoint, tmp_path_factory):
     """One torchrun launch with 2 ranks; returns each rank's results."""
     root = tmp_path_factory.mktemp("tp")
     prompt = random_prompt(21, length=10)
-    job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[])
+    job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[],
+               vocab6=vocab6_checkpoint[0])
     for name in TP_TARGETS:
         draft_dir = str(root / f"draft-{name}")
         E.save_draft(speculation[name].draft, draft_dir)
@@ -792,6 +793,7 @@ def tp_worker(job, rank):
         logits=target(torch.cat([case["spec_prompt"], greedy[None]], dim=1))[0], greedy=greedy,
         speculative=[E.speculative_generate(target, draft, case["spec_prompt"], job["new_tokens"],
                                             tree=E.TreeShape(*shape)) for shape in job["shapes"]])
+    results["sampled"] = sampled_on_rank(job["vocab6"], rank)
     for r in results.values():  # keep plain tensors and lists: what torch.load reads back
         if isinstance(r, dict) and "speculative" in r:
             r["speculative"] = [(x.tokens, x.accept_lengths) for x in r["speculative"]]
@@ -2145,38 +2147,31 @@ def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
     return {name: run[name]().tolist() for name in generators}
 
 
-@pytest.fixture(scope="module")
-def vocab6_tp_outputs(vocab6_checkpoint, tmp_path_factory):
-    """Per rank of a 2-process torchrun (gloo): outputs with the shared seed TP_SEED, and
+def sampled_on_rank(target_dir, rank):
+    """Run by tp_worker on each rank: sampled outputs with the shared seed TP_SEED, and
     ("own seed") the tree and plain samplers with a different seed on each rank."""
-    return run_workers(sampling_tp_worker, vocab6_checkpoint[0],
-                       tmp_path_factory.mktemp("vocab6_tp"), timeout=300)
-
-
-def sampling_tp_worker(target_dir, rank):
     tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
     tp_draft = vocab6_new_draft(tp_target, seed=1)
     return {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
             "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
 
 
-def test_tensor_parallel_ranks_emit_identical_tokens(vocab6_tp_outputs, vocab6_target,
-                                                     vocab6_drafts):
-    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
-    for name, tokens in single.items():
-        assert vocab6_tp_outputs[0]["shared"][name] == vocab6_tp_outputs[1]["shared"][name], name
-        assert vocab6_tp_outputs[0]["shared"][name] == tokens, f"{name}: W = 2 differs from W = 1"
+def test_tensor_parallel_ranks_emit_identical_tokens(tp_run, vocab6_target, vocab6_drafts):
+    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
+    for name, tokens in tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED).items():
+        assert rank0[name] == rank1[name], name
+        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
 
 
-def test_tensor_parallel_rank0_decides_sampled_tokens(vocab6_tp_outputs, vocab6_target,
-                                                      vocab6_drafts):
+def test_tensor_parallel_rank0_decides_sampled_tokens(tp_run, vocab6_target, vocab6_drafts):
     """Rank 1 draws other uniforms, yet emits rank 0's tokens: the first token and every
     acceptance are rank 0's, broadcast (SPEC §5 TP). (Not the chain: its sampled drafts
     are drawn on each rank, so it needs the shared seed.)"""
     single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED, ("tree", "plain"))
+    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
     for name, tokens in single.items():
-        assert vocab6_tp_outputs[1]["own seed"][name] == tokens, f"{name}: rank 1 decided"
-        assert vocab6_tp_outputs[0]["own seed"][name] == tokens, name
+        assert rank1[name] == tokens, f"{name}: rank 1 decided"
+        assert rank0[name] == tokens, name
 
 
 # ----------------------------------------------------------------------------------------
@@ -3662,8 +3657,7 @@ def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
     assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 8
 
 
-def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path,
-                                                                      capsys):
+def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path):
     trace = str(tmp_path / "trace.safetensors")
     for state in ("cut", "whole"):   # killed before the rename: nothing under the name
         stopped = run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, state)
@@ -3730,7 +3724,7 @@ def cli_with(argv, flag, path):
 
 @pytest.mark.parametrize("command,dest", cli_path_flags(), ids=lambda x: x)
 def test_every_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(command, dest, tmp_path,
-                                                                         capsys, monkeypatch):
+                                                                         monkeypatch):
     # checked before anything loads: a typo costs one line, not minutes of loading, and a
     # missing local dir is never handed to the hub as a repo id
     flag, kind = "--" + dest.replace("_", "-"), cli_path_kind(command, dest)
@@ -5232,8 +5226,7 @@ def finish_worker():
     os._exit(0)
 
 
-WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, sampling_tp_worker, train_dp_worker,
-                                   fuzz_worker)}
+WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker)}
 
 if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
     name, root = sys.argv[1:3]
