@@ -104,18 +104,25 @@ TINY = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
 DS_TINY = dict(num_key_value_heads=4, num_nextn_predict_layers=0, rope_theta=10000.0)
 
 
-def tiny_model(family="llama", seed=0, std=0.25, **config):
+def tiny_model(family="llama", seed=0, std=0.25, gains=True, **config):
     """The one builder of tiny random transformers models, every family: TINY's config with
     `config` over it, every weight ~ N(0, std), norm gains ~ 1 + N(0, std) (SPEC §9: std
-    0.2-0.3 over small vocabularies gives varied greedy text). DeepSeek-V3 runs transformers'
-    eager attention and experts, with a random score-correction bias: the defaults (ones,
-    zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
+    0.2-0.3 over small vocabularies gives varied greedy text). gains=False: the norm gains
+    stay 1 and only the matrices are drawn, from a generator of their own (the vocab-6
+    target, whose enumeration and chi-square tests were tuned on it). DeepSeek-V3 runs
+    transformers' eager attention and experts, with a random score-correction bias: the
+    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     config = {**TINY, **(DS_TINY if family == "deepseek_v3" else {}), **config}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **config))
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if not gains:
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+                continue
             torch.nn.init.normal_(p, std=std)
             if "norm" in name:
                 p.add_(1.0)
@@ -284,7 +291,7 @@ def cli(*args, world=1, cwd=None, script=E.__file__):
                             stderr=subprocess.PIPE, encoding="utf-8")
 
 
-def finish(*procs, timeout=240):
+def finish(*procs, timeout=600):
     """Wait for processes started together -> CompletedProcess each."""
     done = []
     for p in procs:
@@ -1589,8 +1596,9 @@ def vocab6_checkpoint(tmp_path_factory):
     """(dir, transformers model): weights N(0, 0.5) so that next-token distributions are
     far from uniform and change with the context; 7 layers, the fewest whose aux layers
     (2, L//2, L-3) are distinct; 2 kv heads, so it also runs at W = 2."""
-    hf = tiny_model(seed=0, std=0.5, vocab_size=V, hidden_size=16, intermediate_size=32,
-                    num_hidden_layers=7, num_attention_heads=2, max_position_embeddings=128)
+    hf = tiny_model(seed=0, std=0.5, gains=False, vocab_size=V, hidden_size=16,
+                    intermediate_size=32, num_hidden_layers=7, num_attention_heads=2,
+                    max_position_embeddings=128)
     path = str(tmp_path_factory.mktemp("vocab6_target"))
     hf.save_pretrained(path)
     return path, hf
@@ -4343,7 +4351,7 @@ def vocab_tools(tmp_path_factory):
     tok1 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus1], 400)
     tok2 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus2], 360)
     for seed, tok in ((1, tok1), (2, tok2)):    # a random llama over exactly each vocab
-        tiny_model(seed=seed, std=0.02, vocab_size=len(tok),
+        tiny_model(seed=seed, std=0.02, gains=False, vocab_size=len(tok),
                    max_position_embeddings=256).save_pretrained(root / f"target{seed}")
         tok.save_pretrained(root / f"target{seed}")
     target1 = E.load_target(str(root / "target1"))
