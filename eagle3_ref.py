@@ -580,8 +580,12 @@ def check_token_ids(ids, vocab_size):
 def topk_first_index(x, k):
     """torch.topk along the last dim with ties broken toward the lower index. It equals
     torch.topk whenever values are distinct; on ties it is reproducible across devices and
-    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices)."""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices).
+    When the k+1 best values are strictly decreasing no tie can reorder them, so torch.topk
+    is already that answer; only otherwise is the (10x slower) stable sort needed."""
+    values, indices = torch.topk(x, min(k + 1, x.shape[-1]))                    # (.., k+1)
+    if not bool((values[..., :-1] > values[..., 1:]).all()):  # a tie (or NaN) near the top
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
 
 
@@ -768,18 +772,24 @@ class Acceptance(NamedTuple):
 def accept_greedy(logits, tree):
     """Longest root-to-leaf prefix whose every drafted token equals the target's argmax at
     its parent; the first maximal row of retrieve_indices wins; bonus = the argmax after the
-    last accepted node."""
+    last accepted node. The argmax scans the whole vocabulary, so it is taken level by level
+    only at the nodes still on a matching path (a+1 rows on a tree, not all N)."""
     R = tree.retrieve_indices                              # (leaves, depth+1)
-    predicted = logits.argmax(-1).cpu()                    # (N,) first maximal index
-    node, child = R[:, :-1].clamp(min=0), R[:, 1:].clamp(min=0)
-    match = (tree.tokens[child] == predicted[node]) & (R[:, 1:] >= 0)            # (leaves, depth)
-    # cumprod keeps the 1s up to a row's first mismatch and zeroes everything after it,
-    # so the row sum is the length of that path's matching prefix
-    accepted = match.long().cumprod(1).sum(1)              # (leaves,)
+    predicted = torch.full(tree.tokens.shape, -1)          # (N,) argmax, where needed
+    alive = torch.ones(len(R), dtype=torch.bool)           # (leaves,) matching so far
+    accepted = torch.zeros(len(R), dtype=torch.long)       # (leaves,) matching prefix length
+    for j in range(R.shape[1] - 1):
+        node, child = R[:, j], R[:, j + 1]                 # (leaves,) a live row's node >= 0
+        need = node[alive].unique()
+        predicted[need] = logits[need.to(logits.device)].argmax(-1).cpu()  # first maximal
+        alive &= (child >= 0) & (tree.tokens[child.clamp(min=0)] == predicted[node])
+        if not alive.any():
+            break
+        accepted += alive
     best = int(accepted.argmax())                          # first maximal row
     a = int(accepted[best])
     path = R[best, :a + 1]
-    return Acceptance(path, a, int(predicted[path[-1]]), [])
+    return Acceptance(path, a, int(logits[path[-1]].argmax()), [])
 
 
 def top_k_mask(x, s):
