@@ -4500,7 +4500,11 @@ def bench_prompts(args):
         else tree_shape(args)
     print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
     ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
+    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
+           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
+           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
     tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed)
+    print0(f"  tau at T=1: {tau_t1:.2f} ({time.time() - t0:.0f} s so far)")
     dtype = target.lm_head.weight.dtype
     del target, draft                      # transformers' copy of the weights comes next
     plain, lookup = hf_prompt_baselines(target_dir, prompts, n, eos, dtype, args)
@@ -4533,19 +4537,19 @@ def bench_prompts(args):
 
 
 def parse_budget(text):
-    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan whose
-    prompt count scales with it (the stages' costs grow with the prompts)."""
+    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan. The
+    prompt count scales with the minutes (every stage's cost grows with it); past the
+    prompt set's size, the epochs grow instead."""
     try:
-        if text.endswith("p"):
-            prompts = int(text[:-1])
-        else:
-            prompts = round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes)
+        prompts = int(text[:-1]) if text.endswith("p") else \
+            round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes)
     except ValueError:
         prompts = 0
-    if not 16 <= prompts <= TRAIN_PROMPTS:
+    if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
         fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
              f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
-    return REAL_PLAN._replace(prompts=prompts)
+    epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
+    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs)
 
 
 class Tee:
@@ -5399,7 +5403,7 @@ PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir 
     target="dir", draft="dir", init_draft="dir", draft_tokenizer="dir", against_draft="dir",
     against_tokenizer="dir", assistant="dir", features="dir", data="file",
     against_data="file", check="file", config="any")
-FILE_OUTPUTS = ("golden", "regenerate")  # commands whose --out is one file; the others write a dir
+FILE_OUTPUTS = ("golden", "regenerate")  # commands whose --out is one file; others a dir
 
 
 def check_paths(args):

@@ -5455,7 +5455,8 @@ def byte_symbols():
 def rotary_to_gguf(w, heads):
     """llama.cpp stores q/k rows with each head's two rotary halves interleaved (pairs)."""
     out_dim, in_dim = w.shape
-    return w.reshape(heads, 2, out_dim // heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    pairs = w.reshape(heads, 2, out_dim // heads // 2, in_dim).transpose(1, 2)  # (H, hs/2, 2, in)
+    return pairs.reshape(out_dim, in_dim)
 
 
 def write_tiny_gguf(path, seed=0):
@@ -5535,7 +5536,8 @@ def test_gguf_conversion_reproduces_the_model_it_was_written_from(tiny_gguf):
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert os.path.isfile(os.path.join(converted, f)), f
     target = E.load_target(converted, dtype=torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=g)
     ours, _ = target(ids, aux_layers=())
     with torch.no_grad():
         expected = model(ids).logits
@@ -5689,7 +5691,12 @@ def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_
 
 
 def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
+    plan = E.REAL_PLAN
     assert E.parse_budget("500p").prompts == 500
-    assert E.parse_budget(str(2 * E.REAL_PLAN.minutes)).prompts == 2 * E.REAL_PLAN.prompts
-    with pytest.raises(E.Eagle3Error, match="'soon'"):
-        E.parse_budget("soon")
+    assert E.parse_budget(str(plan.minutes * 1.5)).prompts == round(plan.prompts * 1.5)
+    longer = E.parse_budget(str(plan.minutes * 4))   # more prompts than the set: more epochs
+    assert longer.prompts == E.TRAIN_PROMPTS
+    assert longer.epochs == round(plan.epochs * 4 * plan.prompts / E.TRAIN_PROMPTS)
+    for bad in ("soon", "3p", f"{E.TRAIN_PROMPTS + 1}p"):
+        with pytest.raises(E.Eagle3Error, match=repr(bad)):
+            E.parse_budget(bad)
