@@ -4503,11 +4503,11 @@ def bench_prompts(args):
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
+    plain, lookup = hf_prompt_baselines(target_dir, prompts, n, eos,
+                                        target.lm_head.weight.dtype, args)
+    print0(f"  transformers: generate {plain.tokens_per_s:.2f} tokens/s, prompt lookup "
+           f"{lookup.tokens_per_s:.2f} tokens/s ({time.time() - t0:.0f} s so far)")
     tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed)
-    print0(f"  tau at T=1: {tau_t1:.2f} ({time.time() - t0:.0f} s so far)")
-    dtype = target.lm_head.weight.dtype
-    del target, draft                      # transformers' copy of the weights comes next
-    plain, lookup = hf_prompt_baselines(target_dir, prompts, n, eos, dtype, args)
     rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
             ("transformers generate", plain.tokens_per_s, plain.forwards_per_token),
             (f"transformers prompt lookup ({PLD_TOKENS})", lookup.tokens_per_s,
