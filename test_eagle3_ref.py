@@ -5700,3 +5700,24 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
     for bad in ("soon", "3p", f"{E.TRAIN_PROMPTS + 1}p"):
         with pytest.raises(E.Eagle3Error, match=repr(bad)):
             E.parse_budget(bad)
+
+
+def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, monkeypatch,
+                                                         capsys):
+    small = E.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
+                                 regen_batch=8, epochs=1)
+    monkeypatch.setattr(E, "REAL_PLAN", small)
+    gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
+    argv = ["real-demo", "--gguf", gguf_file, "--out", str(tmp_path / "run"), "--budget", "16p"]
+    code, out, _ = real_cli(argv, capsys)
+    assert code == 0, out
+    first = json.loads(out.strip().splitlines()[-1])
+    assert set(first["seconds"]) == {"convert", "prompts", "regenerate", "capture", "train",
+                                     "evaluate", "golden"}
+    assert len(first["train"]["held_out_acc_per_step"]) == small.ttt_steps
+    assert first["evaluate"]["prompts"] == len(E.PROMPT_KINDS) and first["evaluate"]["lossless"]
+    replies = first["outputs"]["replies"]
+    assert sum(1 for _ in open(replies)) == 16
+    code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
+    assert code == 0 and out.count("skipped") == 7
+    assert json.loads(out.strip().splitlines()[-1]) == first
