@@ -2409,15 +2409,23 @@ class Progress:
     PROGRESS_LOG_SECONDS when stderr goes to a log file (where redraws would pile up into
     one endless line)."""
 
-    def __init__(self, label, total):
+    def __init__(self, label, total, start=0):
         self.label, self.total, self.last_line = label, total, -math.inf
+        self.start, self.t0 = start, time.time()   # a resumed run's earlier steps took no time
+
+    def eta(self, step):
+        """'ETA 12m' at the pace since this bar was made; empty before the first step."""
+        if step <= self.start:
+            return ""
+        seconds = (time.time() - self.t0) / (step - self.start) * (self.total - step)
+        return f" ETA {seconds / 60:.0f}m" if seconds >= 60 else f" ETA {seconds:.0f}s"
 
     def show(self, step, **metrics):
         if not is_rank0():
             return
         shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in metrics.items())
-        line = f"{self.label} {step}/{self.total} {shown}"
+        line = f"{self.label} {step}/{self.total}{self.eta(step)} {shown}"
         if sys.stderr.isatty():
             print(f"\r{line}", end="", file=sys.stderr, flush=True)
         elif time.time() - self.last_line >= PROGRESS_LOG_SECONDS:
@@ -2556,7 +2564,7 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
     opt = new_optimizer(draft, cfg)
     state_file = os.path.join(out_dir, "train_state.pt")
     start = load_train_state(state_file, draft, opt) if resume else 0
-    bar, held_out_acc = Progress("train draft", cfg.steps), []
+    bar, held_out_acc = Progress("train draft", cfg.steps, start), []
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
         result = train_step(target, draft, opt, batch, pad_id, step, cfg, rank, world)
@@ -4399,7 +4407,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
     eos = tokenizer.eos_token_id
     done = {r["messages"][0]["content"] for r in done_rows(partial)}
     todo = sorted((p for p in prompts if p not in done), key=lambda p: len(chat_ids(tokenizer, p)))
-    bar, t0 = Progress("regenerate", len(prompts)), time.time()
+    bar, t0 = Progress("regenerate", len(prompts), len(done)), time.time()
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
         replies = padded_greedy(target, [chat_ids(tokenizer, p) for p in chunk],
@@ -4410,9 +4418,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
             f.flush()
             os.fsync(f.fileno())
         finished = j + len(chunk)
-        rate = finished / (time.time() - t0)
-        bar.show(len(done) + finished, prompts_per_min=60 * rate,
-                 eta_min=(len(todo) - finished) / rate / 60)
+        bar.show(len(done) + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
     os.replace(partial, out)
     return len(todo)

@@ -5721,3 +5721,10 @@ def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, mo
     code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
     assert code == 0 and out.count("skipped") == 7
     assert json.loads(out.strip().splitlines()[-1]) == first
+
+
+def test_progress_eta_counts_only_the_steps_this_run_made():
+    bar = E.Progress("train draft", 100, start=40)    # resumed at step 40
+    bar.t0 -= 60                                      # 10 steps took a minute here
+    assert bar.eta(50) == " ETA 5m"                   # 50 left at 6 s each
+    assert bar.eta(40) == ""
