@@ -4356,8 +4356,7 @@ def done_rows(partial):
     with open(partial, encoding="utf-8") as f:
         lines = f.read().split("\n")
     complete = lines[:-1]          # the text after the last newline is unfinished
-    with open(partial, "w", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in complete)
+    atomic_write(partial, lambda f: write_text(f, "".join(line + "\n" for line in complete)))
     return [json.loads(line) for line in complete]
 
 
@@ -4425,7 +4424,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
 
 
 def cmd_regenerate(args):
-    rows = per_category(read_prompt_file(args.prompts), None)[:args.limit]
+    rows = read_prompt_file(args.prompts)[:args.limit]
     if os.path.isfile(args.out):
         print0(f"{args.out} is complete; delete it to regenerate")
         return
