@@ -5407,7 +5407,7 @@ def check_numbers(args):
 PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
     target="dir", draft="dir", init_draft="dir", draft_tokenizer="dir", against_draft="dir",
     against_tokenizer="dir", assistant="dir", features="dir", data="file",
-    against_data="file", check="file", config="any")
+    against_data="file", check="file", config="any", prompts="file", gguf="file")
 FILE_OUTPUTS = ("golden", "regenerate")  # commands whose --out is one file; others a dir
 
 
