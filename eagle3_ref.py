@@ -2759,9 +2759,10 @@ def capture_features(target, examples, out, aux_layers):
     every rank runs the tensor-parallel forward. Returns the number written."""
     device = target.lm_head.weight.device
     todo = [i for i in range(len(examples)) if not os.path.isfile(capture_file(out, i))]
-    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device)))
+    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device),
+                           target.tp))
     todo = broadcast0(torch.tensor(todo if is_rank0() else [0] * count, dtype=torch.long,
-                                   device=device)).tolist()
+                                   device=device), target.tp).tolist()
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
         sample = capture_sample(target, examples[i], aux_layers)

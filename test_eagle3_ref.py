@@ -1742,7 +1742,7 @@ class ChainRounds:
             steer += [0.5] * (self.length - len(drafted))
             _, draft_cache, n, h_last, root = self.start(ctx)
             chain, q, _ = E.draft_chain(self.draft, draft_cache, n, h_last, root, self.length,
-                                        iter(steer), self.sampling)
+                                        iter(steer), self.sampling, E.LOCAL)
             tokens = tuple(chain.tokens[1:].tolist())
             assert tokens[:len(drafted)] == drafted, "steering uniforms missed the prefix"
             for i in range(self.length):
@@ -1764,7 +1764,7 @@ def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
     """First n_tokens of speculative_generate(scheme="tree"): the first token by one
     uniform, then per round the acceptance on that round's tree; a round emits its
     accepted drafts and the bonus, which is the next round's root."""
-    out = [E.next_token(prefill_logits, sampling, uniforms)[0]]
+    out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
         tree, logits = rounds[tuple(out)]
         acc = accept(logits, tree, uniforms, sampling)
@@ -1775,7 +1775,7 @@ def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
 def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
     """First n_tokens of speculative_generate(scheme="chain"): per round, one uniform per
     draft (inverse CDF of q, as draft_chain documents), then the acceptance's uniforms."""
-    out = [E.next_token(prefill_logits, sampling, uniforms)[0]]
+    out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
         ctx, drafts = tuple(out), ()
         for _ in range(chains.length):
@@ -4797,13 +4797,13 @@ def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_
         TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12", "--tree-top-k", "2", "--depth",
         "2", "--total-tokens", "6", "--comm", world=2))[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)\s+"
-                      r"(\d+)\s+([\d,]+)$", proc.stdout, re.M)
+    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)$",
+                      proc.stdout, re.M)
     assert rows, proc.stdout
     L, D = TRAIN_LAYERS, 32                     # the chat target: 8 layers, hidden 32, fp32
-    for _, nodes, _, ar, size, ar_round, size_round, bcast, bcast_size in rows:
-        assert int(nodes) == 6 and int(ar) == int(ar_round) == 2 * L
-        assert int(size.replace(",", "")) == int(size_round.replace(",", "")) == 2 * L * 6 * D * 4
+    for _, nodes, _, ar, size, bcast, bcast_size in rows:
+        assert int(nodes) == 6 and int(ar) == 2 * L
+        assert int(size.replace(",", "")) == 2 * L * 6 * D * 4
         assert (int(bcast), int(bcast_size.replace(",", ""))) == (1, (6 + 2) * 8)
     assert re.search(r"prefill: 16 all-reduces", proc.stdout)
 
@@ -5614,11 +5614,11 @@ def test_cdf_pick_sums_in_float64_and_rounds_each_prefix_to_fp32():
 
 
 def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
-    path = tmp_path / "config.json"
-    (tmp_path / "config.json.tmp").write_text('{"cut sh')    # what a SIGKILL mid-write leaves
-    E.write_json(str(path), {"a": 1})
-    assert json.loads(path.read_text()) == {"a": 1}
-    assert sorted(os.listdir(tmp_path)) == ["config.json"]
+    path = tmp_path / "train_state.pt"
+    (tmp_path / "train_state.pt.tmp").write_bytes(b"cut sh")  # what a SIGKILL mid-write leaves
+    E.atomic_write(str(path), lambda f: torch.save({"step": 3}, f))
+    assert torch.load(path) == {"step": 3}
+    assert sorted(os.listdir(tmp_path)) == ["train_state.pt"]
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in WORKERS:
         WORKERS[sys.argv[1]](*sys.argv[2:4])
