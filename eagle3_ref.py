@@ -4139,7 +4139,7 @@ class RealPlan(NamedTuple):
     max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = TTT_STEPS    # keeps step-0..6 accuracies and trees 7 levels deep
-    epochs: int = 3
+    epochs: int = 2               # a new reply costs about one epoch over it: data first
     batch: int = 8
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
     eval_per_kind: int = 1        # held-out prompts per kind the demo's bench runs
