@@ -2573,29 +2573,40 @@ def tokenize_conversation(tokenizer, messages):
     return Example(tokens, mask)
 
 
-def greedy_rows(target, x, max_new_tokens, eos_token_id):
-    """Batched greedy decoding of equal-length prompts x (B, T) -> lists of new tokens,
-    stopping early once every row has produced an EOS."""
-    B, T = x.shape
+def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
+    """Batched greedy decoding of prompts of any lengths (lists of ids) -> lists of new
+    tokens, each cut after its first EOS. Prompts are left-padded, so every row writes the
+    same cache slot each step; a row's pads are masked out of every query (a pad query sees
+    only itself, so no softmax row is empty) and its positions count from its first real
+    token, so each row computes what it would alone."""
+    device = target.lm_head.weight.device
+    B, T = len(prompts), max(len(p) for p in prompts)
+    pads = torch.tensor([T - len(p) for p in prompts], device=device)                 # (B,)
+    x = torch.tensor([[eos_token_id] * (T - len(p)) + p for p in prompts], device=device)
+    slots = torch.arange(T + max_new_tokens, device=device)
+    real = slots[None] >= pads[:, None]                                 # (B, T + new) bool
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = (causal & real[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=device)
     cache = target.new_cache(T + max_new_tokens, batch=B)
-    logits, _ = target(x, cache=cache, aux_layers=())
-    out, ended = [], torch.zeros(B, dtype=torch.bool, device=x.device)
+    logits, _ = target(x, (slots[None, :T] - pads[:, None]).clamp(min=0), mask, cache, 0, ())
+    out, ended = [], torch.zeros(B, dtype=torch.bool, device=device)
     for n in range(T, T + max_new_tokens):
-        token = logits[:, -1].argmax(-1)                                   # (B,)
+        token = logits[:, -1].argmax(-1)                                               # (B,)
         out.append(token)
         ended |= token == eos_token_id
         if ended.all() or n + 1 == T + max_new_tokens:
             break
-        logits, _ = target(token[:, None], cache=cache, start=n, aux_layers=())
-    return torch.stack(out, 1).tolist()                                    # (B, new)
+        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache,
+                           n, ())
+    rows = torch.stack(out, 1).tolist()                                          # (B, new)
+    return [r[:r.index(eos_token_id) + 1] if eos_token_id in r else r for r in rows]
 
 
 @torch.inference_mode()
 def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
     """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
-    of prompt token ids, batched over prompts of equal length; cut after the first EOS
-    (a batch stops once every row has produced one)."""
-    device = target.lm_head.weight.device
+    of prompt token ids through padded_greedy, batched over prompts of equal length (no
+    padding); cut after the first EOS (a batch stops once every row has produced one)."""
     by_length = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
@@ -2603,10 +2614,9 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
     for length, indices in sorted(by_length.items()):
         for j in range(0, len(indices), batch):
             rows = indices[j:j + batch]
-            x = torch.tensor([prompts[i] for i in rows], device=device)   # (B, T)
-            for i, reply in zip(rows, greedy_rows(target, x, max_new_tokens, eos_token_id)):
-                cut = reply.index(eos_token_id) + 1 if eos_token_id in reply else len(reply)
-                replies[i] = reply[:cut]
+            for i, reply in zip(rows, padded_greedy(target, [prompts[i] for i in rows],
+                                                    max_new_tokens, eos_token_id)):
+                replies[i] = reply
     return replies
 
 
@@ -4472,35 +4482,6 @@ def reply_row(tokenizer, prompt, reply, eos):
 
 
 @torch.inference_mode()
-def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
-    """Batched greedy decoding of prompts of any lengths (lists of ids) -> lists of new
-    tokens, each cut after its first EOS. Prompts are left-padded, so every row writes the
-    same cache slot each step; a row's pads are masked out of every query (a pad query sees
-    only itself, so no softmax row is empty) and its positions count from its first real
-    token, so each row computes what it would alone."""
-    device = target.lm_head.weight.device
-    B, T = len(prompts), max(len(p) for p in prompts)
-    pads = torch.tensor([T - len(p) for p in prompts], device=device)                 # (B,)
-    x = torch.tensor([[eos_token_id] * (T - len(p)) + p for p in prompts], device=device)
-    slots = torch.arange(T + max_new_tokens, device=device)
-    real = slots[None] >= pads[:, None]                                 # (B, T + new) bool
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    mask = (causal & real[:, None, :T]) | torch.eye(T, dtype=torch.bool, device=device)
-    cache = target.new_cache(T + max_new_tokens, batch=B)
-    logits, _ = target(x, (slots[None, :T] - pads[:, None]).clamp(min=0), mask, cache, 0, ())
-    out, ended = [], torch.zeros(B, dtype=torch.bool, device=device)
-    for n in range(T, T + max_new_tokens):
-        token = logits[:, -1].argmax(-1)                                               # (B,)
-        out.append(token)
-        ended |= token == eos_token_id
-        if ended.all() or n + 1 == T + max_new_tokens:
-            break
-        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache,
-                           n, ())
-    rows = torch.stack(out, 1).tolist()                                          # (B, new)
-    return [r[:r.index(eos_token_id) + 1] if eos_token_id in r else r for r in rows]
-
-
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
     """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
     its chat template. Prompts go in batches of similar length through padded_greedy and
