@@ -4722,7 +4722,7 @@ def real_paths(out, plan):
                 draft=os.path.join(out, f"draft_{size}_v{plan.draft_vocab_size}_e{plan.epochs}"),
                 stages=os.path.join(out, f"stages_{size}_e{plan.epochs}.json"),
                 curve=os.path.join(out, f"curve_{size}_e{plan.epochs}.png"),
-                golden=os.path.join(out, f"golden_{size}_e{plan.epochs}.json"))
+                golden=os.path.join(out, f"golden_{size}_e{plan.epochs}.safetensors"))
 
 
 def real_stages(args, plan, p):
