@@ -360,6 +360,11 @@ def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=
                          resume, **kw)
 
 
+def probe(target, draft, examples, pad_id=0):
+    """The held-out ChainStats of a drafter, on a live target or captured features."""
+    return E.evaluate_draft(E.ttt_inputs(target, pad_id), draft, examples, batch=16)
+
+
 def ttt_batch(target, draft, examples, pad_id, **kw):
     return E.ttt_batch(E.ttt_inputs(target, pad_id), draft, examples, **kw)
 
@@ -3134,6 +3139,28 @@ def train_cli_run(train_chat_target):
     return SimpleNamespace(proc=proc, out=str(out), chats=chats)
 
 
+def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
+    runs = {}
+    for name, taus in (("short", ([1.2] * 7, [1.5] * 7)), ("long", ([1.3] * 7, [1.9] * 6 + [2.4]))):
+        (tmp_path / name).mkdir()
+        runs[name] = [dict(step=10 * (i + 1), train_seconds=90.0 * (i + 1),
+                           step_accuracy=[0.1 * (i + 1)] * 7, chain_tau=tau)
+                      for i, tau in enumerate(taus)]
+        (tmp_path / name / "curve.json").write_text(json.dumps(dict(points=runs[name])))
+    png = tmp_path / "curve.png"
+    proc = cli_here("curve", tmp_path / "short", tmp_path / "long", "--png", png)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[-5:] for line in proc.stdout.splitlines()
+            if line.split()[0].endswith(("short", "long"))]
+    assert rows == [["10", "1.5", "0.100", "1.20", "1.20"], ["20", "3.0", "0.200", "1.50", "1.50"],
+                    ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40"]]
+    try:
+        import matplotlib  # noqa: F401  (optional: without it there is a note instead)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout and not png.exists()
+
+
 def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train_chat_target,
                                                                          train_cli_run):
     """A loadable drafter whose map is built from the assistant tokens of the training
@@ -3648,20 +3675,22 @@ def run_killed(argv, cwd, write, state, cut_percent=50):
 def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
         train_chat_target, train_cli_run, tmp_path):
     # 17 training conversations, batch 2: 8 steps, each saving model.safetensors,
-    # config.json and train_state.pt (3 renames per step, counted from each process's start).
-    # Five kills, each resumed, each in another file and state, the run moving on between
-    # them; train_state.pt under its name always holds the last step whose save completed.
+    # config.json, train_state.pt and curve.json (4 renames per step, counted from each
+    # process's start). Six kills, each resumed, each in another file and state, the run
+    # moving on between them; train_state.pt under its name always holds the last step whose
+    # save completed, and the curve it carries is whole.
     c, rng = train_chat_target, random.Random(15)
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
     out = tmp_path / "run"
     argv = ["train", "--target", c.dir, "--data", str(c.root / "chats.jsonl"), "--out", str(out),
             "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"]
     target, kills = E.load_target(c.dir, dtype=torch.float32), []
-    for write, state, name, step in ((6, "cut", "train_state.pt", 1),      # in step 2
-                                     (4, "whole", "model.safetensors", 2),  # in step 3
+    for write, state, name, step in ((7, "cut", "train_state.pt", 1),      # in step 2
+                                     (5, "whole", "model.safetensors", 2),  # in step 3
                                      (2, "renamed", "config.json", 2),      # in step 3
-                                     (6, "renamed", "train_state.pt", 4),   # in step 4
-                                     (7, "cut", "model.safetensors", 6)):   # in step 7
+                                     (7, "renamed", "train_state.pt", 4),   # in step 4
+                                     (8, "cut", "curve.json", 6),           # in step 6
+                                     (5, "cut", "model.safetensors", 7)):   # in step 8
         stopped = run_killed(argv + ["--resume"] * bool(kills), tmp_path, write, state,
                              rng.randint(1, 99))
         assert stopped == str(out / name), (stopped, name)
@@ -3675,7 +3704,12 @@ def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
     assert sorted(straight) == sorted(resumed)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), (name, kills)
-    assert torch.load(out / "train_state.pt", weights_only=True)["step"] == 8
+    final = torch.load(out / "train_state.pt", weights_only=True)
+    assert final["step"] == 8 and [p["step"] for p in final["curve"]] == list(range(1, 9))
+    assert json.loads((out / "curve.json").read_text())["points"] == final["curve"]
+    straight_curve = E.read_json(os.path.join(train_cli_run.out, "curve.json"))["points"]
+    assert ([dict(p, train_seconds=0) for p in final["curve"]] ==     # the same drafter at
+            [dict(p, train_seconds=0) for p in straight_curve])      # every evaluation
 
 
 def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_models, tmp_path):
@@ -3819,6 +3853,8 @@ BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one line m
     "a model dir without a tokenizer": (lambda b: [
         "generate", "--target", b.no_tokenizer, "--draft", b.draft, "--prompt", "hi"],
         r"no tokenizer in '.*no_tokenizer' \(none of tokenizer.json"),
+    "curve of a dir that no train run wrote": (lambda b: ["curve", b.draft],
+        r"draft' has no curve.json; expected the --out dir of a train run"),
     "an empty prompt": (lambda b: [
         "generate", "--target", b.target, "--draft", b.draft, "--prompt", ""],
         r"the prompt is empty \(input_ids of shape \(1, 0\)\); give at least one token"),
@@ -4592,9 +4628,9 @@ def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
                   str(captured.root / "probe_draft"), c.tok.pad_token_id)
     live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
     head = E.load_target_head(c.dir, features=captured.dir)
-    offline = E.probe_draft(head, E.load_draft(str(captured.root / "probe_draft"), head),
-                            E.captured_examples(captured.dir), 0)
-    live = E.probe_draft(captured.target, live_draft, captured.examples, 0)
+    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
+                    E.captured_examples(captured.dir))
+    live = probe(captured.target, live_draft, captured.examples)
     assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
     assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
     assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
@@ -4620,7 +4656,7 @@ def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_
     target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
     assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
     report = last_json(proc)
-    live = E.probe_draft(target, E.load_draft(str(tmp_path / "draft"), target), examples, 0)
+    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
     assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
     assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
 
@@ -5494,7 +5530,8 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
     stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
     for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
                            load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
-                           pad_id_of=lambda *a: 0, probe_draft=lambda *a, **k: stats).items():
+                           pad_id_of=lambda *a: 0, ttt_inputs=lambda *a: None,
+                           evaluate_draft=lambda *a, **k: stats).items():
         monkeypatch.setattr(E, name, stub)
     for d in ("draft", "features", "target"):
         (tmp_path / d).mkdir()
@@ -5907,13 +5944,14 @@ def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, mo
     assert code == 0, out
     first = json.loads(out.strip().splitlines()[-1])
     assert set(first["seconds"]) == {"convert", "prompts", "regenerate", "capture", "train",
-                                     "evaluate", "golden"}
-    assert len(first["train"]["held_out_acc_per_step"]) == small.ttt_steps
+                                     "evaluate", "golden", "curve"}
+    assert len(first["train"]["step_accuracy"]) == small.ttt_steps
+    assert len(first["train"]["chain_tau"]) == small.ttt_steps
     assert first["evaluate"]["prompts"] == len(E.PROMPT_KINDS) and first["evaluate"]["lossless"]
     replies = first["outputs"]["replies"]
     assert sum(1 for _ in open(replies)) == 16
     code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
-    assert code == 0 and out.count("skipped") == 7
+    assert code == 0 and out.count("skipped") == 8
     assert json.loads(out.strip().splitlines()[-1]) == first
 
 
