@@ -1528,10 +1528,15 @@ def write_text(path, text):
 
 def atomic_write(path, write):
     """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written file
-    under the real name, and the next write to NAME replaces a killed run's NAME.tmp."""
+    under the real name, and the next write to NAME replaces a killed run's NAME.tmp. The
+    file gets the umask's mode, as open() gives (safetensors writes 0600, which would hide
+    drafters and golden traces from the other users of a shared machine)."""
     tmp = f"{path}.tmp"
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -2738,19 +2743,6 @@ def chain_stats(results):
     return ChainStats((hits / counts.clamp(min=1)).tolist(), rate, tau, replayed)
 
 
-def break_even_tau(verify_cost, draft_cost, drafts):
-    """A round costs one verify plus `drafts` draft steps, in plain-decode-step units, and
-    yields tau tokens: speculation beats plain decoding only when tau exceeds that cost."""
-    return verify_cost + drafts * draft_cost
-
-
-def speed_verdict(tau, break_even):
-    if tau < break_even:
-        return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
-                f"slower ({tau / break_even:.2f}x plain)")
-    return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
-
-
 @torch.inference_mode()
 def evaluate_draft(inputs, draft, examples, steps=TTT_STEPS, batch=32, aux_layers=None):
     """ChainStats of the drafter on held-out examples (every rank computes all of it)."""
@@ -3500,6 +3492,19 @@ def aux_fit(target, draft, examples, pad_id, candidates):
 
 # ----------------------------------------------------------------------------------------
 # 20. benchmark: speed against what a user would pick instead, measured in one run
+
+
+def break_even_tau(verify_cost, draft_cost, drafts):
+    """A round costs one verify plus `drafts` draft steps, in plain-decode-step units, and
+    yields tau tokens: speculation beats plain decoding only when tau exceeds that cost."""
+    return verify_cost + drafts * draft_cost
+
+
+def speed_verdict(tau, break_even):
+    if tau < break_even:
+        return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
+                f"slower ({tau / break_even:.2f}x plain)")
+    return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
 
 
 def reported_tau(result, preset):
@@ -4486,7 +4491,8 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
     """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
     its chat template. Prompts go in batches of similar length through padded_greedy and
     are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
-    appears (renamed) when every prompt has its reply."""
+    appears when every prompt has its reply, in the prompts' order (train holds out the
+    first 1/50: a mix of kinds when the prompts are, not the shortest prompts)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     done = {r["messages"][0]["content"] for r in done_rows(partial)}
@@ -4504,7 +4510,10 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
         finished = j + len(chunk)
         bar.show(len(done) + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
-    os.replace(partial, out)
+    rows = {r["messages"][0]["content"]: r for r in done_rows(partial)}
+    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(rows[p]) + "\n"
+                                                      for p in prompts)))
+    os.remove(partial)
     return len(todo)
 
 
