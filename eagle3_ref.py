@@ -4495,23 +4495,23 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
     first 1/50: a mix of kinds when the prompts are, not the shortest prompts)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
-    done = {r["messages"][0]["content"] for r in done_rows(partial)}
+    done = {r["messages"][0]["content"]: r for r in done_rows(partial)}   # prompt -> row
     todo = sorted((p for p in prompts if p not in done), key=lambda p: len(chat_ids(tokenizer, p)))
-    bar, t0 = Progress("regenerate", len(prompts), len(done)), time.time()
+    bar, t0, start = Progress("regenerate", len(prompts), len(done)), time.time(), len(done)
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
         replies = padded_greedy(target, [chat_ids(tokenizer, p) for p in chunk],
                                 max_new_tokens, eos)
+        rows = [reply_row(tokenizer, p, r, eos) for p, r in zip(chunk, replies)]
         with open(partial, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(reply_row(tokenizer, p, r, eos)) + "\n"
-                         for p, r in zip(chunk, replies))
+            f.writelines(json.dumps(row) + "\n" for row in rows)
             f.flush()
             os.fsync(f.fileno())
+        done.update(zip(chunk, rows))
         finished = j + len(chunk)
-        bar.show(len(done) + finished, prompts_per_min=60 * finished / (time.time() - t0))
+        bar.show(start + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
-    rows = {r["messages"][0]["content"]: r for r in done_rows(partial)}
-    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(rows[p]) + "\n"
+    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(done[p]) + "\n"
                                                       for p in prompts)))
     os.remove(partial)
     return len(todo)

@@ -5669,6 +5669,7 @@ def test_written_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
     finally:
         os.umask(old)
 
+
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1] in WORKERS:
         WORKERS[sys.argv[1]](*sys.argv[2:4])
