@@ -3024,6 +3024,27 @@ def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tm
                                         os.path.join(w2, "train_state.pt")) <= 1e-4
 
 
+def test_bf16_autocast_step_is_the_fp32_step_within_bf16_rounding(train_target):
+    """cfg.bf16 runs the forward's matmuls in bf16 (autocast) and keeps the drafter and its
+    optimizer in fp32: one step from the same start gives the fp32 step's loss and gradient
+    to bf16 rounding, and not bit for bit (so autocast was on)."""
+    t = train_target
+    cfg = E.TrainConfig(steps=1, batch=8, lr=1e-3, warmup=1, ttt_steps=3)
+    grads, losses = [], []
+    for bf16 in (False, True):
+        draft = tiny_draft(t.target, 31, t.kept, std=0.02)
+        opt = E.new_optimizer(draft, cfg)
+        captured = []
+        opt.step = lambda: captured.append([p.grad.clone() for p in E.trainable(draft)])
+        result = train_step(t.target, draft, opt, t.examples, TRAIN_PAD, 0, cfg._replace(bf16=bf16))
+        assert all(p.dtype == torch.float32 for p in draft.parameters())
+        grads.append(torch.cat([g.flatten() for g in captured[0]]))
+        losses.append(float(result.loss.detach()))
+    assert 0 < abs(losses[1] - losses[0]) <= 0.03 * abs(losses[0]), losses   # 1.4% here
+    cosine = float(F.cosine_similarity(grads[0], grads[1], dim=0))
+    assert 0.98 <= cosine < 1.0, cosine                                     # 0.994 here
+
+
 class TrainInterrupted(Exception):
     pass
 
