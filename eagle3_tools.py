@@ -825,16 +825,22 @@ REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
 class RealPlan(NamedTuple):
     """What the real demo spends its CPU budget on (docs/real_models.md: why these numbers)."""
     minutes: float = 60           # the default budget
-    prompts: int = 1200           # training prompts regenerated, captured and trained on
-    max_new_tokens: int = 128     # reply cap
+    prompts: int = 3000           # training conversations captured and trained on
+    replies: str = "own"          # own: the conversations' own replies, one prefill each;
+                                  # regenerated: the target's greedy replies (decoding)
+    regen_prompts: int = 1200     # what the same budget regenerates, captures and trains
+    max_new_tokens: int = 128     # reply cap when regenerating
     regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
                                   # far slower than its rows on CPU)
     max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
+    capture_dtype: str = "bfloat16"   # AMX prefill: 2.6x faster than fp32; the teacher's
+                                      # argmax still the fp32 one at 98.5% of positions
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = 3            # 3 steps x 4 epochs beat 7 x 2 at the same training time
     epochs: int = 4               # (held-out step-0 accuracy 0.212 against 0.141)
     batch: int = 8
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
+    autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
@@ -1084,20 +1090,21 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
 
 
-def parse_budget(text):
-    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan. The
-    prompt count scales with the minutes (every stage's cost grows with it); past the
-    prompt set's size, the epochs grow instead."""
+def parse_budget(text, replies=REAL_PLAN.replies):
+    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan for
+    `replies`. The prompt count scales with the minutes (every stage's cost grows with it);
+    past the prompt set's size, the epochs grow instead."""
+    per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     try:
         prompts = (int(text[:-1]) if text.endswith("p") else
-                   round(REAL_PLAN.prompts * float(text) / REAL_PLAN.minutes))
+                   round(per_budget * float(text) / REAL_PLAN.minutes))
     except ValueError:
         prompts = 0
     if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
         fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
              f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
-    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs)
+    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
 
 
 class Tee:
@@ -1129,15 +1136,18 @@ def run_command(argv):
 def real_paths(out, plan):
     """Every stage's output; those that depend on the plan carry its size in their name, so
     runs at other budgets sit side by side and share what they can."""
-    size = f"{plan.prompts}x{plan.max_new_tokens}"
+    size = (f"{plan.prompts}x{plan.max_new_tokens}" if plan.replies == "regenerated" else
+            f"{plan.prompts}own")
+    run = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
     return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
+                conversations=os.path.join(out, "train_conversations.jsonl"),
                 eval=os.path.join(out, "eval_prompts.jsonl"),
                 replies=os.path.join(out, f"replies_{size}.jsonl"),
                 features=os.path.join(out, f"features_{size}"),
-                draft=os.path.join(out, f"draft_{size}_v{plan.draft_vocab_size}_e{plan.epochs}"),
-                stages=os.path.join(out, f"stages_{size}_e{plan.epochs}.json"),
-                curve=os.path.join(out, f"curve_{size}_e{plan.epochs}.png"),
-                golden=os.path.join(out, f"golden_{size}_e{plan.epochs}.safetensors"))
+                draft=os.path.join(out, f"draft_{run}"),
+                stages=os.path.join(out, f"stages_{run}.json"),
+                curve=os.path.join(out, f"curve_{run}.png"),
+                golden=os.path.join(out, f"golden_{run}.safetensors"))
 
 
 def real_stages(args, plan, p):
@@ -1145,19 +1155,24 @@ def real_stages(args, plan, p):
     an interrupted one resumes (each command resumes on its own)."""
     gguf = ["--gguf", args.gguf] if args.gguf else []
     sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
+    if plan.replies == "regenerated":
+        data, limit = p["replies"], []
+        regenerate = [("regenerate", [
+            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
+            p["replies"], "--limit", str(plan.prompts), "--max-new-tokens",
+            str(plan.max_new_tokens), "--batch", str(plan.regen_batch)])]
+    else:
+        data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
     return [
         ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
         ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
-        ("regenerate", ["regenerate", "--target", p["model"], "--prompts", p["prompts"],
-                        "--out", p["replies"], "--limit", str(plan.prompts),
-                        "--max-new-tokens", str(plan.max_new_tokens),
-                        "--batch", str(plan.regen_batch)]),
-        ("capture", ["capture", "--target", p["model"], "--data", p["replies"],
-                     "--out", p["features"], "--max-len", str(plan.max_len)]),
+        *regenerate,
+        ("capture", ["capture", "--target", p["model"], "--data", data, "--out", p["features"],
+                     "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *limit]),
         ("train", ["train", "--target", p["model"], "--features", p["features"],
                    "--out", p["draft"], "--epochs", str(plan.epochs), "--batch", str(plan.batch),
                    "--lr", str(plan.lr), "--draft-vocab-size", str(plan.draft_vocab_size),
-                   "--ttt-steps", str(plan.ttt_steps), "--resume"]),
+                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
                       "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1"]),
@@ -1467,12 +1482,14 @@ def cmd_cost_plan(args):
 
 def cmd_capture(args):
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len)
+    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
+                                 args.limit)
     aux_layers = (read_draft_config(args.draft, target.cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else target.cfg.default_aux_layers)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=len(examples))
+                aux_layers=list(aux_layers), samples=len(examples),
+                dtype=str(target.lm_head.weight.dtype)[6:])
     if os.path.isfile(info_file) and read_json(info_file)["aux_layers"] != info["aux_layers"]:
         fail(f"{args.out!r} holds features of hidden_states {read_json(info_file)['aux_layers']}"
              f", not {info['aux_layers']}: capture into another directory")
@@ -1691,7 +1708,7 @@ def cmd_curve(args):
 
 
 def cmd_real_demo(args):
-    plan = parse_budget(args.budget)
+    plan = parse_budget(args.budget, args.replies)
     p = real_paths(args.out, plan)
     os.makedirs(args.out, exist_ok=True)
     record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
@@ -1762,7 +1779,10 @@ def add_probe_commands(sub, train):
     cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
     cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     cap.add_argument("--max-len", type=int, default=2048)
-    cap.add_argument("--dtype")
+    cap.add_argument("--limit", type=int, help="only the first N conversations (a larger N "
+                                               "later keeps what is captured)")
+    cap.add_argument("--dtype", help="the target's weights: bfloat16 captures 2.6x faster on "
+                                     "a CPU with AMX (docs/real_models.md)")
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
                                            "acceptance, expected tau and break-even")
@@ -1872,6 +1892,9 @@ def add_real_commands(sub):
                                           "capture, train, evaluate (each stage cached)")
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
+    rd.add_argument("--replies", choices=("own", "regenerated"), default=REAL_PLAN.replies,
+                    help="train on the conversations' own replies (one prefill each) or on "
+                         "the target's regenerated greedy replies (decoding: slower)")
     rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
     rd.add_argument("--sharegpt", help="the ShareGPT JSON file (default: the installed wheel's)")
     rd.add_argument("--out", default=REAL_DIR)

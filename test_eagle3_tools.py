@@ -1205,35 +1205,47 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
     longer = T.parse_budget(str(plan.minutes * 20))  # more prompts than the set: more epochs
     assert longer.prompts == T.TRAIN_PROMPTS
     assert longer.epochs == round(plan.epochs * 20 * plan.prompts / T.TRAIN_PROMPTS) > plan.epochs
+    regen = T.parse_budget(str(plan.minutes * 1.5), "regenerated")   # decoding costs more
+    assert (regen.replies, regen.prompts) == ("regenerated", round(plan.regen_prompts * 1.5))
     for bad in ("soon", "3p", f"{T.TRAIN_PROMPTS + 1}p"):
         with pytest.raises(E.Eagle3Error, match=repr(bad)):
             T.parse_budget(bad)
 
 
-def test_real_demo_runs_every_stage_once_then_skips_them(tiny_gguf, tmp_path, monkeypatch,
-                                                         capsys):
+@pytest.mark.parametrize("replies", ["own", "regenerated"])
+def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
+                                                         monkeypatch, capsys):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
                                  regen_batch=8, epochs=1)
     monkeypatch.setattr(T, "REAL_PLAN", small)
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
-            str(tmp_path / "run"), "--budget", "16p"]
-    code, out, _ = real_cli(argv, capsys)
-    assert code == 0, out
+            str(tmp_path / "run"), "--budget", "16p", "--replies", replies]
+    code, out, err = real_cli(argv, capsys)
+    assert code == 0, err
     first = json.loads(out.strip().splitlines()[-1])
-    assert set(first["seconds"]) == {"convert", "prompts", "regenerate", "capture", "train",
-                                     "evaluate", "golden", "curve"}
+    stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden",
+              "curve"]
+    assert list(first["seconds"]) == [s for s in stages if replies != "own" or s != "regenerate"]
+    assert first["plan"]["replies"] == replies
     assert len(first["train"]["step_accuracy"]) == small.ttt_steps
     assert len(first["train"]["chain_tau"]) == small.ttt_steps
     held = sum(1 for _ in open(os.path.join(tmp_path, "run", "eval_prompts.jsonl")))
     assert first["evaluate"]["prompts"] == min(held, small.eval_prompts)
     assert first["evaluate"]["lossless"]
     assert all(os.path.exists(v) for v in first["outputs"].values())  # only files it wrote
-    replies = first["outputs"]["replies"]
-    assert sum(1 for _ in open(replies)) == 16
+    captured = json.load(open(os.path.join(first["outputs"]["features"], "capture.json")))
+    assert captured["dtype"] == "bfloat16"
+    if replies == "own":   # the first 16 conversations, their own replies
+        assert "replies" not in first["outputs"]
+        assert captured["data"].endswith("train_conversations.jsonl")
+        assert captured["samples"] == len(E.training_examples(
+            E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
+    else:
+        assert sum(1 for _ in open(first["outputs"]["replies"])) == 16
     code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
-    assert code == 0 and out.count("skipped") == 8
+    assert code == 0 and out.count("skipped") == len(first["seconds"])
     assert json.loads(out.strip().splitlines()[-1]) == first
 
 
