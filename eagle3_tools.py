@@ -755,8 +755,12 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-SWEEP_SHAPES = (TreeShape(1, 3, 5), TreeShape(2, 3, 8), TreeShape(4, 3, 12),  # chain .. wide
-                TreeShape(4, 5, 16), TreeShape(8, 5, 24), TreeShape(8, 6, 32), TreeShape())
+SWEEP_SHAPES = (  # one draft, short chains and the best 2-3 nodes of a top-2 tree (a CPU
+                  # verifies 2-3 nodes for ~1.1 decode steps, 4 or more for ~1.6), then trees
+    TreeShape(1, 1, 2), TreeShape(1, 1, 3), TreeShape(2, 1, 3), TreeShape(1, 2, 4),
+    TreeShape(2, 2, 4),
+    TreeShape(1, 3, 5), TreeShape(2, 3, 8), TreeShape(4, 3, 12), TreeShape(4, 5, 16),
+    TreeShape(8, 5, 24), TreeShape())
 SWEEP_PROMPTS = 2     # prompts each candidate shape decodes (the first of the bench's)
 SWEEP_TOKENS = 48     # new tokens per sweep prompt: several rounds, a few seconds a shape
 PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs use
