@@ -163,6 +163,26 @@ def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(trai
     assert len(T.captured_examples(str(out))) == 18
 
 
+def test_capture_limit_takes_the_first_conversations_and_a_larger_one_keeps_them(
+        train_chat_target, captured, tmp_path):
+    c, out = train_chat_target, tmp_path / "features"
+    files = lambda: sorted(f for f in os.listdir(out / "rows_0-2000") if f.endswith(".ckpt"))
+    cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out, "--limit", "5")
+    assert files() == [f"data_{i}.ckpt" for i in range(5)]
+    assert json.load(open(out / "capture.json"))["samples"] == 5
+    for i in range(5):   # the same samples as an unlimited capture's first five
+        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                       weights_only=True)
+        assert all(torch.equal(a[k], b[k]) for k in a), i
+    before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns for f in files()}
+    code = cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out,
+                    "--limit", "9")
+    assert "captured 4 samples (5 were already there)" in code.stdout
+    assert files() == sorted(f"data_{i}.ckpt" for i in range(9))
+    assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
+
+
 def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
     import gzip
     group = tmp_path / "rows_0-2000"
