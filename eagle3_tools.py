@@ -839,18 +839,29 @@ class RealPlan(NamedTuple):
     max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
     capture_dtype: str = "bfloat16"   # AMX prefill: 0.27 s a conversation against 0.53 in
                                       # fp32; the teacher's argmax the fp32 one at 98.5%
+                                      # (bf16 only where the CPU has it: native_bf16)
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = 3            # 3 steps x 4 epochs beat 7 x 2 at the same training time
     epochs: int = 4               # (held-out step-0 accuracy 0.212 against 0.141)
     batch: int = 8
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
-    autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step
+    autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
 
 
 REAL_PLAN = RealPlan()
+
+
+def native_bf16():
+    """Does this machine multiply bf16 natively? A GPU or a CPU with AMX or AVX512-BF16 does;
+    elsewhere (AVX2: AMD Zen 3, older Xeons) torch emulates bf16 and a bf16 prefill ran ~20x
+    slower than fp32 (docs/real_models.md), so the plan keeps fp32 there."""
+    cpu = torch.cpu
+    return torch.cuda.is_available() or any(
+        getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported",
+                                                         "_is_avx512_bf16_supported"))
 
 
 def wheel_file(distribution, suffix, flag):
@@ -1108,7 +1119,8 @@ def parse_budget(text, replies=REAL_PLAN.replies):
         fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
              f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
-    return REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
+    plan = REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
+    return plan if native_bf16() else plan._replace(capture_dtype="float32", autocast="none")
 
 
 class Tee:

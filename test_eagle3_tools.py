@@ -1232,12 +1232,22 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
             T.parse_budget(bad)
 
 
+def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
+    monkeypatch.setattr(T, "native_bf16", lambda: True)
+    assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
+    monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
+    plan = T.parse_budget("60")
+    assert (plan.capture_dtype, plan.autocast) == ("float32", "none")
+    assert plan._replace(capture_dtype="bfloat16", autocast="bf16") == T.REAL_PLAN
+
+
 @pytest.mark.parametrize("replies", ["own", "regenerated"])
 def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
                                                          monkeypatch, capsys):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
                                  regen_batch=8, epochs=1)
     monkeypatch.setattr(T, "REAL_PLAN", small)
+    monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
@@ -1256,7 +1266,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     assert first["evaluate"]["lossless"]
     assert all(os.path.exists(v) for v in first["outputs"].values())  # only files it wrote
     captured = json.load(open(os.path.join(first["outputs"]["features"], "capture.json")))
-    assert captured["dtype"] == "bfloat16"
+    assert captured["dtype"] == ("bfloat16" if replies == "own" else "float32")
     if replies == "own":   # the first 16 conversations, their own replies
         assert "replies" not in first["outputs"]
         assert captured["data"].endswith("train_conversations.jsonl")
