@@ -297,6 +297,41 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
 # Part I from here: a change of signature there is mended in one place.
 
 COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
+LAYOUTS = ("rows", "columns")
+
+
+class ColumnLinear(nn.Module):
+    """An nn.Linear whose weight is stored transposed, (in, out) contiguous: y = x @ W^T, the
+    same product through another of MKL's paths. A kernel choice that depends on the CPU
+    (docs/costs_and_communication.md): on an AVX2 EPYC (one thread, SmolLM2-135M fp32) a
+    verify of 2 / 3 tokens cost 1.21 / 1.46 decode steps in this layout against 1.66 / 2.12
+    in nn.Linear's, and a decode step 74 ms against 78; on an AMX Xeon nn.Linear's was the
+    cheaper verify (1.05 / 1.15 against 1.49 / 1.59)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(),
+                                     requires_grad=False)                      # (in, out)
+        self.bias = linear.bias
+
+    @property
+    def weight(self):  # (out, in), a view: callers read its dtype, device and shape
+        return self.weight_t.t()
+
+    def forward(self, x):
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def use_layout(model, layout):
+    """Serve `model` with its matmul weights in `layout` (LAYOUTS): rows keeps nn.Linear,
+    columns swaps every nn.Linear for a ColumnLinear (a tied lm_head gets its own copy)."""
+    if layout == "columns":
+        for module in list(model.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, ColumnLinear(child))
+    return model
 COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
 COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
 COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
@@ -334,10 +369,12 @@ def randomise(module, generator, skip=lambda name: False):
                 b.zero_()
 
 
-def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length):
+def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
+                 layout="rows"):
     """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
     their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
-    once on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    once on `device` in `dtype` (no fp32 copy on the CPU), filled with random weights and
+    laid out for serving (use_layout)."""
     with torch.device("meta"):
         target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     target = target.to_empty(device=device)
@@ -350,7 +387,7 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
         draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
-    target, draft = (m.eval().requires_grad_(False) for m in (target, draft))
+    target, draft = (use_layout(m.eval().requires_grad_(False), layout) for m in (target, draft))
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
 
@@ -1470,7 +1507,7 @@ def cmd_cost_plan(args):
     dtype = parse_dtype(args.dtype) or default_dtype(device)
     draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
     models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
-                          args.seed, args.context + max(sizes), draft_slots)
+                          args.seed, args.context + max(sizes), draft_slots, args.layout)
     timer = median_timer(device, args.warmup, args.repeats)
     aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
     # layers feed the drafter does not change the cost, only that three are concatenated
@@ -1484,7 +1521,8 @@ def cmd_cost_plan(args):
                family=cfg.family, layers=cfg.n_layers,
                layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
                device=device.type, world=world, context=args.context, warmup=args.warmup,
-               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size)
+               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
+               layout=args.layout)
     print_cost_plan(run, cfg, timings, rows, taus)
     print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=[
         dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
@@ -1600,7 +1638,9 @@ def cmd_bench(args):
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
-    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
+    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
+                       args.layout)
+    target = use_layout(target, args.layout)     # greedy and EAGLE-3 alike
     device, eos, n = target.lm_head.weight.device, eos_ids(tokenizer, target_dir), args.max_new_tokens
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
     shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos) if args.sweep
@@ -1833,6 +1873,8 @@ def add_bench_command(sub):
     b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
+    b.add_argument("--layout", choices=LAYOUTS, default="rows", help="matmul weight layout "
+                   "for our decoders (columns: W^T contiguous, cheaper on AVX2 CPUs)")
     b.set_defaults(run=cmd_bench)
 
 
@@ -1873,6 +1915,8 @@ def add_cost_commands(sub):
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
     co.add_argument("--seed", type=int, default=0)
+    co.add_argument("--layout", choices=LAYOUTS, default="rows", help="matmul weight layout "
+                    "(columns: W^T contiguous, cheaper on AVX2 CPUs)")
     co.set_defaults(run=cmd_cost_plan)
 
 

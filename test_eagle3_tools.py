@@ -660,6 +660,26 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
 
 
 
+def test_the_columns_layout_serves_the_same_model_and_stays_lossless(train_chat_target,
+                                                                    train_generate_setup):
+    c = train_chat_target
+    rows = E.load_target(c.dir, dtype=torch.float32)
+    cols = T.use_layout(E.load_target(c.dir, dtype=torch.float32), "columns")
+    draft = T.use_layout(E.load_draft(train_generate_setup.draft_dir, cols), "columns")
+    for model in (cols, draft):   # every matmul weight moved, nothing else
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    layer = rows.model.layers[1].mlp.up_proj
+    assert cols.model.layers[1].mlp.up_proj.weight_t.is_contiguous()
+    assert torch.equal(cols.model.layers[1].mlp.up_proj.weight, layer.weight)
+    x = torch.randn(2, 5, layer.in_features)
+    torch.testing.assert_close(cols.model.layers[1].mlp.up_proj(x), layer(x))
+    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    want = R.hf_greedy(c.hf, prompt, 16, c.tok.eos_token_id).tolist()   # transformers'
+    assert E.greedy_generate(cols, prompt, 16, c.tok.eos_token_id).tolist() == want
+    out = E.speculative_generate(cols, draft, prompt, 16, eos_token_id=c.tok.eos_token_id)
+    assert out.tokens.tolist() == want and max(out.accept_lengths) > 1   # drafts accepted
+
+
 
 # ---- cost-plan ----
 # measured round costs at real shapes: the table's arithmetic against a hand computation
