@@ -1143,9 +1143,10 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
 
 
 def parse_budget(text, replies=REAL_PLAN.replies):
-    """--budget: minutes ("60") or a size in training prompts ("500p") -> a RealPlan for
-    `replies`. The prompt count scales with the minutes (every stage's cost grows with it);
-    past the prompt set's size, the epochs grow instead."""
+    """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
+    for `replies` (its minutes: what the size costs at the default's rate). The count scales
+    with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
+    instead."""
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     try:
         prompts = (int(text[:-1]) if text.endswith("p") else
@@ -1153,10 +1154,11 @@ def parse_budget(text, replies=REAL_PLAN.replies):
     except ValueError:
         prompts = 0
     if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
-        fail(f"--budget {text!r} gives {prompts} training prompts; use minutes (e.g. "
-             f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS} prompts")
+        fail(f"--budget {text!r} gives {prompts} training conversations; use minutes (e.g. "
+             f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS}")
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
-    plan = REAL_PLAN._replace(prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
+    plan = REAL_PLAN._replace(minutes=round(REAL_PLAN.minutes * prompts / per_budget, 1),
+                              prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
     return plan if native_bf16() else plan._replace(capture_dtype="float32", autocast="none")
 
 

@@ -1242,6 +1242,8 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
     plan = T.REAL_PLAN
     assert T.parse_budget("500p").prompts == 500
     assert T.parse_budget(str(plan.minutes * 1.5)).prompts == round(plan.prompts * 1.5)
+    assert T.parse_budget(str(plan.minutes * 1.5)).minutes == plan.minutes * 1.5
+    assert T.parse_budget(f"{plan.prompts // 2}p").minutes == plan.minutes / 2
     longer = T.parse_budget(str(plan.minutes * 20))  # more prompts than the set: more epochs
     assert longer.prompts == T.TRAIN_PROMPTS
     assert longer.epochs == round(plan.epochs * 20 * plan.prompts / T.TRAIN_PROMPTS) > plan.epochs
