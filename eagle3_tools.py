@@ -297,7 +297,16 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
 # Part I from here: a change of signature there is mended in one place.
 
 COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
-LAYOUTS = ("rows", "columns")
+COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
+COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
+COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
+COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
+                            # a pass over m tokens costs nearly the same for any small m
+COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
+COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
+COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
+              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
+LAYOUTS = ("rows", "columns")  # how the models store their matmul weights (use_layout)
 
 
 class ColumnLinear(nn.Module):
@@ -332,17 +341,6 @@ def use_layout(model, layout):
                 if isinstance(child, nn.Linear):
                     setattr(module, name, ColumnLinear(child))
     return model
-COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
-COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
-COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
-COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
-
-
-                            # a pass over m tokens costs nearly the same for any small m
-COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
-COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
-COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
-              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
 
 
 class CostModels(NamedTuple):
@@ -1679,7 +1677,7 @@ def cmd_bench(args):
                     if key != "eagle3"},
         allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
                                        speculative=round(ours.spec_allreduce[0], 3)),
-        world_size=world, peak_rss_mb=round(peak_rss_mb(), 1),
+        world_size=world, layout=args.layout, peak_rss_mb=round(peak_rss_mb(), 1),
         seconds=round(time.time() - t0, 1))))
 
 

@@ -651,6 +651,7 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
     assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
     assert report["lossless"] is True and report["world_size"] == 1
+    assert report["layout"] == "rows"   # nn.Linear unless --layout columns
     assert 1 < report["tau"] <= 9
     assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
     tps = report["tokens_per_s"]
