@@ -881,6 +881,9 @@ class RealPlan(NamedTuple):
     batch: int = 8
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
     autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
+    fp32_share: float = 0.8       # where bf16 is not native the plan takes 0.8 of the
+                                  # conversations: an AVX2 step costs 6.3 s at 2 threads
+                                  # (3,000 projected 92 min idle, 2,400 about 75)
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
@@ -1146,6 +1149,8 @@ def parse_budget(text, replies=REAL_PLAN.replies):
     with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
     instead."""
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
+    if not native_bf16():
+        per_budget = round(per_budget * REAL_PLAN.fp32_share)
     try:
         prompts = (int(text[:-1]) if text.endswith("p") else
                    round(per_budget * float(text) / REAL_PLAN.minutes))

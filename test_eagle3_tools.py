@@ -1239,7 +1239,8 @@ def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_
     assert code == 2 and err.count("\n") == 1 and "bad.jsonl:1" in err
 
 
-def test_budget_is_minutes_or_a_size_and_scales_the_prompts():
+def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
+    monkeypatch.setattr(T, "native_bf16", lambda: True)
     plan = T.REAL_PLAN
     assert T.parse_budget("500p").prompts == 500
     assert T.parse_budget(str(plan.minutes * 1.5)).prompts == round(plan.prompts * 1.5)
@@ -1259,9 +1260,11 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
     monkeypatch.setattr(T, "native_bf16", lambda: True)
     assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
-    plan = T.parse_budget("60")
+    plan = T.parse_budget("60")                            # and fp32 steps cost more
     assert (plan.capture_dtype, plan.autocast) == ("float32", "none")
-    assert plan._replace(capture_dtype="bfloat16", autocast="bf16") == T.REAL_PLAN
+    share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
+    assert plan == T.REAL_PLAN._replace(capture_dtype="float32", autocast="none", prompts=share)
+    assert T.parse_budget(f"{share}p").minutes == T.REAL_PLAN.minutes
 
 
 @pytest.mark.parametrize("replies", ["own", "regenerated"])
