@@ -881,9 +881,9 @@ class RealPlan(NamedTuple):
     batch: int = 8
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
     autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
-    fp32_share: float = 0.8       # where bf16 is not native the plan takes 0.8 of the
-                                  # conversations: an AVX2 step costs 6.3 s at 2 threads
-                                  # (3,000 projected 92 min idle, 2,400 about 75)
+    fp32_share: float = 0.7       # where bf16 is not native the plan takes 0.7 of the
+                                  # conversations: on an AVX2 CPU 3,000 took 107 min (an
+                                  # fp32 step 6.3 s at 2 threads); 2,100 project 70-78
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
