@@ -1149,8 +1149,9 @@ def parse_budget(text, replies=REAL_PLAN.replies):
     for `replies` (its minutes: what the size costs at the default's rate). The count scales
     with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
     instead."""
+    native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
-    if not native_bf16():
+    if not native:
         per_budget = round(per_budget * REAL_PLAN.fp32_share)
     try:
         prompts = (int(text[:-1]) if text.endswith("p") else
@@ -1163,7 +1164,7 @@ def parse_budget(text, replies=REAL_PLAN.replies):
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
     plan = REAL_PLAN._replace(minutes=round(REAL_PLAN.minutes * prompts / per_budget, 1),
                               prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
-    return plan if native_bf16() else plan._replace(capture_dtype="float32", autocast="none")
+    return plan if native else plan._replace(capture_dtype="float32", autocast="none")
 
 
 class Tee:

@@ -1293,6 +1293,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     assert all(os.path.exists(v) for v in first["outputs"].values())  # only files it wrote
     captured = json.load(open(os.path.join(first["outputs"]["features"], "capture.json")))
     assert captured["dtype"] == ("bfloat16" if replies == "own" else "float32")
+    assert f"--autocast {'bf16' if replies == 'own' else 'none'} " in out   # train's argv
     if replies == "own":   # the first 16 conversations, their own replies
         assert "replies" not in first["outputs"]
         assert captured["data"].endswith("train_conversations.jsonl")
