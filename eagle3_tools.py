@@ -884,7 +884,7 @@ class RealPlan(NamedTuple):
     autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
     fp32_share: float = 0.7       # where bf16 is not native the plan takes 0.7 of the
                                   # conversations: on an AVX2 CPU 3,000 took 107 min (an
-                                  # fp32 step 6.3 s at 2 threads); 2,100 project 70-78
+                                  # fp32 step 6.3 s at 2 threads); 2,100 took 71 min
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
