@@ -314,8 +314,8 @@ class ColumnLinear(nn.Module):
     same product through another of MKL's paths. A kernel choice that depends on the CPU
     (docs/costs_and_communication.md): on an AVX2 EPYC (one thread, SmolLM2-135M fp32) a
     verify of 2 / 3 tokens cost 1.21 / 1.46 decode steps in this layout against 1.66 / 2.12
-    in nn.Linear's, and a decode step 74 ms against 78 (in bench at two threads both of our
-    decoders ran ~20% faster, their ratio unchanged); on an AMX Xeon nn.Linear's was the
+    in nn.Linear's, and a decode step 74 ms against 78 (in bench at two threads the ratio of
+    EAGLE-3 to our greedy barely moved, 0.73 -> 0.75); on an AMX Xeon nn.Linear's was the
     cheaper verify (1.05 / 1.15 against 1.49 / 1.59)."""
 
     def __init__(self, linear):

@@ -1263,6 +1263,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
     plan = T.parse_budget("60")                            # and fp32 steps cost more
     assert (plan.capture_dtype, plan.autocast) == ("float32", "none")
     share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
+    assert share == 2100                                   # the number docs/real_models.md gives
     assert plan == T.REAL_PLAN._replace(capture_dtype="float32", autocast="none", prompts=share)
     assert T.parse_budget(f"{share}p").minutes == T.REAL_PLAN.minutes
 
