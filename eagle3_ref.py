@@ -541,6 +541,14 @@ class Draft(nn.Module):
 # Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
 # drafter's cache, then grow_tree builds the tree on top. draft_tree is the from-scratch
 # form of the official `topK_genrate` (prefix and tree in one call).
+#
+# A confidence stop (min_prob > 0; 0, the official tree, keeps every node) drops the nodes
+# whose path probability under the drafter is below min_prob, and stops growing once a whole
+# level is below it: a path's score only falls as it grows. A round may then verify the root
+# alone, which is a plain decode step. CPU engines draft this way (llama.cpp stops a chain
+# at the first draft whose own probability is under its p-min); the path's probability, the
+# tree's own score, gives chains and trees one rule. Greedy or sampled, the output is exact
+# either way: which nodes are verified depends on the drafter alone.
 
 
 class TreeShape(NamedTuple):
@@ -629,10 +637,12 @@ class Scoring(NamedTuple):
     along a path (SGLang multiplies probabilities: the same order up to rounding)."""
     next: object = log_probs
     extend: object = operator.add
+    of_prob: object = math.log   # the score of a path of probability p (the min_prob floor)
 
 
-def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
-    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries and link them.
+def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K, floor=None):
+    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries (those scoring at
+    least `floor`, when given) and link them.
     Pool layout (flat index s): level 1 at s = 0..K-1; iteration `it` stores child c of its
     r-th input at s = K + it*K^2 + r*K + c. Each run of K siblings is one group g = s // K,
     and group_parent[g] is the pool index of the node they hang under (-1 = the root).
@@ -640,7 +650,10 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
     (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
     [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1."""
     # 4) select the best; order the tree by flat index (level, parent rank, child rank)
-    chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values   # (N-1,)
+    chosen = topk_first_index(pool_scores, total_tokens - 1)[1]                 # (N-1,)
+    if floor is not None:   # the confidence stop; a child never outscores its parent
+        chosen = chosen[pool_scores[chosen] >= floor]
+    chosen = chosen.sort().values
     # 5) link: each chosen node's parent pool index -> its node index (root = 0)
     parent_pool = group_parent[chosen // K]                                      # (N-1,)
     parents = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
@@ -680,11 +693,14 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 # scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
 
 
-def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0):
+def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0,
+              min_prob=0.0):
     """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
     draft K/V go to slots n.. and are discarded by the next draft_prefix. `pos_offset` 1
-    drafts each level one RoPE position late (SGLang before #25015)."""
+    drafts each level one RoPE position late (SGLang before #25015); min_prob > 0 is the
+    confidence stop."""
     K, device = shape.top_k, h_last.device
+    floor = scoring.of_prob(min_prob) if min_prob > 0 else None
     # 1) level 1: the K best children of the root
     scores, ids = topk_first_index(scoring.next(draft.logits(h_last))[0], K)    # (K,)
     tokens = draft.to_target_ids(ids)
@@ -695,6 +711,8 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
     eye = torch.eye(K, dtype=torch.bool, device=device)
     tree_mask = eye                                  # (K, K) over tree slots
     for it in range(shape.depth):
+        if floor is not None and bool(scores.max() < floor):
+            break                                    # no deeper node can reach the floor
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
         positions = torch.full((K,), n + it + pos_offset, device=device)
@@ -715,13 +733,16 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
         tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
     pool_scores, pool_tokens = torch.cat(pool_scores), torch.cat(pool_tokens)  # (K + depth*K*K,)
     group_parent = torch.cat(group_parent)                                  # (1 + depth*K,)
-    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K)
+    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K,
+                       floor)
 
 
 @torch.inference_mode()
-def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
+def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS,
+               min_prob=0.0):
     """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
-    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
+    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root
+    (min_prob > 0: the confidence stop)."""
     shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
     T = aux.shape[1]
@@ -731,7 +752,7 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     check_token_ids(input_ids, draft.cfg.vocab_size)
     cache = draft.new_cache(T + top_k * depth)
     h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
-    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
+    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape, min_prob=min_prob)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1136,10 +1157,11 @@ class Run(NamedTuple):
     preset: Preset
     chain: bool              # scheme "chain": drafts sampled from q (else the preset's tree)
     record_logits: bool
+    min_prob: float = 0.0    # the tree's confidence stop (0: off)
 
 
 def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree, scheme,
-              preset, eos_token_id, record_logits):
+              preset, eos_token_id, record_logits, min_prob=0.0):
     """Every argument of speculative decoding checked before any work -> the Run (a chain
     of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
     preset = as_preset(preset)
@@ -1153,6 +1175,12 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     if scheme == "chain" and preset.verify is not official_verify:
         fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
              f"its own drafts: use scheme='tree'")
+    if not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+        fail(f"min_prob={min_prob!r} must be a number in [0, 1): the lowest path probability "
+             f"a drafted node may have to be verified (0: no confidence stop)")
+    if scheme == "chain" and min_prob:
+        fail(f"min_prob={min_prob} stops the tree's drafting; scheme='chain' samples a chain "
+             f"of fixed length: use scheme='tree' or min_prob=0")
     shape = TreeShape(*tree)
     if scheme == "chain" or preset.argmax_chain:
         shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
@@ -1163,7 +1191,7 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     for ids in prompts:
         check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
                               target.cfg.vocab_size, reserve=shape.total_tokens)
-    return Run(shape, sampling, preset, scheme == "chain", record_logits)
+    return Run(shape, sampling, preset, scheme == "chain", record_logits, float(min_prob))
 
 
 class Round(NamedTuple):
@@ -1221,7 +1249,7 @@ def draft_step(draft, cache, state, run, randomness, tp):
         return draft_chain(draft, cache, state.n, h_last, root, run.shape.depth + 1,
                            randomness.uniforms, run.sampling, tp)
     tree = grow_tree(draft, cache, state.n, h_last, root, run.shape, run.preset.scoring,
-                     run.preset.draft_pos_offset)
+                     run.preset.draft_pos_offset, run.min_prob)
     return tree, None, []
 
 
@@ -1266,14 +1294,15 @@ def speculation_round(target, draft, target_cache, draft_cache, state, run, rand
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
-                         record_logits=False, preset="official"):
+                         record_logits=False, preset="official", min_prob=0.0):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
     budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
     has exactly the distribution of sample_generate. `tree` is the TreeShape (tree top-k,
     depth, total tokens); top_k is the *sampling* top-k; `preset` names the conventions
-    followed ("official", "sglang", "vllm" or a Preset)."""
+    followed ("official", "sglang", "vllm" or a Preset); min_prob > 0 stops drafting below
+    that path probability (section 6)."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits)
+                    scheme, preset, eos_token_id, record_logits, min_prob)
     T, shape = input_ids.shape[1], run.shape
     target_cache = target.new_cache(T + max_new_tokens + shape.total_tokens)
     draft_cache = draft.new_cache(T + max_new_tokens + shape.top_k * shape.depth)
@@ -1683,7 +1712,7 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
                          bonus), draws
 
 
-PROB_SCORING = Scoring(probs, operator.mul)
+PROB_SCORING = Scoring(probs, operator.mul, of_prob=lambda p: p)
 PRESETS.update(  # the table of Part I gains the engines' presets
     sglang=Preset("sglang", PROB_SCORING, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
                   verify=sglang_verify, tau_emitted=True),
@@ -1727,12 +1756,13 @@ def verify_trees(target, cache, ns, trees, aux_layers):
 @torch.inference_mode()
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
                                top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
-                               scheme="tree", record_logits=False, preset="official"):
+                               scheme="tree", record_logits=False, preset="official",
+                               min_prob=0.0):
     """speculative_generate of B prompts (each (1, T_b), lengths may differ), verified
     together. Row b draws its random numbers from its own generator, seeded seed + b; its
     rounds' `comm` is the whole batched round's. -> one SpecResult per prompt."""
     run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits)
+                    scheme, preset, eos_token_id, record_logits, min_prob)
     B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
     # A finished row rides along in the verify (its root alone, padded to the widest tree)
     # after a last round that may have committed up to depth+1 tokens past its budget.
@@ -3245,7 +3275,7 @@ def greedy_with_comm(target, ids, max_new_tokens, eos):
 
 
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
-                     repeats=2):
+                     repeats=2, min_prob=0.0):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
     all-reduces each sends per token at this run's world size."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
@@ -3254,7 +3284,8 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
     for ids in prompts:
         spec, seconds = best_time(lambda: speculative_generate(
-            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
+            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos,
+            min_prob=min_prob), repeats)
         spec_s += seconds
         (plain, comm), seconds = best_time(lambda: greedy_with_comm(target, ids, max_new_tokens,
                                                                     eos), repeats)
