@@ -581,6 +581,12 @@ def check_tree_shape(shape, draft_vocab_size):
         fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
 
 
+def check_min_prob(min_prob):
+    if not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
+        fail(f"min_prob={min_prob!r} must be a number in [0, 1): the lowest path probability "
+             f"a drafted node may have to be verified (0: no confidence stop)")
+
+
 def check_token_ids(ids, vocab_size):
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
@@ -745,6 +751,7 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     (min_prob > 0: the confidence stop)."""
     shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    check_min_prob(min_prob)
     T = aux.shape[1]
     if input_ids.shape != (1, T + 1):
         fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
@@ -1175,9 +1182,7 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     if scheme == "chain" and preset.verify is not official_verify:
         fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
              f"its own drafts: use scheme='tree'")
-    if not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
-        fail(f"min_prob={min_prob!r} must be a number in [0, 1): the lowest path probability "
-             f"a drafted node may have to be verified (0: no confidence stop)")
+    check_min_prob(min_prob)
     if scheme == "chain" and min_prob:
         fail(f"min_prob={min_prob} stops the tree's drafting; scheme='chain' samples a chain "
              f"of fixed length: use scheme='tree' or min_prob=0")
