@@ -2851,10 +2851,13 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     return curve
 
 
-def training_examples(tokenizer, data, max_len, limit=None):
+def training_examples(tokenizer, data, max_len, limit=None, truncate=False):
     """The conversations of a JSONL file (its first `limit`) that train and capture use:
-    chat-templated, with an assistant turn, at most max_len tokens; in file order."""
+    chat-templated, with an assistant turn, at most max_len tokens (a longer one is dropped,
+    or with truncate cut to its first max_len tokens); in file order."""
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(data)[:limit]]
+    if truncate:
+        examples = [Example(ex.tokens[:max_len], ex.reply_mask[:max_len]) for ex in examples]
     return [ex for ex in examples if len(ex.tokens) <= max_len and sum(ex.reply_mask)]
 
 

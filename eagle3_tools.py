@@ -1544,16 +1544,21 @@ def cmd_cost_plan(args):
 def cmd_capture(args):
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
-                                 args.limit)
+                                 args.limit, truncate=args.truncate)
     aux_layers = (read_draft_config(args.draft, target.cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else target.cfg.default_aux_layers)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
                 aux_layers=list(aux_layers), samples=len(examples),
-                dtype=str(target.lm_head.weight.dtype)[6:])
-    if os.path.isfile(info_file) and read_json(info_file)["aux_layers"] != info["aux_layers"]:
-        fail(f"{args.out!r} holds features of hidden_states {read_json(info_file)['aux_layers']}"
-             f", not {info['aux_layers']}: capture into another directory")
+                dtype=str(target.lm_head.weight.dtype)[6:],
+                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    if os.path.isfile(info_file):
+        # sample i is the i-th kept conversation: another selection would mix two data sets
+        had = read_json(info_file)
+        for key in ("aux_layers", "long", "max_len"):
+            if had.get(key, info[key]) != info[key]:
+                fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
+                     f"{info[key]!r}: capture into another directory")
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
         atomic_write(info_file, lambda f: write_json(f, info))
@@ -1849,6 +1854,9 @@ def add_probe_commands(sub, train):
     cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
     cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     cap.add_argument("--max-len", type=int, default=2048)
+    cap.add_argument("--truncate", action="store_true",
+                     help="cut a conversation longer than --max-len to its first --max-len "
+                          "tokens instead of dropping it (kept while a reply token remains)")
     cap.add_argument("--limit", type=int, help="only the first N conversations (a larger N "
                                                "later keeps what is captured)")
     cap.add_argument("--dtype", help="the target's weights: bfloat16 captures 2x faster on "

@@ -183,6 +183,37 @@ def test_capture_limit_takes_the_first_conversations_and_a_larger_one_keeps_them
     assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
 
 
+def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_target, captured,
+                                                                  tmp_path):
+    c, out, full = train_chat_target, tmp_path / "features", captured.examples
+    lengths = sorted(len(ex.tokens) for ex in full)
+    max_len = lengths[len(lengths) // 2]             # about half the conversations are longer
+    long = [i for i, ex in enumerate(full) if len(ex.tokens) > max_len]
+    assert 0 < len(long) < len(full)
+    cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out,
+             "--max-len", max_len, "--truncate")
+    info = json.load(open(out / "capture.json"))
+    assert (info["samples"], info["long"], info["max_len"]) == (len(full), "truncated", max_len)
+    for i, ex in enumerate(full):   # a causal target's features of a prefix: the full run's rows
+        cut = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
+        whole = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
+                           weights_only=True)
+        n = min(len(ex.tokens), max_len)
+        assert cut["input_ids"].tolist() == ex.tokens[:n]
+        assert cut["loss_mask"].tolist() == ex.reply_mask[:n]
+        for key in ("hidden_state", "aux_hidden_state"):
+            assert_close(cut[key], whole[key][:, :n], f"{key} of conversation {i}")
+    # without --truncate the long ones are dropped; one directory never mixes the two
+    assert len(E.training_examples(c.tok, captured.data, max_len)) == len(full) - len(long)
+    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+                              out, "--max-len", max_len))
+    assert "long='truncated'" in line and "another directory" in line
+    # a conversation whose prompt alone fills max_len keeps no reply token: dropped
+    first_reply = min(ex.reply_mask.index(1) for ex in full)
+    assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
+    assert len(E.training_examples(c.tok, captured.data, first_reply + 1, truncate=True)) >= 1
+
+
 def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
     import gzip
     group = tmp_path / "rows_0-2000"
