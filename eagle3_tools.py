@@ -872,7 +872,8 @@ class RealPlan(NamedTuple):
     max_new_tokens: int = 128     # reply cap when regenerating
     regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
                                   # far slower than its rows on CPU)
-    max_len: int = 320            # tokens per conversation (system + prompt + reply fit)
+    max_len: int = 320            # tokens per conversation (system + prompt + reply fit);
+                                  # longer ones are dropped: cut (capture --truncate) lost
     capture_dtype: str = "bfloat16"   # AMX prefill: 0.27 s a conversation against 0.53 in
                                       # fp32; the teacher's argmax the fp32 one at 98.5%
                                       # (bf16 only where the CPU has it: native_bf16)
