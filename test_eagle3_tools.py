@@ -208,6 +208,9 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len))
     assert "long='truncated'" in line and "another directory" in line
+    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+                              out, "--max-len", max_len + 1, "--truncate"))
+    assert f"max_len={max_len}" in line and "another directory" in line
     # a conversation whose prompt alone fills max_len keeps no reply token: dropped
     first_reply = min(ex.reply_mask.index(1) for ex in full)
     assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
