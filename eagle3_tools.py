@@ -1543,15 +1543,15 @@ def cmd_cost_plan(args):
 
 
 def cmd_capture(args):
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    # the data and the directory are checked before the target is loaded (seconds, not minutes)
+    cfg = read_target_config(args.target)
     examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
                                  args.limit, truncate=args.truncate)
-    aux_layers = (read_draft_config(args.draft, target.cfg, aux_convention=args.aux_convention)
-                  .aux_layers if args.draft else target.cfg.default_aux_layers)
+    aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
+                  .aux_layers if args.draft else cfg.default_aux_layers)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
                 aux_layers=list(aux_layers), samples=len(examples),
-                dtype=str(target.lm_head.weight.dtype)[6:],
                 long="truncated" if args.truncate else "dropped", max_len=args.max_len)
     if os.path.isfile(info_file):
         # sample i is the i-th kept conversation: another selection would mix two data sets
@@ -1560,6 +1560,8 @@ def cmd_capture(args):
             if had.get(key, info[key]) != info[key]:
                 fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
                      f"{info[key]!r}: capture into another directory")
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
         atomic_write(info_file, lambda f: write_json(f, info))

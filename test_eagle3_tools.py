@@ -9,6 +9,7 @@ the reference suite's, imported from test_eagle3_ref.py.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -211,6 +212,13 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len + 1, "--truncate"))
     assert f"max_len={max_len}" in line and "another directory" in line
+    # and before the target's weights are read (minutes on a real model): a target dir
+    # without them is refused the same way
+    bare = tmp_path / "no_weights"
+    shutil.copytree(c.dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    line = R.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
+                              out, "--max-len", max_len))
+    assert "long='truncated'" in line and "another directory" in line
     # a conversation whose prompt alone fills max_len keeps no reply token: dropped
     first_reply = min(ex.reply_mask.index(1) for ex in full)
     assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
