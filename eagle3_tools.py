@@ -873,7 +873,8 @@ class RealPlan(NamedTuple):
     regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
                                   # far slower than its rows on CPU)
     max_len: int = 320            # tokens per conversation (system + prompt + reply fit);
-                                  # longer ones are dropped: cut (capture --truncate) lost
+                                  # longer ones are dropped (cutting them, capture
+                                  # --truncate, lost at equal CPU time: docs/real_models.md)
     capture_dtype: str = "bfloat16"   # AMX prefill: 0.27 s a conversation against 0.53 in
                                       # fp32; the teacher's argmax the fp32 one at 98.5%
                                       # (bf16 only where the CPU has it: native_bf16)
