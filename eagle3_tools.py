@@ -33,14 +33,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time, broadcast0,
-    broadcast_acceptance, build_assistant_lm, build_vocab_mapping, check_aux_layers,
-    check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
+    accept_greedy, atomic_write, attend, aux_inputs, aux_layer_ids, best_time, broadcast0,
+    broadcast_acceptance, build_assistant_lm, build_vocab_mapping, cache_append,
+    check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
     evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
     in_model_dtype, is_rank0, live_inputs, load_draft, load_state, load_target,
@@ -306,7 +307,7 @@ COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released 
 COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
 COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
               (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
-LAYOUTS = ("rows", "columns")  # how the models store their matmul weights (use_layout)
+LAYOUTS = ("rows", "columns", "invariant")  # how a model is served (use_layout)
 
 
 class ColumnLinear(nn.Module):
@@ -333,14 +334,85 @@ class ColumnLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# The invariant layout: a verify row gets the bits of its own decode step, so greedy
+# speculation equals greedy decoding even in bf16, where logits tie often enough that any
+# rounding difference parts the two (docs/costs_and_communication.md). Two kernels round a
+# row differently when other rows share the call: a one-row product takes another path than
+# an N-row one (torch's bf16 CPU matmul, measured on SmolLM2's MLP down projection: 334 of
+# 4,050 rows differ), and fused attention gives a query other bits when masked keys sit
+# beside its own. So one-row products run as two identical rows, and after the prefill each
+# query attends alone over exactly the keys it sees, in fp32 (bf16's one-query attention
+# took 175 us against 36 in fp32 here). Greedy decoding runs the same code, so speedups stay
+# like for like.
+
+class PairLinear(nn.Module):
+    """An nn.Linear whose one-row products run as two identical rows (the N-row kernel)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        if x.numel() != x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
+        row = x.reshape(1, -1)
+        y = F.linear(torch.cat([row, row]), self.weight, self.bias)[:1]     # (1, out)
+        return y.view(*x.shape[:-1], -1)
+
+
+def visible_keys(bias, memo):
+    """Per query row of an additive bias (T, S) (0 = visible), the key slots it sees: a
+    slice for a prefix (a decode step, a chain), else an index tensor (a tree's branch).
+    Worked out once per forward: `memo` is shared by the model's layers."""
+    if memo.get("bias") is not bias:
+        rows = []
+        for seen in bias.reshape(bias.shape[-2], bias.shape[-1]) == 0:           # (S,) bool
+            m = int(seen.sum())
+            rows.append(slice(0, m) if bool(seen[:m].all()) else seen.nonzero()[:, 0])
+        memo.update(bias=bias, rows=rows)
+    return memo["rows"]
+
+
+class RowAttention(nn.Module):
+    """A target layer's attention in fp32; after the prefill, each query row alone over its
+    own visible keys, the call a decode step makes for that position."""
+
+    def __init__(self, attention, memo):
+        super().__init__()
+        self.inner, self.memo = attention, memo
+
+    def forward(self, x, cos, sin, bias, kv=None, start=0):
+        a = self.inner
+        q, k, v = a.project(x, cos, sin)
+        k, v = cache_append(kv, start, k, v)                              # (B, Hkv, S, hs)
+        q, k, v = q.float(), k.float(), v.float()
+        if not isinstance(start, int):
+            fail("the invariant layout serves one sequence at a time")
+        if start == 0:   # the prefill: the same call in every decoder
+            y = attend(q, k, v, bias.float())
+        else:
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, j:j + 1], k[:, :, keys],
+                                                          v[:, :, keys], enable_gqa=True)
+                           for j, keys in enumerate(visible_keys(bias, self.memo))], 2)
+        return a.output(y.to(x.dtype))
+
+
 def use_layout(model, layout):
-    """Serve `model` with its matmul weights in `layout` (LAYOUTS): rows keeps nn.Linear,
-    columns swaps every nn.Linear for a ColumnLinear (a tied lm_head gets its own copy)."""
-    if layout == "columns":
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, ColumnLinear(child))
+    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; columns swaps every
+    nn.Linear for a ColumnLinear (a tied lm_head gets its own copy); invariant swaps a
+    target's linears for PairLinears and its attention for RowAttention (a drafter is
+    served as is: its rounding decides only which drafts are verified)."""
+    if layout == "invariant" and not isinstance(model, Target):
+        return model
+    if layout == "invariant" and isinstance(model, DeepSeekTarget):
+        fail("--layout invariant serves the Llama family's attention; this target uses MLA")
+    memo = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and layout != "rows":
+                setattr(module, name, (ColumnLinear if layout == "columns" else PairLinear)(child))
+            if isinstance(child, E.Attention) and layout == "invariant":
+                setattr(module, name, RowAttention(child, memo))
     return model
 
 
@@ -1901,8 +1973,9 @@ def add_bench_command(sub):
     b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
-    b.add_argument("--layout", choices=LAYOUTS, default="rows", help="matmul weight layout "
-                   "for our decoders (columns: W^T contiguous, cheaper on AVX2 CPUs)")
+    b.add_argument("--layout", choices=LAYOUTS, default="rows", help="how our decoders run "
+                   "the target (columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: "
+                   "each verify row bit-equal to its decode step, exact in bf16)")
     b.set_defaults(run=cmd_bench)
 
 
@@ -1943,8 +2016,9 @@ def add_cost_commands(sub):
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
     co.add_argument("--seed", type=int, default=0)
-    co.add_argument("--layout", choices=LAYOUTS, default="rows", help="matmul weight layout "
-                    "(columns: W^T contiguous, cheaper on AVX2 CPUs)")
+    co.add_argument("--layout", choices=LAYOUTS, default="rows", help="how the target runs "
+                    "(columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: each verify "
+                    "row bit-equal to its decode step)")
     co.set_defaults(run=cmd_cost_plan)
 
 

@@ -725,6 +725,70 @@ def test_the_columns_layout_serves_the_same_model_and_stays_lossless(train_chat_
 
 
 
+
+def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
+                                                                           train_generate_setup):
+    """bf16 verify rows against decode steps replayed node by node along each root path
+    (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
+    forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
+    in the same layout."""
+    c = train_chat_target
+    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    n = prompt.shape[1]
+    parents = [-1, 0, 0, 1, 3, 2]
+    tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
+
+    def verified(model):
+        cache = model.new_cache(n + 8)
+        model(prompt, cache=cache, aux_layers=())
+        return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
+
+    plain = E.load_target(c.dir, dtype=torch.float32)
+    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
+                                                     "invariant")), verified(plain))
+    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
+    assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
+    assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
+    logits = verified(inv)
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        cache = inv.new_cache(n + 8)
+        inv(prompt, cache=cache, aux_layers=())
+        for depth, i in enumerate(path):
+            step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
+        assert torch.equal(step[0, -1], logits[node]), node
+    draft = E.load_draft(train_generate_setup.draft_dir, inv)
+    for shape in (E.TreeShape(1, 3, 4), E.TreeShape(2, 3, 6)):
+        out = E.speculative_generate(inv, draft, prompt, 16, tree=shape,
+                                     eos_token_id=c.tok.eos_token_id)
+        assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
+                                                        c.tok.eos_token_id).tolist()
+        assert max(out.accept_lengths) > 1                                 # drafts accepted
+
+
+def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
+    """SmolLM2's MLP down projection (1,536 -> 576) in bf16 at one thread: row j of an M-row
+    product against row j alone, M = 2..16 (torch's one-row kernel rounds some rows
+    differently on an AVX-512 BF16 CPU; the pair's two-row call takes the N-row kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
+        pair = T.PairLinear(linear)
+        x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
+        alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
+        for M in range(2, 17):
+            rows = pair(x[:, :M])
+            assert all(torch.equal(rows[:, j:j + 1], alone[j]) for j in range(M)), M
+        torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
+    finally:
+        torch.set_num_threads(threads)
+
 # ---- cost-plan ----
 # measured round costs at real shapes: the table's arithmetic against a hand computation
 # from injected timings, construction on the meta device, and the command end to end
