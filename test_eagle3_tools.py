@@ -789,6 +789,26 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
     finally:
         torch.set_num_threads(threads)
 
+
+def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
+    """A shape that is best in one pass by luck loses to one that is steadily better."""
+    lucky, steady = T.SWEEP_SHAPES[0], T.SWEEP_SHAPES[1]
+    script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
+    calls = []
+
+    def measured(target, draft, prompts, n, tree, eos, repeats, min_prob):
+        calls.append(tree)
+        speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
+        return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
+                               tau=1.5)
+
+    monkeypatch.setattr(T, "measure_decoding", measured)
+    monkeypatch.setattr(T, "SWEEP_ROUNDS", 3)
+    assert T.sweep_shape(None, None, [], None) == steady
+    assert calls == list(T.SWEEP_SHAPES) * 3                     # whole passes, interleaved
+    out = capsys.readouterr().out
+    assert "1.50 1.00 1.00" in out and f"sweep picks tree {tuple(steady)}" in out
+
 # ---- cost-plan ----
 # measured round costs at real shapes: the table's arithmetic against a hand computation
 # from injected timings, construction on the meta device, and the command end to end
@@ -1368,10 +1388,12 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
     assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
-    assert (plan.capture_dtype, plan.autocast) == ("float32", "none")
+    fp32 = dict(capture_dtype="float32", autocast="none", serve_dtype="float32",
+                serve_layout="rows")
+    assert plan._asdict() | fp32 == plan._asdict()
     share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
     assert share == 2100                                   # the number docs/real_models.md gives
-    assert plan == T.REAL_PLAN._replace(capture_dtype="float32", autocast="none", prompts=share)
+    assert plan == T.REAL_PLAN._replace(prompts=share, **fp32)
     assert T.parse_budget(f"{share}p").minutes == T.REAL_PLAN.minutes
 
 
@@ -1382,6 +1404,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
                                  regen_batch=8, epochs=1)
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
+    monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
@@ -1402,6 +1425,9 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     captured = json.load(open(os.path.join(first["outputs"]["features"], "capture.json")))
     assert captured["dtype"] == ("bfloat16" if replies == "own" else "float32")
     assert f"--autocast {'bf16' if replies == 'own' else 'none'} " in out   # train's argv
+    served = ("--dtype bfloat16 --layout invariant" if replies == "own" else
+              "--dtype float32 --layout rows")
+    assert served in out                                         # the evaluate stage's argv
     if replies == "own":   # the first 16 conversations, their own replies
         assert "replies" not in first["outputs"]
         assert captured["data"].endswith("train_conversations.jsonl")
