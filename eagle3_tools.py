@@ -397,6 +397,13 @@ class RowAttention(nn.Module):
         return a.output(y.to(x.dtype))
 
 
+def check_layout(cfg, layout):
+    """Refuse, before any weight is loaded, a layout this target cannot be served in."""
+    if layout == "invariant" and cfg.mla:
+        fail("--layout invariant serves the Llama family's attention; this target uses MLA "
+             "(DeepSeek-V3 / Kimi-K2): use --layout rows or columns")
+
+
 def use_layout(model, layout):
     """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; columns swaps every
     nn.Linear for a ColumnLinear (a tied lm_head gets its own copy); invariant swaps a
@@ -404,8 +411,7 @@ def use_layout(model, layout):
     served as is: its rounding decides only which drafts are verified)."""
     if layout == "invariant" and not isinstance(model, Target):
         return model
-    if layout == "invariant" and isinstance(model, DeepSeekTarget):
-        fail("--layout invariant serves the Llama family's attention; this target uses MLA")
+    check_layout(model.cfg, layout)
     memo = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -1596,6 +1602,7 @@ def cmd_cost_plan(args):
     t0, world = time.time(), world_info()[1]
     cfg, draft_cfg = cost_configs(args)
     check_tp_sizes(cfg, world)
+    check_layout(cfg, args.layout)
     shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype) or default_dtype(device)
@@ -1740,6 +1747,7 @@ def cmd_bench(args):
     t0, world = time.time(), world_info()[1]
     target_dir, draft_dir = model_dirs(args)
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
+    check_layout(read_target_config(target_dir), args.layout)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
     draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),

@@ -1053,6 +1053,14 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
     assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path, capsys):
+    config = cost_config_dir(tmp_path, KIMI_K2_CONFIG, "kimi")     # 61 layers of 7,168
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["cost-plan", "--config", str(config), "--layout", "invariant", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "uses MLA" in err[0], err
+
+
 def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
     for d in ("draft", "features", "target"):
         (tmp_path / d).mkdir()
