@@ -382,12 +382,12 @@ class RowAttention(nn.Module):
         self.inner, self.memo = attention, memo
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
+        if not isinstance(start, int):   # a batch of sequences, each with its own start
+            fail("the invariant layout serves one sequence at a time")
         a = self.inner
         q, k, v = a.project(x, cos, sin)
         k, v = cache_append(kv, start, k, v)                              # (B, Hkv, S, hs)
         q, k, v = q.float(), k.float(), v.float()
-        if not isinstance(start, int):
-            fail("the invariant layout serves one sequence at a time")
         if start == 0:   # the prefill: the same call in every decoder
             y = attend(q, k, v, bias.float())
         else:
@@ -975,10 +975,10 @@ class RealPlan(NamedTuple):
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
-    serve_dtype: str = "bfloat16"     # the demo's bench: bf16 greedy ran ~1.7x fp32's and
-    serve_layout: str = "invariant"   # the invariant layout keeps speculation exact in it
-                                      # (docs/costs_and_communication.md); fp32 nn.Linear
-                                      # where bf16 is not native
+    serve_dtype: str = "bfloat16"     # the demo's bench: on MT-bench bf16 greedy ran 1.5-1.65x
+    serve_layout: str = "invariant"   # fp32's (Zen 4) and the invariant layout keeps
+                                      # speculation exact in it (docs/real_models.md); fp32
+                                      # nn.Linear where bf16 is not native
 
 
 REAL_PLAN = RealPlan()
