@@ -391,8 +391,7 @@ class RowAttention(nn.Module):
         if start == 0:   # the prefill: the same call in every decoder
             y = attend(q, k, v, bias.float())
         else:
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, j:j + 1], k[:, :, keys],
-                                                          v[:, :, keys], enable_gqa=True)
+            y = torch.cat([attend(q[:, :, j:j + 1], k[:, :, keys], v[:, :, keys], None)
                            for j, keys in enumerate(visible_keys(bias, self.memo))], 2)
         return a.output(y.to(x.dtype))
 
