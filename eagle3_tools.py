@@ -360,17 +360,22 @@ class PairLinear(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
-def visible_keys(bias, memo):
-    """Per query row of an additive bias (T, S) (0 = visible), the key slots it sees: a
-    slice for a prefix (a decode step, a chain), else an index tensor (a tree's branch).
-    Worked out once per forward: `memo` is shared by the model's layers."""
+def visible_keys(bias, memo, start):
+    """Of an additive bias (T, S) (0 = visible) whose queries see every cached slot before
+    `start`: per query row the new slots it sees, as offsets from `start`, and whether each
+    row sees a prefix (a decode step, a chain) rather than a tree's branch. Worked out once
+    per forward: `memo` is shared by the model's layers."""
     if memo.get("bias") is not bias:
-        rows = []
+        rows, prefixes = [], True
         for seen in bias.reshape(bias.shape[-2], bias.shape[-1]) == 0:           # (S,) bool
-            m = int(seen.sum())
-            rows.append(slice(0, m) if bool(seen[:m].all()) else seen.nonzero()[:, 0])
-        memo.update(bias=bias, rows=rows)
-    return memo["rows"]
+            if not bool(seen[:start].all()):
+                fail("the invariant layout serves queries that see every cached slot (decode "
+                     "steps, chains and trees after a prefill); this mask hides some")
+            branch = seen[start:].nonzero()[:, 0]
+            rows.append(branch)
+            prefixes = prefixes and bool(seen[start:start + len(branch)].all())
+        memo.update(bias=bias, rows=rows, prefixes=prefixes)
+    return memo["rows"], memo["prefixes"]
 
 
 class RowAttention(nn.Module):
@@ -387,13 +392,26 @@ class RowAttention(nn.Module):
         a = self.inner
         q, k, v = a.project(x, cos, sin)
         k, v = cache_append(kv, start, k, v)                              # (B, Hkv, S, hs)
-        q, k, v = q.float(), k.float(), v.float()
+        q = q.float()
         if start == 0:   # the prefill: the same call in every decoder
-            y = attend(q, k, v, bias.float())
+            return a.output(attend(q, k.float(), v.float(), bias.float()).to(x.dtype))
+        branches, prefixes = visible_keys(bias, self.memo, start)
+        # A decode step or a chain: row j reads the slots up to its own. A tree: each row's
+        # branch is laid right after the prefix, in fp32 copies of the slots, so it reads a
+        # prefix as its decode step does (gathering its keys instead copied the whole prefix
+        # per row: a tree of 8 nodes cost 1.6x a chain of 8, the same now).
+        if prefixes:
+            k, v = k.float(), v.float()
         else:
-            y = torch.cat([attend(q[:, :, j:j + 1], k[:, :, keys], v[:, :, keys], None)
-                           for j, keys in enumerate(visible_keys(bias, self.memo))], 2)
-        return a.output(y.to(x.dtype))
+            k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
+            new_k, new_v = k[:, :, start:].clone(), v[:, :, start:].clone()        # (B, Hkv, T, hs)
+        ys = []
+        for j, branch in enumerate(branches):
+            end = start + len(branch)
+            if not prefixes:
+                k[:, :, start:end], v[:, :, start:end] = new_k[:, :, branch], new_v[:, :, branch]
+            ys.append(attend(q[:, :, j:j + 1], k[:, :, :end], v[:, :, :end], None))
+        return a.output(torch.cat(ys, 2).to(x.dtype))
 
 
 def check_layout(cfg, layout):

@@ -1053,6 +1053,22 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
     assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_target):
+    """Its rows read a prefix of the cache: a query that may not see some cached slot is
+    refused in one line, not served wrong."""
+    c = train_chat_target
+    inv = T.use_layout(E.load_target(c.dir, dtype=torch.float32), "invariant")
+    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    n = prompt.shape[1]
+    cache = inv.new_cache(n + 1)
+    inv(prompt, cache=cache, aux_layers=())
+    mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
+    inv(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())     # a decode step
+    mask[0, 3] = False
+    with pytest.raises(E.Eagle3Error, match="every cached slot"):
+        inv(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())
+
+
 def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path, capsys):
     config = cost_config_dir(tmp_path, KIMI_K2_CONFIG, "kimi")     # 61 layers of 7,168
     with pytest.raises(SystemExit) as stopped:
