@@ -856,6 +856,7 @@ def load_target_head(path, dtype=torch.float32, features=None):
 class Timed(NamedTuple):
     tokens_per_s: float
     forwards_per_token: float
+    outputs: list = []      # the new tokens of each prompt
 
 
 def count_calls(module):
@@ -867,7 +868,7 @@ def count_calls(module):
 
 def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
-    tokens, seconds, calls = 0, 0.0, 0
+    tokens, seconds, calls, outputs = 0, 0.0, 0, []
     for ids in prompts:
         counter, handle = count_calls(model)
         out, s = best_time(lambda: model.generate(
@@ -878,7 +879,8 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
         calls += counter[0] / repeats
-    return Timed(tokens / seconds, calls / tokens)
+        outputs.append(out[0, ids.shape[1]:].tolist())
+    return Timed(tokens / seconds, calls / tokens, outputs)
 
 
 def peak_rss_mb():
@@ -1796,6 +1798,11 @@ def cmd_bench(args):
         print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
     if world > 1:
         print0(f"(transformers peers run in one process: skipped at world size {world})")
+    same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
+            for k, t in peers.items() if k != "hf_generate"}   # speculation exact in this dtype?
+    for k, count in same.items():
+        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {len(prompts)} "
+               f"prompts")
     print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
            f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
@@ -1808,6 +1815,7 @@ def cmd_bench(args):
         tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
         speedup_vs={key: round(ours.spec_tokens_per_s / tps, 3) for key, _, tps, _ in rows
                     if key != "eagle3"},
+        peers_equal_to_hf_generate=same,
         allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
                                        speculative=round(ours.spec_allreduce[0], 3)),
         world_size=world, layout=args.layout, peak_rss_mb=round(peak_rss_mb(), 1),

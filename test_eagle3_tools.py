@@ -701,6 +701,8 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
                                     for k, v in tps.items() if k != "eagle3"}
     assert report["min_prob"] == 0.0                       # no confidence stop unless asked
+    # transformers' prompt lookup, in fp32, emits what its own greedy generate does
+    assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
 
 
 
