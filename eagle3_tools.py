@@ -994,6 +994,10 @@ class RealPlan(NamedTuple):
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
                                   # ShareGPT rows have one category, so --per-category N)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
+    finetune: int = 1000          # then the target's own greedy replies to this many training
+                                  # prompts (bf16, batched) fine-tune the drafter: the text it
+    finetune_epochs: int = 2      # serves (own replies: ~5x the tokens per CPU second; the
+    finetune_lr: float = 5e-4     # target's: more per token; docs/real_models.md)
     serve_dtype: str = "bfloat16"     # the demo's bench: on MT-bench bf16 greedy ran 1.5-1.65x
     serve_layout: str = "invariant"   # fp32's (Zen 4) and the invariant layout keeps
                                       # speculation exact in it (docs/real_models.md); fp32
@@ -1254,11 +1258,12 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
 
 
-def parse_budget(text, replies=REAL_PLAN.replies):
+def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
     """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
     for `replies` (its minutes: what the size costs at the default's rate). The count scales
     with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
-    instead."""
+    instead. `finetune` prompts of regenerated replies follow own ones where bf16 is native
+    (regeneration is decoding, measured in bf16 only)."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1271,11 +1276,16 @@ def parse_budget(text, replies=REAL_PLAN.replies):
     if prompts < 16 or (text.endswith("p") and prompts > TRAIN_PROMPTS):
         fail(f"--budget {text!r} gives {prompts} training conversations; use minutes (e.g. "
              f"{REAL_PLAN.minutes:g}) or a size like 500p, for 16 to {TRAIN_PROMPTS}")
+    if finetune != 0 and not 16 <= finetune <= TRAIN_PROMPTS:
+        fail(f"--finetune {finetune} must be 0 (no fine-tuning) or 16 to {TRAIN_PROMPTS} "
+             f"prompts")
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
     plan = REAL_PLAN._replace(minutes=round(REAL_PLAN.minutes * prompts / per_budget, 1),
-                              prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies)
+                              prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies,
+                              finetune=finetune if replies == "own" else 0)
     return plan if native else plan._replace(capture_dtype="float32", autocast="none",
-                                             serve_dtype="float32", serve_layout="rows")
+                                             serve_dtype="float32", serve_layout="rows",
+                                             finetune=0)
 
 
 class Tee:
@@ -1309,12 +1319,17 @@ def real_paths(out, plan):
     runs at other budgets sit side by side and share what they can."""
     size = (f"{plan.prompts}x{plan.max_new_tokens}" if plan.replies == "regenerated" else
             f"{plan.prompts}own")
-    run = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
+    base = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
+    tuned = f"{plan.finetune}x{plan.max_new_tokens}bf16"        # the fine-tuning replies
+    run = f"{base}_ft{plan.finetune}" if plan.finetune else base
     return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
                 conversations=os.path.join(out, "train_conversations.jsonl"),
                 eval=os.path.join(out, "eval_prompts.jsonl"),
                 replies=os.path.join(out, f"replies_{size}.jsonl"),
                 features=os.path.join(out, f"features_{size}"),
+                base_draft=os.path.join(out, f"draft_{base}"),
+                tune_replies=os.path.join(out, f"replies_{tuned}.jsonl"),
+                tune_features=os.path.join(out, f"features_{tuned}"),
                 draft=os.path.join(out, f"draft_{run}"),
                 stages=os.path.join(out, f"stages_{run}.json"),
                 curve=os.path.join(out, f"curve_{run}.png"),
@@ -1334,6 +1349,21 @@ def real_stages(args, plan, p):
             str(plan.max_new_tokens), "--batch", str(plan.regen_batch)])]
     else:
         data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
+    finetune = [
+        ("regenerate", [
+            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
+            p["tune_replies"], "--limit", str(plan.finetune), "--max-new-tokens",
+            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--dtype",
+            plan.capture_dtype]),
+        ("capture-finetune", [
+            "capture", "--target", p["model"], "--data", p["tune_replies"], "--out",
+            p["tune_features"], "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype]),
+        ("finetune", [
+            "train", "--target", p["model"], "--features", p["tune_features"], "--out",
+            p["draft"], "--init-draft", p["base_draft"], "--epochs", str(plan.finetune_epochs),
+            "--batch", str(plan.batch), "--lr", str(plan.finetune_lr), "--ttt-steps",
+            str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+    ] if plan.finetune else []
     return [
         ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
         ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
@@ -1341,16 +1371,19 @@ def real_stages(args, plan, p):
         ("capture", ["capture", "--target", p["model"], "--data", data, "--out", p["features"],
                      "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *limit]),
         ("train", ["train", "--target", p["model"], "--features", p["features"],
-                   "--out", p["draft"], "--epochs", str(plan.epochs), "--batch", str(plan.batch),
-                   "--lr", str(plan.lr), "--draft-vocab-size", str(plan.draft_vocab_size),
+                   "--out", p["base_draft"], "--epochs", str(plan.epochs),
+                   "--batch", str(plan.batch), "--lr", str(plan.lr),
+                   "--draft-vocab-size", str(plan.draft_vocab_size),
                    "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+        *finetune,
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
                       "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1",
                       "--dtype", plan.serve_dtype, "--layout", plan.serve_layout]),
         ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
                     p["golden"], "--prompt", GOLDEN_REAL_PROMPT]),
-        ("curve", ["curve", p["draft"], "--png", p["curve"]]),
+        ("curve", ["curve", *dict.fromkeys([p["base_draft"], p["draft"]]),   # both, if tuned
+                   "--png", p["curve"]]),
     ]
 
 
@@ -1905,7 +1938,7 @@ def cmd_curve(args):
 
 
 def cmd_real_demo(args):
-    plan = parse_budget(args.budget, args.replies)
+    plan = parse_budget(args.budget, args.replies, args.finetune)
     p = real_paths(args.out, plan)
     os.makedirs(args.out, exist_ok=True)
     record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
@@ -1924,7 +1957,9 @@ def cmd_real_demo(args):
     print0(json.dumps(dict(plan=plan._asdict(), outputs=written,
                            seconds={k: v["seconds"] for k, v in record.items()},
                            total_minutes=round(sum(v["seconds"] for v in record.values()) / 60, 1),
-                           train=record["train"]["result"], evaluate=record["evaluate"]["result"])))
+                           train=record["train"]["result"],
+                           finetune=record["finetune"]["result"] if plan.finetune else None,
+                           evaluate=record["evaluate"]["result"])))
 
 
 def add_diagnostic_commands(sub):
@@ -2103,6 +2138,9 @@ def add_real_commands(sub):
     rd.add_argument("--replies", choices=("own", "regenerated"), default=REAL_PLAN.replies,
                     help="train on the conversations' own replies (one prefill each) or on "
                          "the target's regenerated greedy replies (decoding: slower)")
+    rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
+                    help="then fine-tune on the target's own replies to this many training "
+                         "prompts (0: no fine-tuning; own replies and bf16 only)")
     rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
     rd.add_argument("--sharegpt", help="the ShareGPT JSON file (default: the installed wheel's)")
     rd.add_argument("--out", default=REAL_DIR)

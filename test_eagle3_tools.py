@@ -1404,6 +1404,11 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
     assert longer.epochs == round(plan.epochs * 20 * plan.prompts / T.TRAIN_PROMPTS) > plan.epochs
     regen = T.parse_budget(str(plan.minutes * 1.5), "regenerated")   # decoding costs more
     assert (regen.replies, regen.prompts) == ("regenerated", round(plan.regen_prompts * 1.5))
+    assert regen.finetune == 0 and plan.finetune > 0    # the fine-tune follows own replies only
+    assert T.parse_budget("60", "own", 0).finetune == 0
+    for bad in (5, T.TRAIN_PROMPTS + 1, -1):
+        with pytest.raises(E.Eagle3Error, match=f"--finetune {bad} must be 0"):
+            T.parse_budget("60", "own", bad)
     for bad in ("soon", "3p", f"{T.TRAIN_PROMPTS + 1}p"):
         with pytest.raises(E.Eagle3Error, match=repr(bad)):
             T.parse_budget(bad)
@@ -1415,7 +1420,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
     fp32 = dict(capture_dtype="float32", autocast="none", serve_dtype="float32",
-                serve_layout="rows")
+                serve_layout="rows", finetune=0)   # regeneration measured in bf16 only
     assert plan._asdict() | fp32 == plan._asdict()
     share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
     assert share == 2100                                   # the number docs/real_models.md gives
@@ -1427,7 +1432,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
 def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
                                                          monkeypatch, capsys):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
-                                 regen_batch=8, epochs=1)
+                                 regen_batch=8, epochs=1, finetune=16, finetune_epochs=1)
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
     monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
@@ -1438,9 +1443,13 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     code, out, err = real_cli(argv, capsys)
     assert code == 0, err
     first = json.loads(out.strip().splitlines()[-1])
-    stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden",
-              "curve"]
-    assert list(first["seconds"]) == [s for s in stages if replies != "own" or s != "regenerate"]
+    if replies == "own":   # own replies, then a fine-tune on the target's (bf16 only)
+        stages = ["convert", "prompts", "capture", "train", "regenerate", "capture-finetune",
+                  "finetune", "evaluate", "golden", "curve"]
+    else:
+        stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden",
+                  "curve"]
+    assert list(first["seconds"]) == stages
     assert first["plan"]["replies"] == replies
     assert len(first["train"]["step_accuracy"]) == small.ttt_steps
     assert len(first["train"]["chain_tau"]) == small.ttt_steps
@@ -1456,11 +1465,21 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     assert served in out                                         # the evaluate stage's argv
     if replies == "own":   # the first 16 conversations, their own replies
         assert "replies" not in first["outputs"]
+        outputs = first["outputs"]           # the fine-tuned drafter starts from the trained
+        assert f"--out {outputs['draft']} --init-draft {outputs['base_draft']} " in out
+        assert outputs["draft"] != outputs["base_draft"] and first["plan"]["finetune"] == 16
+        assert f"--draft {outputs['draft']} " in out                    # and is the one served
+        assert sum(1 for _ in open(outputs["tune_replies"])) == 16
+        tuned = json.load(open(os.path.join(outputs["tune_features"], "capture.json")))
+        assert tuned["dtype"] == "bfloat16" and tuned["data"] == outputs["tune_replies"]
+        assert len(first["finetune"]["step_accuracy"]) == small.ttt_steps
         assert captured["data"].endswith("train_conversations.jsonl")
         assert captured["samples"] == len(E.training_examples(
             E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
     else:
         assert sum(1 for _ in open(first["outputs"]["replies"])) == 16
+        assert first["plan"]["finetune"] == 0 and first["finetune"] is None
+        assert first["outputs"]["draft"] == first["outputs"]["base_draft"]
     code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
     assert code == 0 and out.count("skipped") == len(first["seconds"])
     assert json.loads(out.strip().splitlines()[-1]) == first
