@@ -390,8 +390,8 @@ class RowAttention(nn.Module):
         if not isinstance(start, int):   # a batch of sequences, each with its own start
             fail("the invariant layout serves one sequence at a time")
         a = self.inner
-        q, k, v = a.project(x, cos, sin)
-        k, v = cache_append(kv, start, k, v)                              # (B, Hkv, S, hs)
+        q, k_new, v_new = a.project(x, cos, sin)                          # (B, ., T, hs)
+        k, v = cache_append(kv, start, k_new, v_new)                      # (B, Hkv, S, hs)
         q = q.float()
         if start == 0:   # the prefill: the same call in every decoder
             return a.output(attend(q, k.float(), v.float(), bias.float()).to(x.dtype))
@@ -404,12 +404,12 @@ class RowAttention(nn.Module):
             k, v = k.float(), v.float()
         else:
             k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
-            new_k, new_v = k[:, :, start:].clone(), v[:, :, start:].clone()        # (B, Hkv, T, hs)
+            k_new, v_new = k_new.float(), v_new.float()
         ys = []
         for j, branch in enumerate(branches):
             end = start + len(branch)
             if not prefixes:
-                k[:, :, start:end], v[:, :, start:end] = new_k[:, :, branch], new_v[:, :, branch]
+                k[:, :, start:end], v[:, :, start:end] = k_new[:, :, branch], v_new[:, :, branch]
             ys.append(attend(q[:, :, j:j + 1], k[:, :, :end], v[:, :, :end], None))
         return a.output(torch.cat(ys, 2).to(x.dtype))
 
