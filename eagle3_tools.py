@@ -856,7 +856,7 @@ def load_target_head(path, dtype=torch.float32, features=None):
 class Timed(NamedTuple):
     tokens_per_s: float
     forwards_per_token: float
-    outputs: list = []      # the new tokens of each prompt
+    outputs: tuple = ()     # the new tokens of each prompt
 
 
 def count_calls(module):
@@ -1225,21 +1225,26 @@ def reply_row(tokenizer, prompt, reply, eos):
 
 
 @torch.inference_mode()
-def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
+def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
     """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
     its chat template. Prompts go in batches of similar length through padded_greedy and
     are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
     appears when every prompt has its reply, in the prompts' order (train holds out the
-    first 1/50: a mix of kinds when the prompts are, not the shortest prompts)."""
+    first 1/50: a mix of kinds when the prompts are, not the shortest prompts). With
+    max_len, a prompt whose chat-templated ids and a capped reply pass max_len tokens is
+    left out: capture would drop most of its conversations (most replies reach the cap),
+    and the longest prompts are the slowest to decode. -> (decoded now, left out)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
+    ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
+    kept = [p for p in prompts if max_len is None or len(ids[p]) + max_new_tokens <= max_len]
     done = {r["messages"][0]["content"]: r for r in done_rows(partial)}   # prompt -> row
-    todo = sorted((p for p in prompts if p not in done), key=lambda p: len(chat_ids(tokenizer, p)))
-    bar, t0, start = Progress("regenerate", len(prompts), len(done)), time.time(), len(done)
+    todo = sorted((p for p in dict.fromkeys(kept) if p not in done), key=lambda p: len(ids[p]))
+    start = len(done)
+    bar, t0 = Progress("regenerate", len(todo) + start, start), time.time()
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
-        replies = padded_greedy(target, [chat_ids(tokenizer, p) for p in chunk],
-                                max_new_tokens, eos)
+        replies = padded_greedy(target, [ids[p] for p in chunk], max_new_tokens, eos)
         rows = [reply_row(tokenizer, p, r, eos) for p, r in zip(chunk, replies)]
         with open(partial, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -1250,9 +1255,9 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch):
         bar.show(start + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
     atomic_write(out, lambda f: write_text(f, "".join(json.dumps(done[p]) + "\n"
-                                                      for p in prompts)))
+                                                      for p in kept)))
     os.remove(partial)
-    return len(todo)
+    return len(todo), len(prompts) - len(kept)
 
 
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
@@ -1346,15 +1351,16 @@ def real_stages(args, plan, p):
         regenerate = [("regenerate", [
             "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
             p["replies"], "--limit", str(plan.prompts), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch)])]
+            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
+            str(plan.max_len)])]
     else:
         data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
     finetune = [
         ("regenerate", [
             "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
             p["tune_replies"], "--limit", str(plan.finetune), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--dtype",
-            plan.capture_dtype]),
+            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
+            str(plan.max_len), "--dtype", plan.capture_dtype]),
         ("capture-finetune", [
             "capture", "--target", p["model"], "--data", p["tune_replies"], "--out",
             p["tune_features"], "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype]),
@@ -1893,10 +1899,12 @@ def cmd_regenerate(args):
              f"use a chat model")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t0 = time.time()
-    n = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
-                   args.max_new_tokens, args.batch)
-    print0(f"regenerated {n} replies ({len(rows) - n} were already there) into {args.out} in "
-           f"{time.time() - t0:.0f} s")
+    n, left_out = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
+                             args.max_new_tokens, args.batch, args.max_len)
+    print0(f"regenerated {n} replies ({len(rows) - left_out - n} were already there"
+           + (f"; {left_out} prompts left out, too long for --max-len {args.max_len} with a "
+              f"{args.max_new_tokens}-token reply" if args.max_len else "")
+           + f") into {args.out} in {time.time() - t0:.0f} s")
 
 
 def cmd_curve(args):
@@ -2124,6 +2132,8 @@ def add_real_commands(sub):
     rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
     rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
     rg.add_argument("--limit", type=int, help="only the first N prompts")
+    rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
+                    "and a --max-new-tokens reply pass this (capture's --max-len)")
     rg.add_argument("--dtype")
     rg.set_defaults(run=cmd_regenerate)
     cu = sub.add_parser("curve", help="held-out tau against training time of train runs "

@@ -1346,6 +1346,13 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     assert resumed.read_text() == full.read_text()
     assert not (tmp_path / "resumed.jsonl.partial").exists()
     assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
+    # --max-len leaves out the prompts with no room for a capped reply, and only those
+    lengths = [len(T.chat_ids(tok, p)) for p in REGEN_PROMPTS]
+    cut = tmp_path / "cut.jsonl"
+    code, out, _ = real_cli(argv + [str(cut), "--max-len", str(max(lengths) + 9)], capsys)
+    assert code == 0 and "1 prompts left out, too long for --max-len" in out
+    kept = [line for line, n in zip(lines, lengths) if n < max(lengths)]
+    assert len(kept) == len(REGEN_PROMPTS) - 1 and cut.read_text() == "".join(kept)
 
 
 @pytest.fixture(scope="module")
@@ -1433,7 +1440,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
 def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
                                                          monkeypatch, capsys):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
-                                 regen_batch=8, epochs=1, finetune=16, finetune_epochs=1)
+                                 regen_batch=8, epochs=1, finetune=16, finetune_epochs=3)
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
     monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
@@ -1474,6 +1481,12 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         tuned = json.load(open(os.path.join(outputs["tune_features"], "capture.json")))
         assert tuned["dtype"] == "bfloat16" and tuned["data"] == outputs["tune_replies"]
         assert len(first["finetune"]["step_accuracy"]) == small.ttt_steps
+        from safetensors.torch import load_file     # it trained from the base drafter: its
+        base, tuned_w = (load_file(os.path.join(outputs[k], "model.safetensors"))  # vocab map
+                         for k in ("base_draft", "draft"))           # kept, every weight moved
+        assert base.keys() == tuned_w.keys() >= {"d2t", "t2d", "fc.weight", "lm_head.weight"}
+        assert {k for k in base if torch.equal(base[k], tuned_w[k])} == {"d2t", "t2d"}
+        assert "--max-len 320 --dtype bfloat16" in out     # regenerate leaves out long prompts
         assert captured["data"].endswith("train_conversations.jsonl")
         assert captured["samples"] == len(E.training_examples(
             E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
