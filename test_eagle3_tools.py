@@ -1486,12 +1486,13 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
                          for k in ("base_draft", "draft"))           # kept, every weight moved
         assert base.keys() == tuned_w.keys() >= {"d2t", "t2d", "fc.weight", "lm_head.weight"}
         assert {k for k in base if torch.equal(base[k], tuned_w[k])} == {"d2t", "t2d"}
-        assert "--max-len 320 --dtype bfloat16" in out     # regenerate leaves out long prompts
+        assert f"--batch {small.regen_batch} --max-len {small.max_len} --dtype bfloat16" in out
         assert captured["data"].endswith("train_conversations.jsonl")
         assert captured["samples"] == len(E.training_examples(
             E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
     else:
         assert sum(1 for _ in open(first["outputs"]["replies"])) == 16
+        assert f"--batch {small.regen_batch} --max-len {small.max_len}\n" in out
         assert first["plan"]["finetune"] == 0 and first["finetune"] is None
         assert first["outputs"]["draft"] == first["outputs"]["base_draft"]
     code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
