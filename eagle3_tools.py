@@ -1238,6 +1238,10 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
     kept = [p for p in prompts if max_len is None or len(ids[p]) + max_new_tokens <= max_len]
+    if prompts and not kept:
+        fail(f"--max-len {max_len} leaves no prompt room for a {max_new_tokens}-token reply "
+             f"(the shortest is {min(map(len, ids.values()))} tokens templated); raise it or "
+             f"lower --max-new-tokens")
     done = {r["messages"][0]["content"]: r for r in done_rows(partial)}   # prompt -> row
     todo = sorted((p for p in dict.fromkeys(kept) if p not in done), key=lambda p: len(ids[p]))
     start = len(done)

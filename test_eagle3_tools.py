@@ -1353,6 +1353,10 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     assert code == 0 and "1 prompts left out, too long for --max-len" in out
     kept = [line for line, n in zip(lines, lengths) if n < max(lengths)]
     assert len(kept) == len(REGEN_PROMPTS) - 1 and cut.read_text() == "".join(kept)
+    none = tmp_path / "none.jsonl"     # room for no prompt: one line, nothing written
+    code, _, err = real_cli(argv + [str(none), "--max-len", str(min(lengths) + 9)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--max-len" in err and "no prompt room" in err
+    assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
 
 
 @pytest.fixture(scope="module")
