@@ -856,7 +856,7 @@ def load_target_head(path, dtype=torch.float32, features=None):
 class Timed(NamedTuple):
     tokens_per_s: float
     forwards_per_token: float
-    outputs: tuple = ()     # the new tokens of each prompt
+    outputs: list           # the new tokens of each prompt
 
 
 def count_calls(module):
@@ -1243,9 +1243,10 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
              f"(the shortest is {min(map(len, ids.values()))} tokens templated); raise it or "
              f"lower --max-new-tokens")
     done = {r["messages"][0]["content"]: r for r in done_rows(partial)}   # prompt -> row
-    todo = sorted((p for p in dict.fromkeys(kept) if p not in done), key=lambda p: len(ids[p]))
-    start = len(done)
-    bar, t0 = Progress("regenerate", len(todo) + start, start), time.time()
+    unique = list(dict.fromkeys(kept))
+    todo = sorted((p for p in unique if p not in done), key=lambda p: len(ids[p]))
+    start = len(unique) - len(todo)          # kept prompts answered by an earlier run
+    bar, t0 = Progress("regenerate", len(unique), start), time.time()
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
         replies = padded_greedy(target, [ids[p] for p in chunk], max_new_tokens, eos)
