@@ -11,15 +11,15 @@ which imports it; this file imports no other file of the project.
 
     Part I: the method                      Part II: variants and what running it needs
       1. constants and configs                10. launch (torchrun, rank 0)
-      2. distributed helpers                  11. variant: the engines' conventions
+      2. distributed helpers                  11. variants: sampled chain, SGLang, vLLM
       3. target model (dense)                 12. variant: batched decoding
       4. tensor parallelism                   13. variant: DeepSeek-V3 / Kimi (MLA + MoE)
       5. draft head                           14. config and checkpoint IO
       6. draft tree                           15. drafter IO
       7. verify and accept                    16. training data and the training loop
-         (variant: a sampled chain)           17. tiny models (corpus, tokenizer, target)
-      8. generation                           18. golden traces
-      9. training-time test                   19. the main job (the tiny demo)
+      8. generation                           17. tiny models (corpus, tokenizer, target)
+      9. training-time test                   18. golden traces
+                                              19. the main job (the tiny demo)
                                               20. command line (generate, golden, train)
 
 Symbols used in shapes and comments:
@@ -219,12 +219,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(inv_freq, positions, scale, dtype):
-    """cos/sin tables for integer positions (T,), or per row (B, T), computed in fp32 like
-    transformers; per-row tables get a head axis: (B, 1, T, hs)."""
+    """cos/sin tables for integer positions (T,) (or (B, T), one row per sequence),
+    computed in fp32 like transformers, with a head axis to broadcast over."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)       # (.., T, hs/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                                      # (.., T, hs)
-    if positions.dim() == 2:
-        emb = emb[:, None]                                                       # (B, 1, T, hs)
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(-3)                    # (.., 1, T, hs)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
@@ -248,10 +246,10 @@ def causal_mask(T, start, device):
 
 
 def attention_bias(mask, dtype):
-    """bool mask (T, S), or per row (B, T, S), True = may attend -> additive bias: 0
-    allowed, -inf blocked ((B, 1, T, S) per row). Built once per forward, not per layer."""
+    """bool mask (T, S) (or (B, T, S)), True = may attend -> additive bias (.., 1, T, S):
+    0 allowed, -inf blocked, with a head axis. Built once per forward, not per layer."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
-    return bias[:, None] if mask.dim() == 3 else bias
+    return bias.unsqueeze(-3)                                                  # (.., 1, T, S)
 
 
 def attend(q, k, v, bias):
@@ -262,17 +260,11 @@ def attend(q, k, v, bias):
 
 def cache_append(kv, start, a, b):
     """Write a, b (B, heads, T, .) at slots start..start+T-1 of the cache slabs kv = (A, B)
-    and return slots 0..start+T-1 of both; without slabs, a and b themselves. With a
-    start per row (a (B,) tensor), row i is written at its own slots and the slots up to the
-    longest row's end are returned (the mask hides what a row does not own)."""
+    and return slots 0..start+T-1 of both; without slabs, a and b themselves."""
     if kv is None:
         return a, b
-    T = a.shape[2]
-    starts = [start] * a.shape[0] if isinstance(start, int) else start.tolist()
-    for i, s in enumerate(starts):
-        kv[0][i, :, s:s + T] = a[i]
-        kv[1][i, :, s:s + T] = b[i]
-    end = max(starts) + T
+    end = start + a.shape[2]
+    kv[0][:, :, start:end], kv[1][:, :, start:end] = a, b
     return kv[0][:, :, :end], kv[1][:, :, :end]                                 # (B, ., S, .)
 
 
@@ -400,7 +392,7 @@ class Target(nn.Module):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
         (T, start+T) bool (default causal). With a cache, K/V are written at slots
         start..start+T-1 and the first `start` slots are the prefix. A batch of sequences
-        with their own lengths passes start (B,), positions (B, T) and mask (B, T, S).
+        with their own lengths passes positions (B, T) and masks (B, T, S).
         Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
         of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
         aux_layers=() when no features are needed (aux is then None)."""
@@ -541,14 +533,6 @@ class Draft(nn.Module):
 # Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
 # drafter's cache, then grow_tree builds the tree on top. draft_tree is the from-scratch
 # form of the official `topK_genrate` (prefix and tree in one call).
-#
-# A confidence stop (min_prob > 0; 0, the official tree, keeps every node) drops the nodes
-# whose path probability under the drafter is below min_prob, and stops growing once a whole
-# level is below it: a path's score only falls as it grows. A round may then verify the root
-# alone, which is a plain decode step. CPU engines draft this way (llama.cpp stops a chain
-# at the first draft whose own probability is under its p-min); the path's probability, the
-# tree's own score, gives chains and trees one rule. Greedy or sampled, the output is exact
-# either way: which nodes are verified depends on the drafter alone.
 
 
 class TreeShape(NamedTuple):
@@ -579,12 +563,6 @@ def check_tree_shape(shape, draft_vocab_size):
              f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
     if total_tokens < 2:
         fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
-
-
-def check_min_prob(min_prob):
-    if not isinstance(min_prob, (int, float)) or not 0 <= min_prob < 1:
-        fail(f"min_prob={min_prob!r} must be a number in [0, 1): the lowest path probability "
-             f"a drafted node may have to be verified (0: no confidence stop)")
 
 
 def check_token_ids(ids, vocab_size):
@@ -643,12 +621,10 @@ class Scoring(NamedTuple):
     along a path (SGLang multiplies probabilities: the same order up to rounding)."""
     next: object = log_probs
     extend: object = operator.add
-    of_prob: object = math.log   # the score of a path of probability p (the min_prob floor)
 
 
-def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K, floor=None):
-    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries (those scoring at
-    least `floor`, when given) and link them.
+def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
+    """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries and link them.
     Pool layout (flat index s): level 1 at s = 0..K-1; iteration `it` stores child c of its
     r-th input at s = K + it*K^2 + r*K + c. Each run of K siblings is one group g = s // K,
     and group_parent[g] is the pool index of the node they hang under (-1 = the root).
@@ -656,10 +632,7 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K, f
     (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
     [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1."""
     # 4) select the best; order the tree by flat index (level, parent rank, child rank)
-    chosen = topk_first_index(pool_scores, total_tokens - 1)[1]                 # (N-1,)
-    if floor is not None:   # the confidence stop; a child never outscores its parent
-        chosen = chosen[pool_scores[chosen] >= floor]
-    chosen = chosen.sort().values
+    chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values   # (N-1,)
     # 5) link: each chosen node's parent pool index -> its node index (root = 0)
     parent_pool = group_parent[chosen // K]                                      # (N-1,)
     parents = torch.searchsorted(chosen, parent_pool.clamp(min=0)) + 1
@@ -699,14 +672,11 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 # scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
 
 
-def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0,
-              min_prob=0.0):
+def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0):
     """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
     draft K/V go to slots n.. and are discarded by the next draft_prefix. `pos_offset` 1
-    drafts each level one RoPE position late (SGLang before #25015); min_prob > 0 is the
-    confidence stop."""
+    drafts each level one RoPE position late (SGLang before #25015)."""
     K, device = shape.top_k, h_last.device
-    floor = scoring.of_prob(min_prob) if min_prob > 0 else None
     # 1) level 1: the K best children of the root
     scores, ids = topk_first_index(scoring.next(draft.logits(h_last))[0], K)    # (K,)
     tokens = draft.to_target_ids(ids)
@@ -717,8 +687,6 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
     eye = torch.eye(K, dtype=torch.bool, device=device)
     tree_mask = eye                                  # (K, K) over tree slots
     for it in range(shape.depth):
-        if floor is not None and bool(scores.max() < floor):
-            break                                    # no deeper node can reach the floor
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
         positions = torch.full((K,), n + it + pos_offset, device=device)
@@ -739,19 +707,15 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
         tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
     pool_scores, pool_tokens = torch.cat(pool_scores), torch.cat(pool_tokens)  # (K + depth*K*K,)
     group_parent = torch.cat(group_parent)                                  # (1 + depth*K,)
-    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K,
-                       floor)
+    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K)
 
 
 @torch.inference_mode()
-def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS,
-               min_prob=0.0):
+def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
     """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
-    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root
-    (min_prob > 0: the confidence stop)."""
+    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
     shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    check_min_prob(min_prob)
     T = aux.shape[1]
     if input_ids.shape != (1, T + 1):
         fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
@@ -759,7 +723,7 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     check_token_ids(input_ids, draft.cfg.vocab_size)
     cache = draft.new_cache(T + top_k * depth)
     h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
-    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape, min_prob=min_prob)
+    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
 
 
 # ----------------------------------------------------------------------------------------
@@ -963,57 +927,6 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
 
-# ---- variant: standard speculative sampling over a sampled chain ----
-#
-# The official tree drafts deterministically (top-k), so its acceptance uses q = 1. The
-# classic alternative samples a chain of drafts from the drafter's own warped q and accepts
-# with min(1, p/q). Generation selects it with scheme="chain".
-
-
-def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
-    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
-    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
-    and the uniforms used."""
-    device, V = h_last.device, draft.cfg.vocab_size
-    coins, tokens, q_rows = Recorder(uniforms), [], []
-    in_target = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=device))
-    h = h_last[None]                                                # (1, 1, D)
-    for i in range(length):
-        q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
-        sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, coins.draw())],
-                                          device=device), tp)
-        token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
-        q = torch.zeros(V, dtype=torch.float64, device=device)
-        q[in_target] = q_draft                                      # (V,)
-        tokens.append(token)
-        q_rows.append(q)
-        if i < length - 1:  # pair (output that drafted it, token) at position n+i
-            positions = torch.tensor([n + i], device=device)
-            h = draft(h[:, -1:], token[None], positions, causal_mask(1, n + i, device),
-                      cache, n + i)                                 # (1, 1, D)
-    chain = torch.cat([root.reshape(1)] + tokens)                   # (length+1,)
-    tree = tree_from_parents(chain, torch.arange(-1, length))
-    return tree, torch.stack(q_rows), coins.used                    # q: (length, V)
-
-
-def accept_chain(logits, drafts, q, uniforms, sampling):
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
-    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
-    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
-    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
-    from p_k."""
-    coins, k = Recorder(uniforms), len(drafts)
-    for i, x in enumerate(drafts.tolist()):
-        p = warped_probs(logits[i], sampling)
-        if coins.draw() * q[i, x] < p[x]:
-            continue
-        residual = (p - q[i]).clamp(min=0)
-        bonus = sample_inverse_cdf(residual if residual.sum() > 0 else p, coins.draw())
-        return Acceptance(torch.arange(i + 1), i, bonus, coins.used)
-    bonus = sample_inverse_cdf(warped_probs(logits[k], sampling), coins.draw())
-    return Acceptance(torch.arange(k + 1), k, bonus, coins.used)
-
-
 # A Preset is an engine's conventions resolved into the functions and numbers they choose,
 # once, when a run starts; the decoding loop only calls them. The official code's is below;
 # SGLang's and vLLM's join the table in their own section after the method.
@@ -1061,8 +974,6 @@ def as_preset(preset):
 #
 # Output contract (deliberately stricter than the official loop): never more than
 # max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
-
-SCHEMES = ("tree", "chain")  # official dynamic tree (greedy or q=1 sampling) | sampled chain
 
 
 def eos_list(eos_token_id):
@@ -1156,38 +1067,58 @@ def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.
                                    eos_token_id)
 
 
+class Drafted(NamedTuple):
+    """What a round drafted: the tree the target verifies and, for a sampled chain, the
+    drafter's distributions and the uniforms that drew the drafts."""
+    tree: Tree
+    q: torch.Tensor = None   # (k, V) the drafter's warped distribution at each draft
+    uniforms: tuple = ()     # the uniforms drafting used, in order
+
+
+class Scheme(NamedTuple):
+    """How a round drafts, and accepts when sampling: the official tree below; Part II adds
+    the sampled chain to SCHEMES. Greedy acceptance is the same for every scheme."""
+    draft: object    # (draft, cache, n, h_last, root, run, randomness, tp) -> Drafted
+    accept: object   # (logits, drafted, run, randomness) -> (Acceptance, engine draws or None)
+    chain: bool      # drafts a chain of depth+1 tokens rather than a tree
+    check: object    # (sampling, preset) -> fails on what the scheme cannot do
+
+
+def tree_draft(draft, cache, n, h_last, root, run, randomness, tp):
+    return Drafted(grow_tree(draft, cache, n, h_last, root, run.shape, run.preset.scoring,
+                             run.preset.draft_pos_offset))
+
+
+def tree_accept(logits, drafted, run, randomness):
+    return run.preset.verify(logits, drafted.tree, randomness, run.sampling, run.preset)
+
+
+SCHEMES = dict(tree=Scheme(tree_draft, tree_accept, chain=False, check=lambda s, p: None))
+
+
 class Run(NamedTuple):
     """What a speculative run decided when it started (checked once): the tree shape, the
-    sampling, the preset's functions, sampled-chain drafting or not, what to record."""
+    sampling, the preset's functions, the drafting scheme, what to record."""
     shape: TreeShape
     sampling: Sampling
     preset: Preset
-    chain: bool              # scheme "chain": drafts sampled from q (else the preset's tree)
+    scheme: Scheme
     record_logits: bool
-    min_prob: float = 0.0    # the tree's confidence stop (0: off)
 
 
 def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree, scheme,
-              preset, eos_token_id, record_logits, min_prob=0.0):
+              preset, eos_token_id, record_logits):
     """Every argument of speculative decoding checked before any work -> the Run (a chain
     of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
     preset = as_preset(preset)
     sampling = Sampling(temperature, top_k, top_p, preset.warpers)
     check_sampling(sampling)
     if scheme not in SCHEMES:
-        fail(f"scheme={scheme!r} must be one of {SCHEMES}")
-    if scheme == "chain" and sampling.greedy:
-        fail("scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
-             "use scheme='tree' (a greedy chain is a tree with top_k=1)")
-    if scheme == "chain" and preset.verify is not official_verify:
-        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
-             f"its own drafts: use scheme='tree'")
-    check_min_prob(min_prob)
-    if scheme == "chain" and min_prob:
-        fail(f"min_prob={min_prob} stops the tree's drafting; scheme='chain' samples a chain "
-             f"of fixed length: use scheme='tree' or min_prob=0")
+        fail(f"scheme={scheme!r} must be one of {tuple(SCHEMES)}")
+    scheme = SCHEMES[scheme]
+    scheme.check(sampling, preset)
     shape = TreeShape(*tree)
-    if scheme == "chain" or preset.argmax_chain:
+    if scheme.chain or preset.argmax_chain:
         shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -1196,7 +1127,7 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     for ids in prompts:
         check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
                               target.cfg.vocab_size, reserve=shape.total_tokens)
-    return Run(shape, sampling, preset, scheme == "chain", record_logits, float(min_prob))
+    return Run(shape, sampling, preset, scheme, record_logits)
 
 
 class Round(NamedTuple):
@@ -1245,40 +1176,32 @@ def prefill(target, draft, cache, input_ids, run, randomness):
 
 def draft_step(draft, cache, state, run, randomness, tp):
     """Encode the newly accepted tokens into the drafter's cache (pair: feature of token i,
-    token i+1), then draft on top: the preset's tree, or a sampled chain.
-    -> (tree, q (k, V) or None, uniforms used)."""
+    token i+1), then draft on top, as the run's scheme does -> Drafted."""
     m = state.features.shape[1]
     h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=h_last.device)
-    if run.chain:
-        return draft_chain(draft, cache, state.n, h_last, root, run.shape.depth + 1,
-                           randomness.uniforms, run.sampling, tp)
-    tree = grow_tree(draft, cache, state.n, h_last, root, run.shape, run.preset.scoring,
-                     run.preset.draft_pos_offset, run.min_prob)
-    return tree, None, []
+    return run.scheme.draft(draft, cache, state.n, h_last, root, run, randomness, tp)
 
 
-def accept(logits, tree, q, run, randomness):
+def accept(logits, drafted, run, randomness):
     """Which drafts the target keeps -> (Acceptance, the engine's draws or None)."""
     if run.sampling.greedy:
-        return accept_greedy(logits, tree), None
-    if run.chain:
-        return accept_chain(logits, tree.tokens[1:], q, randomness.uniforms, run.sampling), None
-    return run.preset.verify(logits, tree, randomness, run.sampling, run.preset)
+        return accept_greedy(logits, drafted.tree), None
+    return run.scheme.accept(logits, drafted, run, randomness)
 
 
 def settle(target, cache, state, drafted, logits, aux, run, randomness):
     """Accept (rank 0 decides, every rank follows), commit the accepted nodes' target K/V,
     and hand the accepted tokens' features to the next round -> (Round, RoundState)."""
-    tree, q, drafting_uniforms = drafted
-    acc, draws = accept(logits, tree, q, run, randomness)
+    tree, q = drafted.tree, drafted.q
+    acc, draws = accept(logits, drafted, run, randomness)
     acc = broadcast_acceptance(acc, len(tree.tokens), logits.device, target.tp)
     path = acc.path.to(logits.device)
     n = commit(cache, state.n, path)
     new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
     recorded = ((logits.float().cpu(), None if q is None else q.cpu())
                 if run.record_logits else ())
-    return (Round(tree, acc.path, acc.accepted, acc.bonus, drafting_uniforms + acc.uniforms,
+    return (Round(tree, acc.path, acc.accepted, acc.bonus, [*drafted.uniforms, *acc.uniforms],
                   None, draws, *recorded),
             RoundState(n, acc.bonus, aux[path][None], new_tokens[None].to(logits.device)))
 
@@ -1289,7 +1212,7 @@ def speculation_round(target, draft, target_cache, draft_cache, state, run, rand
     tokens' features on. -> (Round, the next RoundState)."""
     mark = target.tp.sent.copy()
     drafted = draft_step(draft, draft_cache, state, run, randomness, target.tp)        # 1)
-    logits, aux = verify_tree(target, target_cache, state.n, drafted[0],
+    logits, aux = verify_tree(target, target_cache, state.n, drafted.tree,
                               draft.cfg.aux_layers)                                      # 2)
     done, state = settle(target, target_cache, state, drafted, logits, aux, run,
                          randomness)                                                     # 3-5)
@@ -1299,15 +1222,15 @@ def speculation_round(target, draft, target_cache, draft_cache, state, run, rand
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
-                         record_logits=False, preset="official", min_prob=0.0):
+                         record_logits=False, preset="official"):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
     budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
     has exactly the distribution of sample_generate. `tree` is the TreeShape (tree top-k,
     depth, total tokens); top_k is the *sampling* top-k; `preset` names the conventions
-    followed ("official", "sglang", "vllm" or a Preset); min_prob > 0 stops drafting below
-    that path probability (section 6)."""
+    followed ("official", "sglang", "vllm" or a Preset); `scheme` "tree" (the official
+    tree) or "chain" (drafts sampled from the drafter, Part II)."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits, min_prob)
+                    scheme, preset, eos_token_id, record_logits)
     T, shape = input_ids.shape[1], run.shape
     target_cache = target.new_cache(T + max_new_tokens + shape.total_tokens)
     draft_cache = draft.new_cache(T + max_new_tokens + shape.top_k * shape.depth)
@@ -1331,7 +1254,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
 # The drafter is trained on the target's own replies, with features and logits computed
 # online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
 # its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
-# its own (imperfect) hidden states.
+# its own (imperfect) hidden states. (The optimizer loop around this loss: section 16.)
 
 
 class Example(NamedTuple):
@@ -1352,14 +1275,6 @@ def build_vocab_mapping(token_counts, draft_vocab_size):
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
     return used - torch.arange(draft_vocab_size), t2d
-
-
-def count_reply_tokens(examples, vocab_size):
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ex in examples:
-        tokens = torch.tensor(ex.tokens)[torch.tensor(ex.reply_mask, dtype=torch.bool)]
-        counts += torch.bincount(tokens, minlength=vocab_size)
-    return counts
 
 
 def shift_left(x):
@@ -1451,69 +1366,6 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
     loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
     return TTTResult(loss, losses, [c.float().sum() for c in correct],
                      [s.float().sum() for s in scored], correct, scored)
-
-
-def lr_at(step, steps, lr, warmup):
-    """Linear warmup, then cosine decay to a tenth of the peak."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def trainable(draft):
-    """Everything but the embedding, shared or the drafter's own: it stays frozen."""
-    return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
-
-
-class TTTInputs(NamedTuple):
-    """What the TTT loss needs of the target for a padded batch."""
-    input_ids: torch.Tensor      # (B, T)
-    loss_mask: torch.Tensor      # (B, T) step-0 loss mask (collate)
-    target_logits: torch.Tensor  # (B, T, V)
-    aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
-
-
-def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
-    """The target's side of the whole batch from `inputs(examples, aux_layers)` -> TTTInputs
-    (a live forward of the frozen target, tensor-parallel, every rank seeing it all; or
-    captured features), then the TTT loss on this rank's slice of the rows, normalised by
-    the *global* B*T so the all-reduced gradient is the gradient of the global loss. The
-    drafter reads the target features of its aux layers (or of `aux_layers`)."""
-    x = inputs(examples, aux_layers or draft.cfg.aux_layers)
-    B = len(x.input_ids)
-    rows = slice(rank * B // world, (rank + 1) * B // world)
-    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
-                    x.target_logits[rows], steps, denominator=x.input_ids.numel())
-
-
-def new_optimizer(draft, cfg):
-    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (now requiring
-    grad; everything else frozen)."""
-    params = trainable(draft)
-    draft.train().requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
-
-
-def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
-    """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
-    rank's rows, gradients summed over the ranks of `dp` (one all_reduce each), clip 0.5,
-    warmup + cosine learning rate, AdamW; the forward under bf16 autocast when cfg.bf16.
-    Returns the TTTResult."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
-        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
-    result.loss.backward()
-    for p in params:  # data parallel: sum the shards' gradients
-        all_reduce(p.grad, dp)
-    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return result
 
 
 # ========================================================================================
@@ -1621,8 +1473,79 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------
-# 11. variant: the engines' conventions (SGLang, vLLM)           (a learner can skip this)
-#
+# 11. variants of verification: a sampled chain; the engines' conventions (SGLang, vLLM)
+#                                                                (a learner can skip this)
+# The official tree drafts deterministically (top-k), so its acceptance uses q = 1. The
+# classic alternative samples a chain of drafts from the drafter's own warped q and accepts
+# with min(1, p/q): speculative_generate(scheme="chain") selects it through SCHEMES.
+
+
+def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
+    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
+    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
+    and the uniforms used."""
+    device, V = h_last.device, draft.cfg.vocab_size
+    coins, tokens, q_rows = Recorder(uniforms), [], []
+    in_target = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=device))
+    h = h_last[None]                                                # (1, 1, D)
+    for i in range(length):
+        q_draft = warped_probs(draft.logits(h[0, -1]), sampling)    # (Vd,)
+        sampled = broadcast0(torch.tensor([sample_inverse_cdf(q_draft, coins.draw())],
+                                          device=device), tp)
+        token = draft.to_target_ids(sampled)  # rank 0's draft on every rank
+        q = torch.zeros(V, dtype=torch.float64, device=device)
+        q[in_target] = q_draft                                      # (V,)
+        tokens.append(token)
+        q_rows.append(q)
+        if i < length - 1:  # pair (output that drafted it, token) at position n+i
+            positions = torch.tensor([n + i], device=device)
+            h = draft(h[:, -1:], token[None], positions, causal_mask(1, n + i, device),
+                      cache, n + i)                                 # (1, 1, D)
+    chain = torch.cat([root.reshape(1)] + tokens)                   # (length+1,)
+    tree = tree_from_parents(chain, torch.arange(-1, length))
+    return tree, torch.stack(q_rows), coins.used                    # q: (length, V)
+
+
+def accept_chain(logits, drafts, q, uniforms, sampling):
+    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
+    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
+    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
+    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
+    from p_k."""
+    coins, k = Recorder(uniforms), len(drafts)
+    for i, x in enumerate(drafts.tolist()):
+        p = warped_probs(logits[i], sampling)
+        if coins.draw() * q[i, x] < p[x]:
+            continue
+        residual = (p - q[i]).clamp(min=0)
+        bonus = sample_inverse_cdf(residual if residual.sum() > 0 else p, coins.draw())
+        return Acceptance(torch.arange(i + 1), i, bonus, coins.used)
+    bonus = sample_inverse_cdf(warped_probs(logits[k], sampling), coins.draw())
+    return Acceptance(torch.arange(k + 1), k, bonus, coins.used)
+
+
+def chain_draft(draft, cache, n, h_last, root, run, randomness, tp):
+    return Drafted(*draft_chain(draft, cache, n, h_last, root, run.shape.depth + 1,
+                                randomness.uniforms, run.sampling, tp))
+
+
+def chain_accept(logits, drafted, run, randomness):
+    return accept_chain(logits, drafted.tree.tokens[1:], drafted.q, randomness.uniforms,
+                        run.sampling), None
+
+
+def check_chain(sampling, preset):
+    if sampling.greedy:
+        fail("scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
+             "use scheme='tree' (a greedy chain is a tree with top_k=1)")
+    if preset.verify is not official_verify:
+        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
+             f"its own drafts: use scheme='tree'")
+
+
+SCHEMES.update(chain=Scheme(chain_draft, chain_accept, chain=True, check=check_chain))
+
+
 # SGLang and vLLM score trees, verify samples and draw their random numbers differently
 # from the official code. Both are lossless at their defaults; the same coins give
 # different tokens. Their presets join Part I's PRESETS table at the end of this section.
@@ -1717,7 +1640,7 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
                          bonus), draws
 
 
-PROB_SCORING = Scoring(probs, operator.mul, of_prob=lambda p: p)
+PROB_SCORING = Scoring(probs, operator.mul)
 PRESETS.update(  # the table of Part I gains the engines' presets
     sglang=Preset("sglang", PROB_SCORING, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
                   verify=sglang_verify, tau_emitted=True),
@@ -1731,6 +1654,9 @@ PRESETS.update(  # the table of Part I gains the engines' presets
 # As the engines batch: each sequence drafts its own tree and keeps its own state and
 # random numbers; one target forward verifies all B trees (per-row positions and masks over
 # per-row cache lengths); each row then settles exactly as above and stops on its own.
+# The forward writes every row's nodes at one slot range, after the longest row's prefix
+# (a row's mask hides the slots between its own prefix and its nodes); each row's nodes
+# then move to its own slots, so a row settles as a batch-1 sequence does.
 
 
 def row_cache(cache, b):
@@ -1740,34 +1666,37 @@ def row_cache(cache, b):
 
 @torch.inference_mode()
 def verify_trees(target, cache, ns, trees, aux_layers):
-    """verify_tree for B sequences in one forward. Row b's N_b nodes go to its cache slots
-    n_b.., at positions n_b + depth; trees are padded to the widest with nodes that see only
-    the prefix and themselves. -> per row (logits (N_b, V), aux (N_b, 3*D))."""
-    B, N, device = len(trees), max(len(t.tokens) for t in trees), cache[0].device
+    """verify_tree for B sequences in one forward. Row b's N_b nodes sit at positions
+    n_b + depth and are written at slots s.., s = the longest prefix, then moved to its own
+    slots n_b..; trees are padded to the widest with nodes that see only the prefix and
+    themselves. -> per row (logits (N_b, V), aux (N_b, 3*D))."""
+    B, N, s, device = len(trees), max(len(t.tokens) for t in trees), max(ns), cache[0].device
     tokens = torch.zeros(B, N, dtype=torch.long)                                # (B, N)
     positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
-    mask = torch.zeros(B, N, max(ns) + N, dtype=torch.bool)                     # (B, N, S)
+    mask = torch.zeros(B, N, s + N, dtype=torch.bool)                           # (B, N, S)
     for b, (n, t) in enumerate(zip(ns, trees)):
         k = len(t.tokens)
         tokens[b, :k], positions[b, :k] = t.tokens, n + t.positions
         local = torch.eye(N, dtype=torch.bool)           # padding nodes see themselves
         local[:k, :k] = t.mask
-        mask[b, :, :n + N] = prefix_mask(n, local)
-    logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache,
-                         torch.tensor(ns), aux_layers)
+        mask[b, :, :n], mask[b, :, s:] = True, local
+    logits, aux = target(tokens.to(device), positions.to(device), mask.to(device), cache, s,
+                         aux_layers)
+    for slab in cache:  # (L, B, heads, S, .): row b's nodes to its own slots n_b..
+        for b, n in enumerate(ns):
+            slab[:, b, :, n:n + N] = slab[:, b, :, s:s + N].clone()
     return [(logits[b, :len(t.tokens)], aux[b, :len(t.tokens)]) for b, t in enumerate(trees)]
 
 
 @torch.inference_mode()
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
                                top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
-                               scheme="tree", record_logits=False, preset="official",
-                               min_prob=0.0):
+                               scheme="tree", record_logits=False, preset="official"):
     """speculative_generate of B prompts (each (1, T_b), lengths may differ), verified
     together. Row b draws its random numbers from its own generator, seeded seed + b; its
     rounds' `comm` is the whole batched round's. -> one SpecResult per prompt."""
     run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits, min_prob)
+                    scheme, preset, eos_token_id, record_logits)
     B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
     # A finished row rides along in the verify (its root alone, padded to the widest tree)
     # after a last round that may have committed up to depth+1 tokens past its budget.
@@ -1785,7 +1714,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
         mark = target.tp.sent.copy()
         drafted = {b: draft_step(draft, draft_caches[b], states[b], run, randomness[b], target.tp)
                    for b in active}
-        trees = [drafted[b][0] if b in drafted else tree_from_parents(
+        trees = [drafted[b].tree if b in drafted else tree_from_parents(
             torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
         verified = verify_trees(target, cache, [s.n for s in states], trees, draft.cfg.aux_layers)
         for b in active:
@@ -2533,6 +2462,81 @@ def draft_config_for(target, draft_vocab_size):
 
 # ----------------------------------------------------------------------------------------
 # 16. training data and the training loop (checkpoints, resume, held-out accuracy)
+#
+# The naive loop around Part I's TTT loss: AdamW with warmup and cosine decay, gradient
+# clipping, the drafter data-parallel over the ranks (one all_reduce per gradient).
+
+
+def count_reply_tokens(examples, vocab_size):
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        tokens = torch.tensor(ex.tokens)[torch.tensor(ex.reply_mask, dtype=torch.bool)]
+        counts += torch.bincount(tokens, minlength=vocab_size)
+    return counts
+
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup, then cosine decay to a tenth of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def trainable(draft):
+    """Everything but the embedding, shared or the drafter's own: it stays frozen."""
+    return [p for name, p in draft.named_parameters() if not name.startswith("embed_tokens")]
+
+
+class TTTInputs(NamedTuple):
+    """What the TTT loss needs of the target for a padded batch."""
+    input_ids: torch.Tensor      # (B, T)
+    loss_mask: torch.Tensor      # (B, T) step-0 loss mask (collate)
+    target_logits: torch.Tensor  # (B, T, V)
+    aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
+
+
+def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
+    """The target's side of the whole batch from `inputs(examples, aux_layers)` -> TTTInputs
+    (a live forward of the frozen target, tensor-parallel, every rank seeing it all; or
+    captured features), then the TTT loss on this rank's slice of the rows, normalised by
+    the *global* B*T so the all-reduced gradient is the gradient of the global loss. The
+    drafter reads the target features of its aux layers (or of `aux_layers`)."""
+    x = inputs(examples, aux_layers or draft.cfg.aux_layers)
+    B = len(x.input_ids)
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
+                    x.target_logits[rows], steps, denominator=x.input_ids.numel())
+
+
+def new_optimizer(draft, cfg):
+    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (now requiring
+    grad; everything else frozen)."""
+    params = trainable(draft)
+    draft.train().requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=ADAM_BETAS, weight_decay=0.0)
+
+
+def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
+    """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
+    rank's rows, gradients summed over the ranks of `dp` (one all_reduce each), clip 0.5,
+    warmup + cosine learning rate, AdamW; the forward under bf16 autocast when cfg.bf16.
+    Returns the TTTResult."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
+        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
+    result.loss.backward()
+    for p in params:  # data parallel: sum the shards' gradients
+        all_reduce(p.grad, dp)
+    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg.steps, cfg.lr, cfg.warmup)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return result
+
 
 PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
 
@@ -3283,7 +3287,7 @@ def greedy_with_comm(target, ids, max_new_tokens, eos):
 
 
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
-                     repeats=2, min_prob=0.0):
+                     repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
     all-reduces each sends per token at this run's world size."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
@@ -3292,8 +3296,7 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
     for ids in prompts:
         spec, seconds = best_time(lambda: speculative_generate(
-            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos,
-            min_prob=min_prob), repeats)
+            target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
         spec_s += seconds
         (plain, comm), seconds = best_time(lambda: greedy_with_comm(target, ids, max_new_tokens,
                                                                     eos), repeats)
