@@ -307,31 +307,7 @@ COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released 
 COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
 COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
               (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
-LAYOUTS = ("rows", "columns", "invariant")  # how a model is served (use_layout)
-
-
-class ColumnLinear(nn.Module):
-    """An nn.Linear whose weight is stored transposed, (in, out) contiguous: y = x @ W^T, the
-    same product through another of MKL's paths. A kernel choice that depends on the CPU
-    (docs/costs_and_communication.md): on an AVX2 EPYC (one thread, SmolLM2-135M fp32) a
-    verify of 2 / 3 tokens cost 1.21 / 1.46 decode steps in this layout against 1.66 / 2.12
-    in nn.Linear's, and a decode step 74 ms against 78 (in bench at two threads the ratio of
-    EAGLE-3 to our greedy barely moved, 0.73 -> 0.75); on an AMX Xeon nn.Linear's was the
-    cheaper verify (1.05 / 1.15 against 1.49 / 1.59)."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(),
-                                     requires_grad=False)                      # (in, out)
-        self.bias = linear.bias
-
-    @property
-    def weight(self):  # (out, in), a view: callers read its dtype, device and shape
-        return self.weight_t.t()
-
-    def forward(self, x):
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
+LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
 # The invariant layout: a verify row gets the bits of its own decode step, so greedy
@@ -418,23 +394,22 @@ def check_layout(cfg, layout):
     """Refuse, before any weight is loaded, a layout this target cannot be served in."""
     if layout == "invariant" and cfg.mla:
         fail("--layout invariant serves the Llama family's attention; this target uses MLA "
-             "(DeepSeek-V3 / Kimi-K2): use --layout rows or columns")
+             "(DeepSeek-V3 / Kimi-K2): use --layout rows")
 
 
 def use_layout(model, layout):
-    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; columns swaps every
-    nn.Linear for a ColumnLinear (a tied lm_head gets its own copy); invariant swaps a
+    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; invariant swaps a
     target's linears for PairLinears and its attention for RowAttention (a drafter is
     served as is: its rounding decides only which drafts are verified)."""
-    if layout == "invariant" and not isinstance(model, Target):
+    if layout == "rows" or not isinstance(model, Target):
         return model
     check_layout(model.cfg, layout)
     memo = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and layout != "rows":
-                setattr(module, name, (ColumnLinear if layout == "columns" else PairLinear)(child))
-            if isinstance(child, E.Attention) and layout == "invariant":
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PairLinear(child))
+            if isinstance(child, E.Attention):
                 setattr(module, name, RowAttention(child, memo))
     return model
 
@@ -2068,8 +2043,8 @@ def add_bench_command(sub):
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
     b.add_argument("--layout", choices=LAYOUTS, default="rows", help="how our decoders run "
-                   "the target (columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: "
-                   "each verify row bit-equal to its decode step, exact in bf16)")
+                   "the target (invariant: each verify row bit-equal to its decode step, "
+                   "exact in bf16)")
     b.set_defaults(run=cmd_bench)
 
 
@@ -2111,8 +2086,7 @@ def add_cost_commands(sub):
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
     co.add_argument("--seed", type=int, default=0)
     co.add_argument("--layout", choices=LAYOUTS, default="rows", help="how the target runs "
-                    "(columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: each verify "
-                    "row bit-equal to its decode step)")
+                    "(invariant: each verify row bit-equal to its decode step)")
     co.set_defaults(run=cmd_cost_plan)
 
 
