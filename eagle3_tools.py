@@ -875,7 +875,7 @@ SWEEP_ROUNDS = 3      # passes over the shapes, each shape's speedup their mean
 PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs use
 
 
-def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
+def sweep_shape(target, draft, prompts, eos):
     """The tree shape with the best measured speedup over plain greedy on a few prompts:
     each candidate's verify cost, draft cost and tau on this machine, in one number, the
     mean of SWEEP_ROUNDS passes over the candidates (one pass picks by noise: on a 2-core CPU
@@ -884,7 +884,7 @@ def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
             s = measure_decoding(target, draft, prompts, SWEEP_TOKENS, tree=shape, eos=eos,
-                                 repeats=1, min_prob=min_prob)
+                                 repeats=1)
             speedups[shape].append(s.spec_tokens_per_s / s.greedy_tokens_per_s)
             taus[shape] = s.tau
     mean = {shape: sum(x) / len(x) for shape, x in speedups.items()}
@@ -897,11 +897,11 @@ def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
     return best
 
 
-def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed, min_prob=0.0):
+def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
     """tau at temperature 1 (lossless sampled verification) over the prompts."""
     lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
         target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
-        eos_token_id=eos, min_prob=min_prob).accept_lengths]
+        eos_token_id=eos).accept_lengths]
     return sum(lengths) / len(lengths)
 
 
@@ -1779,9 +1779,6 @@ def cmd_bench(args):
     if args.max_new_tokens < 2:
         fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
              f"(the first token comes from the prefill); use at least 2")
-    if not 0 <= args.min_prob < 1:
-        fail(f"--min-prob {args.min_prob} must be in [0, 1): the lowest path probability a "
-             f"draft may have to be verified (0: no confidence stop)")
     t0, world = time.time(), world_info()[1]
     target_dir, draft_dir = model_dirs(args)
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
@@ -1793,17 +1790,14 @@ def cmd_bench(args):
     target = use_layout(target, args.layout)     # greedy and EAGLE-3 alike
     device, eos, n = target.lm_head.weight.device, eos_ids(tokenizer, target_dir), args.max_new_tokens
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
-    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos, args.min_prob)
+    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
              if args.sweep else tree_shape(args))
-    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}, min_prob "
-           f"{args.min_prob}")
-    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats,
-                            min_prob=args.min_prob)
+    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
+    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    tau_t1 = (sampled_tau(target, draft, prompts, n, shape, eos, args.seed, args.min_prob)
-              if args.t1 else None)
+    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
     dtype = target.lm_head.weight.dtype
     del target, draft                      # transformers' copy of the weights comes next
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
@@ -1827,8 +1821,7 @@ def cmd_bench(args):
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
            f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
-        prompts=len(prompts), max_new_tokens=n, tree=list(shape), min_prob=args.min_prob,
-        tau=round(ours.tau, 3),
+        prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
         tau_t1=round(tau_t1, 3) if args.t1 else None, lossless=ours.lossless,
         accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
         tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
@@ -2036,8 +2029,6 @@ def add_bench_command(sub):
     b.add_argument("--sweep", action="store_true",
                    help="pick the tree shape by measuring each candidate's speedup")
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
-    b.add_argument("--min-prob", type=float, default=0.0, help="confidence stop: verify only "
-                   "drafts whose path probability under the drafter reaches this (0: off)")
     b.add_argument("--t1", action="store_true", help="also tau at temperature 1")
     b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")

@@ -700,7 +700,6 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
     assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
                                     for k, v in tps.items() if k != "eagle3"}
-    assert report["min_prob"] == 0.0                       # no confidence stop unless asked
     # transformers' prompt lookup, in fp32, emits what its own greedy generate does
     assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
 
@@ -776,7 +775,7 @@ def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, caps
     script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
     calls = []
 
-    def measured(target, draft, prompts, n, tree, eos, repeats, min_prob):
+    def measured(target, draft, prompts, n, tree, eos, repeats):
         calls.append(tree)
         speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
         return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
@@ -1517,9 +1516,6 @@ TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one l
         "--out", b.root / "o5"], r"train takes one of --data FILE.jsonl"),
     "a count that is not positive": (lambda b: ["comm-plan", "--config", b.target, "--tp", "0"],
                                      r"--tp 0 must be > 0"),
-    "a confidence stop outside [0, 1)": (lambda b: [
-        "bench", "--target", b.target, "--draft", b.draft, "--min-prob", "1.5"],
-        r"--min-prob 1.5 must be in \[0, 1\)"),
 }
 TOOL_AS_A_USER = ("a list with a bad number",)  # in a real process
 
