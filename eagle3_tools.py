@@ -338,6 +338,19 @@ FUSION_SAVING_US = 4.8  # per call, fused all-reduce + residual add + RMSNorm (1
 COMM_PLAN_TAUS = (1.5, 2.0, 3.0, 4.0)
 
 
+def plan_taus(text):
+    """--tau of comm-plan and cost-plan: accept lengths, each >= 1 (COMM_PLAN_TAUS unset)."""
+    taus = parse_numbers(text, float, "--tau") if text else list(COMM_PLAN_TAUS)
+    if min(taus) < 1:
+        fail(f"--tau {text!r}: an accept length is >= 1 (the bonus token alone is 1)")
+    return taus
+
+
+def config_dir(path):
+    """A model dir, given as itself or as its config.json."""
+    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
+
+
 def allreduce_us(payload, world, link, saving=0.0):
     return max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * payload / (link.gbps * 1e3)
 
@@ -432,25 +445,27 @@ def measured_allreduces(args):
             if v.get("allreduce_ms") is not None}
 
 
-def cmd_comm_plan(args):
-    path = os.path.dirname(args.config) if args.config.endswith(".json") else args.config
-    cfg = read_target_config(path or ".")
-    check_tp_sizes(cfg, args.tp)
-    dtype = parse_dtype(args.dtype) or torch.bfloat16
+def comm_links(specs):
+    """--link: presets, or ALPHA_US,GBPS links named link1, link2, .. -> {name: Link}."""
     links = {}
-    for link in args.link or list(LINKS):  # a preset, or ALPHA_US,GBPS named link1, link2, ..
+    for link in specs or list(LINKS):
         name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
         links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
         if links[name].alpha_us < 0 or links[name].gbps <= 0:
             fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
-    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
-    if min(taus) < 1:
-        fail(f"--tau {args.tau!r}: an accept length is >= 1 (the bonus token alone is 1)")
+    return links
+
+
+def cmd_comm_plan(args):
+    path = config_dir(args.config)
+    cfg = read_target_config(path)
+    check_tp_sizes(cfg, args.tp)
+    dtype = parse_dtype(args.dtype) or torch.bfloat16
+    links, taus = comm_links(args.link), plan_taus(args.tau)
     extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
     for shape in extra:
         check_tree_shape(shape, cfg.vocab_size)
-    shapes = plan_shapes(extra)
-    rows = comm_plan(cfg, args.tp, dtype.itemsize, shapes, taus, links,
+    rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
                      args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
@@ -830,11 +845,6 @@ def speed_verdict(tau, break_even):
     return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
 
 
-def config_dir(path):
-    """A model dir, given as itself or as its config.json."""
-    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
-
-
 def cost_configs(args):
     """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
     config.json; a bare one takes the target's vocab), else of the standard one-layer
@@ -871,10 +881,9 @@ def cost_plan_inputs(args, cfg, draft_cfg):
     for _, shape in shapes:
         check_tree_shape(shape, draft_cfg.draft_vocab_size)
     sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
-    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
-    if min(sweep) < 1 or min(taus) < 1:
-        fail(f"--sweep {args.sweep!r} / --tau {args.tau!r}: verify sizes are >= 1 node and "
-             f"accept lengths >= 1 (the bonus token alone is 1)")
+    if min(sweep) < 1:
+        fail(f"--sweep {args.sweep!r}: verify sizes are >= 1 node")
+    taus = plan_taus(args.tau)
     sizes = sorted(set(sweep) | {shape.total_tokens for _, shape in shapes})
     if not COST_PREFIX <= args.context <= cfg.max_positions - max(sizes):
         fail(f"--context {args.context} must be in {COST_PREFIX}..{cfg.max_positions - max(sizes)}"
@@ -903,13 +912,22 @@ def print_cost_plan(run, cfg, timings, rows, taus):
     print0(cost_table(rows, taus))
 
 
-def cmd_cost_plan(args):
+def cost_plan_json(run, timings, rows, seconds):
+    """cost-plan's last line: the run, the verify sweep and every shape's row, rounded."""
+    verify = [dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
+                   allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce
+                   else None) for N, s in sorted(timings.verify.items())]
+    parts = ("verify", "draft", "accept", "round_cost", "break_even_tau")
+    shapes = [dict(r, **{k: round(r[k], 4) for k in parts},
+                   speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows]
+    return json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=verify,
+                           shapes=shapes, seconds=round(seconds, 1)))
+
+
+def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
+    """cost-plan's measurement: the models built at the real shapes (a slice of `layers`),
+    each piece timed, a slice scaled to the full depth -> (CostTimings, run's dtype, device)."""
     from dataclasses import replace
-    t0, world = time.time(), world_info()[1]
-    cfg, draft_cfg = cost_configs(args)
-    check_tp_sizes(cfg, world)
-    check_layout(cfg, args.layout)
-    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype) or default_dtype(device)
     draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
@@ -923,6 +941,16 @@ def cmd_cost_plan(args):
     if layers < cfg.n_layers:
         timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
                              cfg.n_layers)
+    return timings, dtype, device
+
+
+def cmd_cost_plan(args):
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    check_layout(cfg, args.layout)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
+    timings, dtype, device = time_round(args, cfg, draft_cfg, world, shapes, sizes, layers)
     rows = cost_rows(timings, shapes, taus)
     run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
                family=cfg.family, layers=cfg.n_layers,
@@ -931,14 +959,7 @@ def cmd_cost_plan(args):
                repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
                layout=args.layout)
     print_cost_plan(run, cfg, timings, rows, taus)
-    print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=[
-        dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
-             allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce else None)
-        for N, s in sorted(timings.verify.items())], shapes=[
-        dict(r, **{k: round(r[k], 4) for k in ("verify", "draft", "accept", "round_cost",
-                                                "break_even_tau")},
-             speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows],
-        seconds=round(time.time() - t0, 1))))
+    print0(cost_plan_json(run, timings, rows, time.time() - t0))
 
 
 # ---- projected speedup of a real drafter: eval-draft's offline tau on measured costs ----
@@ -1130,6 +1151,21 @@ def load_target_head(path, dtype=torch.float32, features=None):
     return head.eval().requires_grad_(False)
 
 
+def capture_info(args, aux_layers, samples):
+    """capture.json of this capture, refused when OUT holds one of another selection (sample
+    i is the i-th kept conversation: another selection would mix two data sets)."""
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=samples,
+                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    had = read_json(info_file) if os.path.isfile(info_file) else {}
+    for key in ("aux_layers", "long", "max_len"):
+        if had.get(key, info[key]) != info[key]:
+            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
+                 f"{info[key]!r}: capture into another directory")
+    return info
+
+
 def cmd_capture(args):
     # the data and the directory are checked before the target is loaded (seconds, not minutes)
     cfg = read_target_config(args.target)
@@ -1137,25 +1173,46 @@ def cmd_capture(args):
                                  args.limit, truncate=args.truncate)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
-    info_file = os.path.join(args.out, CAPTURE_INFO)
-    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=len(examples),
-                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
-    if os.path.isfile(info_file):
-        # sample i is the i-th kept conversation: another selection would mix two data sets
-        had = read_json(info_file)
-        for key in ("aux_layers", "long", "max_len"):
-            if had.get(key, info[key]) != info[key]:
-                fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
-                     f"{info[key]!r}: capture into another directory")
+    info = capture_info(args, aux_layers, len(examples))
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
-        atomic_write(info_file, lambda f: write_json(f, info))
+        atomic_write(os.path.join(args.out, CAPTURE_INFO), lambda f: write_json(f, info))
     written = capture_features(target, examples, args.out, aux_layers)
     print0(f"captured {written} samples ({len(examples) - written} were already there) into "
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
+
+
+def chain_verdicts(stats, verify_cost, draft_cost):
+    """eval-draft's table at the costs the flags give: per chain of k drafts the expected
+    and replayed tau, the break-even and the speedup -> (rows, the best row)."""
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {verify_cost:g} + k drafts at "
+           f"{draft_cost:g} plain steps)")
+    rows = []
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(verify_cost, draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    return rows, max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
+
+
+def measured_verdict(shapes, costs, verdict):
+    """eval-draft --costs: the probe's tau on each shape cost-plan measured, printed; the
+    best chain's verdict (`verdict` when no chain was measured)."""
+    print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
+           f"on {costs['device']}, W={costs['world']}"
+           f"{', an estimate' if costs['estimate'] else ''}):")
+    print0(projected_table(shapes))
+    chains = [r for r in shapes if r["tau"] is not None]
+    if not chains:
+        return verdict
+    top = max(chains, key=lambda r: r["speedup"])
+    verdict = f"measured costs, {top['shape']}: {top['verdict']}"
+    print0(f"best measured shape: {verdict}")
+    return verdict
 
 
 def cmd_eval_draft(args):
@@ -1168,29 +1225,12 @@ def cmd_eval_draft(args):
     print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
     print0(f"greedy-chain acceptance rate by depth: "
            f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
-    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
-           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
-           f"{args.draft_cost:g} plain steps)")
-    rows = []
-    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
-        even = break_even_tau(args.verify_cost, args.draft_cost, k)
-        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
-                         break_even=round(even, 4)))
-        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
-    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
+    rows, best = chain_verdicts(stats, args.verify_cost, args.draft_cost)
     verdict = speed_verdict(best["replayed_tau"], best["break_even"])
     print0(f"best chain: {best['drafts']} drafts: {verdict}")
     shapes = projected(stats, costs) if costs else None
     if shapes:
-        print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
-               f"on {costs['device']}, W={costs['world']}"
-               f"{', an estimate' if costs['estimate'] else ''}):")
-        print0(projected_table(shapes))
-        chains = [r for r in shapes if r["tau"] is not None]
-        if chains:
-            top = max(chains, key=lambda r: r["speedup"])
-            verdict = f"measured costs, {top['shape']}: {top['verdict']}"
-            print0(f"best measured shape: {verdict}")
+        verdict = measured_verdict(shapes, costs, verdict)
     print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
                            chains=rows, best=best, verdict=verdict, projected=shapes)))
 
@@ -1334,24 +1374,21 @@ def bench_prompts(args, target_dir):
     return texts, True, assistant_dir
 
 
-def cmd_bench(args):
-    """One measurement path for every prompt set: our greedy and EAGLE-3 (measure_decoding,
-    the main job's own), the peers of transformers on the same prompts and weights, tau at
-    T=1; the tree from the flags or the --sweep."""
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
-             f"(the first token comes from the prefill); use at least 2")
-    t0, world = time.time(), world_info()[1]
-    target_dir, draft_dir = model_dirs(args)
-    texts, chat, assistant_dir = bench_prompts(args, target_dir)
+def bench_models(args, target_dir, draft_dir):
+    """(target, drafter, tokenizer) as bench serves them: in --layout, greedy and EAGLE-3
+    alike (a layout the target cannot take is refused before its weights load)."""
     check_layout(read_target_config(target_dir), args.layout)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
     draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
                        args.layout)
-    target = use_layout(target, args.layout)     # greedy and EAGLE-3 alike
-    device, eos, n = target.lm_head.weight.device, eos_ids(tokenizer, target_dir), args.max_new_tokens
-    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
+    return use_layout(target, args.layout), draft, tokenizer
+
+
+def bench_ours(args, target, draft, prompts, eos, t0):
+    """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
+    flags or the --sweep, and with --t1 tau at T=1 -> (Decoding, shape, tau at T=1)."""
+    n = args.max_new_tokens
     shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
              if args.sweep else tree_shape(args))
     print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
@@ -1360,10 +1397,12 @@ def cmd_bench(args):
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
     tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
-    dtype = target.lm_head.weight.dtype
-    del target, draft                      # transformers' copy of the weights comes next
-    peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
-             if world == 1 and device.type == "cpu" else {})
+    return ours, shape, tau_t1
+
+
+def bench_table(ours, peers, world):
+    """[(JSON key, name, tokens/s, target forwards per token)] of every decoder, printed
+    with EAGLE-3's speedup over each."""
     rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
             [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
             [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
@@ -1373,11 +1412,39 @@ def cmd_bench(args):
         print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
     if world > 1:
         print0(f"(transformers peers run in one process: skipped at world size {world})")
+    return rows
+
+
+def peers_equal(peers, prompts):
+    """{peer: on how many prompts its output equals transformers generate's}: is its
+    speculation exact in this dtype?"""
     same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
-            for k, t in peers.items() if k != "hf_generate"}   # speculation exact in this dtype?
+            for k, t in peers.items() if k != "hf_generate"}
     for k, count in same.items():
-        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {len(prompts)} "
+        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} "
                f"prompts")
+    return same
+
+
+def cmd_bench(args):
+    """One measurement path for every prompt set: our greedy and EAGLE-3, the peers of
+    transformers on the same prompts and weights, tau at T=1."""
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
+             f"(the first token comes from the prefill); use at least 2")
+    t0, world, n = time.time(), world_info()[1], args.max_new_tokens
+    target_dir, draft_dir = model_dirs(args)
+    texts, chat, assistant_dir = bench_prompts(args, target_dir)
+    target, draft, tokenizer = bench_models(args, target_dir, draft_dir)
+    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    eos = eos_ids(tokenizer, target_dir)
+    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
+    ours, shape, tau_t1 = bench_ours(args, target, draft, prompts, eos, t0)
+    del target, draft                      # transformers' copy of the weights comes next
+    peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
+             if world == 1 and device.type == "cpu" else {})
+    rows = bench_table(ours, peers, world)
+    same = peers_equal(peers, len(prompts))
     print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
            f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
@@ -1753,6 +1820,27 @@ def cmd_regenerate(args):
            + f") into {args.out} in {time.time() - t0:.0f} s")
 
 
+def draw_curves(curves, png):
+    """The runs' held-out tau against training minutes, into a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print0(f"matplotlib is not installed: no {png} (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, curve in curves.items():
+        ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
+                marker="o", label=os.path.basename(os.path.normpath(run)))
+    ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
+           title="what training time buys")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    atomic_write(png, lambda f: fig.savefig(f, format="png", dpi=120))
+    print0(f"wrote {png}")
+
+
 def cmd_curve(args):
     """What training time bought: each run's held-out curve (curve.json) as a table, and as
     a PNG when --png is given and matplotlib is installed."""
@@ -1772,23 +1860,7 @@ def cmd_curve(args):
                    f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
                    f"{tau[-1]:8.2f}")
     if args.png:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print0(f"matplotlib is not installed: no {args.png} (pip install matplotlib)")
-            return
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for run, curve in curves.items():
-            ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
-                    marker="o", label=os.path.basename(os.path.normpath(run)))
-        ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
-               title="what training time buys")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        atomic_write(args.png, lambda f: fig.savefig(f, format="png", dpi=120))
-        print0(f"wrote {args.png}")
+        draw_curves(curves, args.png)
 
 
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
