@@ -1945,6 +1945,24 @@ def real_paths(out, plan):
                 golden=os.path.join(out, f"golden_{run}.safetensors"))
 
 
+def regenerate_stage(p, plan, out, limit, *flags):
+    return ("regenerate", [
+        "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
+        "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
+        str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
+
+
+def capture_stage(name, p, plan, data, out, *flags):
+    return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
+                   "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
+
+
+def train_stage(name, p, plan, features, out, epochs, lr, *flags):
+    return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
+                   *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr", str(lr),
+                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"])
+
+
 def real_stages(args, plan, p):
     """(name, argv of the command that does it); a finished stage is recorded and skipped,
     an interrupted one resumes (each command resumes on its own)."""
@@ -1952,39 +1970,22 @@ def real_stages(args, plan, p):
     sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
     if plan.replies == "regenerated":
         data, limit = p["replies"], []
-        regenerate = [("regenerate", [
-            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
-            p["replies"], "--limit", str(plan.prompts), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
-            str(plan.max_len)])]
+        regenerate = [regenerate_stage(p, plan, p["replies"], plan.prompts)]
     else:
         data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
     finetune = [
-        ("regenerate", [
-            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
-            p["tune_replies"], "--limit", str(plan.finetune), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
-            str(plan.max_len), "--dtype", plan.capture_dtype]),
-        ("capture-finetune", [
-            "capture", "--target", p["model"], "--data", p["tune_replies"], "--out",
-            p["tune_features"], "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype]),
-        ("finetune", [
-            "train", "--target", p["model"], "--features", p["tune_features"], "--out",
-            p["draft"], "--init-draft", p["base_draft"], "--epochs", str(plan.finetune_epochs),
-            "--batch", str(plan.batch), "--lr", str(plan.finetune_lr), "--ttt-steps",
-            str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+        regenerate_stage(p, plan, p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
+        capture_stage("capture-finetune", p, plan, p["tune_replies"], p["tune_features"]),
+        train_stage("finetune", p, plan, p["tune_features"], p["draft"], plan.finetune_epochs,
+                    plan.finetune_lr, "--init-draft", p["base_draft"]),
     ] if plan.finetune else []
     return [
         ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
         ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
         *regenerate,
-        ("capture", ["capture", "--target", p["model"], "--data", data, "--out", p["features"],
-                     "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *limit]),
-        ("train", ["train", "--target", p["model"], "--features", p["features"],
-                   "--out", p["base_draft"], "--epochs", str(plan.epochs),
-                   "--batch", str(plan.batch), "--lr", str(plan.lr),
-                   "--draft-vocab-size", str(plan.draft_vocab_size),
-                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+        capture_stage("capture", p, plan, data, p["features"], *limit),
+        train_stage("train", p, plan, p["features"], p["base_draft"], plan.epochs, plan.lr,
+                    "--draft-vocab-size", str(plan.draft_vocab_size)),
         *finetune,
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
