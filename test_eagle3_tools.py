@@ -926,7 +926,8 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
 
     plain = E.load_target(c.dir, dtype=torch.float32)
     torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
-                                                     "invariant")), verified(plain))
+                                                     "invariant")), verified(plain),
+                               rtol=1e-4, atol=1e-4)   # fp32 round-off of another summation
     inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
     assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
     assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
