@@ -947,21 +947,6 @@ def test_tree_drafting_feeds_each_level_at_one_position_seeing_prefix_and_ancest
     ]
 
 
-@pytest.mark.parametrize("min_prob, tokens, parents, drafter_calls", [
-    # Same example, paths kept when their probability reaches min_prob:
-    (0.3, [0, 1, 3, 2], [-1, 0, 1, 2], 3),   # .6, .42, .378 (not .25): a chain of three
-    (0.5, [0, 1], [-1, 0], 2),               # .6; level 2's best is .42: level 3 not drafted
-    (0.7, [0], [-1], 1),                     # nothing reaches .7: the root alone, no draft pass
-])
-def test_confidence_stop_keeps_the_paths_whose_probability_reaches_min_prob(
-        min_prob, tokens, parents, drafter_calls):
-    drafter = MarkovDrafter(HAND_TABLE)
-    tree = E.draft_tree(drafter, torch.zeros(1, 3, 3 * HIDDEN), HAND_INPUT, 2, 2, 5, min_prob)
-    assert tree.tokens.tolist() == tokens
-    assert tree.parents.tolist() == parents
-    assert len(drafter.calls) == drafter_calls   # the prefix pass, then one per level grown
-
-
 def test_draft_tree_invariants_hold_for_random_drafters(zoo):
     target = zoo.target("llama")
     kept = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11, 12, 14, 15, 17, 19, 20, 23])  # 16 of 24
@@ -1225,7 +1210,6 @@ class Case(NamedTuple):
     shape: E.TreeShape
     draft: str                         # key of vocab6_drafts
     preset: str = "official"           # whose tree builder (score space, draft positions)
-    min_prob: float = 0.0              # the confidence stop (0: off)
 
 
 CASES = {
@@ -1233,8 +1217,6 @@ CASES = {
     "tree-3-1-4-vd4": Case("tree", E.TreeShape(3, 1, 4), "vd4"),  # 4-token draft vocab
     "tree-1-3-5": Case("tree", E.TreeShape(1, 3, 5), "full"),
     "chain-2": Case("chain", E.TreeShape(1, 1, 2), "full"),         # 2 sampled drafts/round
-    # the confidence stop: trees of 1 (the root alone) to 4 of the 5 nodes, by context
-    "tree-2-2-5-p0.5": Case("tree", E.TreeShape(2, 2, 5), "full", min_prob=0.5),
 }
 
 
@@ -1344,16 +1326,15 @@ class TreeRounds:
     """Lazy table ctx -> (tree, verify logits (N, V)) from the real grow_tree and
     verify_tree; trees and target logits do not depend on the sampling settings."""
 
-    def __init__(self, target, draft, shape, preset="official", min_prob=0.0):
-        self.target, self.draft, self.shape, self.rounds = target, draft, shape, {}
-        self.preset, self.min_prob = preset, min_prob
+    def __init__(self, target, draft, shape, preset="official"):
+        self.target, self.draft, self.shape, self.preset = target, draft, shape, preset
+        self.rounds = {}
 
     @torch.no_grad()
     def __getitem__(self, ctx):
         if ctx not in self.rounds:
             target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
-            tree = grow(self.draft, draft_cache, n, h_last, root, self.shape, self.preset,
-                        self.min_prob)
+            tree = grow(self.draft, draft_cache, n, h_last, root, self.shape, self.preset)
             self.rounds[ctx] = tree, verify(self.target, target_cache, n, tree,
                                             self.draft.cfg.aux_layers)[0]
         return self.rounds[ctx]
@@ -1443,8 +1424,7 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
         draft = vocab6_drafts[case.draft]
         if case.scheme == "tree":
             key = (case, None)  # trees and target logits do not depend on the sampling
-            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape, case.preset,
-                                              case.min_prob))
+            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape, case.preset))
             run, default_accept = replay_tree, E.accept_sampled
         else:
             key = (case, sampling)  # the drafter's q is warped like the target
@@ -1486,7 +1466,7 @@ def test_speculative_generate_replays_round_by_round(case_name, sampling_name, v
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, tree=case.shape, seed=seed,
-            scheme=case.scheme, min_prob=case.min_prob)
+            scheme=case.scheme)
         assert tuple(result.tokens.tolist()) == replay(coins(seed), n_tokens=REPLAY_TOKENS), \
             f"seed {seed}"
 
@@ -1995,8 +1975,6 @@ PRESET_CASES = {  # name -> (Case, sampling)
     "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), "T-k-p"),
     "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), "T-k-p"),
     "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), "T-p-k"),
-    "sglang-tree-2-2-5-p0.5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang", 0.5), "T-k-p"),
-    "vllm-chain-3-p0.5": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm", 0.5), "T-k-p"),
 }
 
 
@@ -2091,8 +2069,7 @@ def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target,
     for seed in range(20):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
-            top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset,
-            min_prob=case.min_prob)
+            top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset)
         g = torch.Generator().manual_seed(seed)
         expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
                           n_tokens=REPLAY_TOKENS)
@@ -2107,32 +2084,6 @@ def test_each_preset_greedy_equals_plain_greedy(speculation, preset):
             result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
                                             tree=E.TreeShape(3, 3, 12), preset=preset)
             assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
-
-
-def test_confidence_stop_keeps_greedy_output_and_verifies_the_root_alone_when_unsure(
-        speculation):
-    s = speculation["llama"]
-    prompts = [s.prompts["memorized"], s.prompts["fresh"]]
-    sizes = []
-    for min_prob in (0.2, 0.5, 0.9):
-        for kind, batched in zip(("memorized", "fresh"), E.speculative_generate_batch(
-                s.target, s.draft, prompts, 32, tree=E.TreeShape(3, 3, 12), min_prob=min_prob)):
-            single = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
-                                            tree=E.TreeShape(3, 3, 12), min_prob=min_prob)
-            assert single.tokens.tolist() == s.reference[kind][:32].tolist(), (min_prob, kind)
-            assert batched.tokens.tolist() == single.tokens.tolist(), (min_prob, kind)
-            sizes += [len(r.tree.tokens) for r in single.rounds]
-    assert 1 in sizes and len(set(sizes)) >= 3, sizes  # plain steps, and trees cut to size
-
-
-@pytest.mark.parametrize("min_prob, scheme, why", [
-    (1.0, "tree", "must be a number in [0, 1)"), (-0.1, "tree", "must be a number in [0, 1)"),
-    ("0.5", "tree", "must be a number in [0, 1)"), (0.5, "chain", "use scheme='tree'")])
-def test_bad_min_prob_is_refused(speculation, min_prob, scheme, why):
-    s = speculation["llama"]
-    with pytest.raises(E.Eagle3Error, match=re.escape(why)):
-        E.speculative_generate(s.target, s.draft, s.prompts["fresh"], 4, temperature=1.0,
-                               scheme=scheme, min_prob=min_prob)
 
 
 def test_sglang_before_pr_25015_drafts_levels_one_position_late():

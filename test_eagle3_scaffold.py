@@ -317,12 +317,11 @@ def verify(target, cache, n, tree, aux_layers=None):
     return E.verify_tree(target, cache, n, tree, aux_layers or target.cfg.default_aux_layers)
 
 
-def grow(drafter, cache, n, h_last, root, shape, preset="official", min_prob=0.0,
-         **preset_fields):
+def grow(drafter, cache, n, h_last, root, shape, preset="official", **preset_fields):
     """grow_tree with a preset's scoring and draft offset (some fields replaced) -> Tree."""
     preset = E.as_preset(preset)._replace(**preset_fields)
     return E.grow_tree(drafter, cache, n, h_last, root, shape, preset.scoring,
-                       preset.draft_pos_offset, min_prob)
+                       preset.draft_pos_offset)
 
 
 def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False, **kw):
