@@ -88,23 +88,17 @@ def test_aux_layer_ids_map_to_hidden_states_per_convention(ids, expected):
     assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == expected
 
 
-def test_sharded_safetensors_checkpoint_loads_like_transformers(zoo, tmp_path):
-    model = zoo.hf("qwen2")
-    model.save_pretrained(tmp_path, max_shard_size="100KB")
-    assert (tmp_path / "model.safetensors.index.json").exists()
-    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+@pytest.mark.parametrize("name, layout", [("qwen2", "sharded"), ("llama", "pytorch_model.bin")])
+def test_sharded_and_bin_checkpoints_load_like_transformers(zoo, tmp_path, name, layout):
+    model = zoo.hf(name)
+    if layout == "sharded":
+        model.save_pretrained(tmp_path, max_shard_size="100KB")
+        assert (tmp_path / "model.safetensors.index.json").exists()
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    else:  # transformers 5 always writes safetensors: the .bin as older checkpoints have it
+        model.config.save_pretrained(tmp_path)
+        torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     ids = random_prompt(3, length=16)
-    ref_logits, _ = hf_forward(model, ids)
-    logits, _ = E.load_target(str(tmp_path))(ids)
-    assert (logits[0] - ref_logits).abs().max() <= ATOL
-
-
-def test_pytorch_model_bin_checkpoint_loads_like_transformers(zoo, tmp_path):
-    # transformers 5 always writes safetensors, so write the .bin as older checkpoints have it
-    model = zoo.hf("llama")
-    model.config.save_pretrained(tmp_path)
-    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    ids = random_prompt(4, length=16)
     ref_logits, _ = hf_forward(model, ids)
     logits, _ = E.load_target(str(tmp_path))(ids)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
@@ -464,28 +458,19 @@ def test_tensor_parallel_shards_attention_and_mlp_weights_across_ranks(zoo, tp_r
             assert torch.equal(s["down"], down[:, r * inner:(r + 1) * inner]), name
 
 
-def test_tensor_parallel_logits_and_aux_equal_single_process(zoo, tp_run):
+def test_tensor_parallel_logits_aux_greedy_and_speculative_equal_one_process(zoo, speculation,
+                                                                            tp_run):
+    deepest = 0
     for name in TP_TARGETS:
         logits, aux = zoo.target(name)(tp_run.prompt)
+        greedy = hf_greedy(zoo.hf(name), tp_run.prompt, TP_NEW_TOKENS).tolist()
+        assert E.greedy_generate(zoo.target(name), tp_run.prompt, TP_NEW_TOKENS).tolist() == greedy
         for rank in tp_run.ranks:
             # the all_reduce sums partial results in another order: fp32 round-off only
             assert_close(rank[name]["logits"], logits, name)
             assert_close(rank[name]["aux"], aux, name)
+            assert rank[name]["greedy"].tolist() == greedy, name
         assert torch.equal(tp_run.ranks[0][name]["logits"], tp_run.ranks[1][name]["logits"]), name
-
-
-def test_tensor_parallel_greedy_generate_equals_single_process(zoo, tp_run):
-    for name in TP_TARGETS:
-        expected = hf_greedy(zoo.hf(name), tp_run.prompt, TP_NEW_TOKENS).tolist()
-        one_process = E.greedy_generate(zoo.target(name), tp_run.prompt, TP_NEW_TOKENS)
-        assert one_process.tolist() == expected
-        for rank in tp_run.ranks:
-            assert rank[name]["greedy"].tolist() == expected, name
-
-
-def test_tensor_parallel_speculative_generate_equals_single_process(speculation, tp_run):
-    deepest = 0
-    for name in TP_TARGETS:
         s = speculation[name]
         expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
         rank0, rank1 = (rank[name]["speculative"] for rank in tp_run.ranks)
@@ -696,16 +681,22 @@ def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
     assert draft.cfg.aux_layers == (2, 4, 5)
 
 
-def test_eagle_aux_layer_ids_use_output_of_layer_convention(zoo, tmp_path):
+def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo, tmp_path):
+    # SpecForge's output-of-layer-k ids (the default) are inputs of layer k + 1; vLLM's the
+    # inputs themselves; a config without ids reads the default (2, L//2, L-3)
     target = zoo.target("llama")
     L = LAYERS
 
-    def aux_layers(ids):
+    def aux_layers(ids, **convention):
         raw = draft_config(target.cfg, eagle_config=dict(eagle_aux_hidden_state_layer_ids=ids))
-        return E.read_draft_config(raw, target.cfg).aux_layers
+        return E.read_draft_config(raw, target.cfg, **convention).aux_layers
 
     assert aux_layers([1, L // 2 - 1, L - 4]) == (2, L // 2, L - 3)
     assert aux_layers([0, 3, 6]) == (1, 4, 7)
+    assert aux_layers([2, 4, 5]) == (3, 5, 6)
+    assert aux_layers([2, 4, 5], aux_convention="vllm") == (2, 4, 5)
+    assert E.read_draft_config(draft_config(target.cfg), target.cfg,
+                               aux_convention="vllm").aux_layers == (2, 4, 5)   # the default
     # and save_draft writes them back in the same (output-of-layer) convention
     draft = tiny_draft(target, seed=1,
                        eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
@@ -714,46 +705,29 @@ def test_eagle_aux_layer_ids_use_output_of_layer_convention(zoo, tmp_path):
         assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
 
 
-def test_draft_config_aux_convention_selects_the_features_it_reads(zoo):
-    target = zoo.target("llama")
-    raw = draft_config(target.cfg, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
-    assert E.read_draft_config(raw, target.cfg).aux_layers == (3, 5, 6)
-    assert E.read_draft_config(raw, target.cfg, aux_convention="vllm").aux_layers == (2, 4, 5)
-    assert E.read_draft_config(draft_config(target.cfg), target.cfg,
-                               aux_convention="vllm").aux_layers == (2, 4, 5)   # the default
-
-
-def break_d2t_range(state):
-    state["d2t"][-1] = VOCAB              # draft id 19 -> target id 43
-
-
-def break_t2d(state):
-    state["t2d"][0], state["t2d"][4] = False, True   # same count, wrong ids
-
-
-def drop_up_proj(state):
-    state.pop("midlayer.mlp.up_proj.weight")
-
-
-def narrow_fc(state):
-    state["fc.weight"] = state["fc.weight"][:, :2 * HIDDEN].contiguous()
-
-
-BAD_DRAFTS = {
-    "d2t-outside-target-vocab": (break_d2t_range, r"d2t maps draft id 19 to target id 43, outside "
-                                                  r"the target vocab \[0, 24\)"),
-    "t2d-disagrees-with-d2t": (break_t2d, r"t2d disagrees with d2t"),
-    "missing-key": (drop_up_proj, r"missing keys \['midlayer\.mlp\.up_proj\.weight'\]"),
-    "wrong-fc-width": (narrow_fc, r"'fc\.weight'.* has shape \(64, 128\).*expects \(64, 192\)"),
+KEPT_20 = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22]
+BAD_DRAFTS = {  # name -> (draft vocab, an edit of the saved weights, what the error says)
+    "d2t-outside-target-vocab": (KEPT_20, lambda s: s["d2t"].__setitem__(-1, VOCAB),  # 19 -> 43
+                                 r"d2t maps draft id 19 to target id 43, outside the target "
+                                 r"vocab \[0, 24\)"),
+    "t2d-disagrees-with-d2t": (KEPT_20, lambda s: s["t2d"].__setitem__(  # same count, wrong ids
+        [0, 4], torch.tensor([False, True])), r"t2d disagrees with d2t"),
+    "missing-key": (KEPT_20, lambda s: s.pop("midlayer.mlp.up_proj.weight"),
+                    r"missing keys \['midlayer\.mlp\.up_proj\.weight'\]"),
+    "wrong-fc-width": (KEPT_20, lambda s: s.update(
+        {"fc.weight": s["fc.weight"][:, :2 * HIDDEN].contiguous()}),
+        r"'fc\.weight'.* has shape \(64, 128\).*expects \(64, 192\)"),
+    # a full-vocab map is checked too: the identity it may stand for does not excuse it
+    "full-vocab-d2t-maps-two-ids-to-one": (list(range(VOCAB)), lambda s: s["d2t"].__setitem__(
+        3, 1), r"d2t maps two draft ids to the same target id"),      # 3 -> 4, twice
 }
 
 
 @pytest.mark.parametrize("problem", list(BAD_DRAFTS))
 def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, problem):
-    edit, message = BAD_DRAFTS[problem]
+    kept, edit, message = BAD_DRAFTS[problem]
     target = zoo.target("llama")
-    kept = torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22])
-    E.save_draft(tiny_draft(target, seed=2, kept=kept), str(tmp_path))
+    E.save_draft(tiny_draft(target, seed=2, kept=torch.tensor(kept)), str(tmp_path))
     state = load_file(tmp_path / "model.safetensors")
     edit(state)
     save_file(state, tmp_path / "model.safetensors")
@@ -782,14 +756,6 @@ def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation,
             assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
         if kind == "memorized":
             assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
-
-
-def test_full_vocab_drafter_with_a_broken_vocab_map_is_still_refused(zoo, tmp_path):
-    target = zoo.target("llama")
-    E.save_draft(tiny_draft(target, seed=8, kept=torch.arange(VOCAB)), str(tmp_path))
-    edit_draft_dir(str(tmp_path), state=lambda w: w["d2t"].__setitem__(3, 1))  # 3 -> 4, twice
-    with pytest.raises(E.Eagle3Error, match=r"d2t maps two draft ids to the same target id"):
-        E.load_draft(str(tmp_path), target)
 
 
 def reference_drafter(draft, aux, input_ids, steps, H, Hkv, hs, eps=1e-6, theta=10000.0):
@@ -1533,123 +1499,95 @@ HAND_P = torch.tensor([[0.10, 0.40, 0.30, 0.20],    # after node 0 (root)
                       dtype=torch.float64)
 
 
-def hand_accept(uniforms, sampling=T1, logits=None):
-    tree = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))
-    stream = iter(uniforms)
-    acc = E.accept_sampled(HAND_P.log() if logits is None else logits, tree, stream, sampling)
-    assert next(stream, None) is None, "uniforms left unused"
-    return acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms
-
-
-def test_accept_sampled_first_child_accepted():
+@pytest.mark.parametrize("uniforms, top_k, temperature, expected", [
     # root: node 1 (token 1): 0.35 < p0(1) = 0.4 -> accept; node 2 is never tried
     # node 1: node 3 (token 3): 0.5 > p1(3) = 0.1 -> reject; residual [.4, .3, .2, 0] / .9,
     #   CDF [.444, .778, 1, 1]
     # bonus: 0.8 lies in [.778, 1) -> token 2
-    assert hand_accept([0.35, 0.5, 0.8]) == ([0, 1], 1, 2, [0.35, 0.5, 0.8])
-
-
-def test_accept_sampled_tests_second_child_with_renormalised_probability():
+    pytest.param([0.35, 0.5, 0.8], 0, 1.0, ([0, 1], 1, 2), id="first-child-accepted"),
     # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [.1, 0, .3, .2] / .6 = [1/6, 0, 1/2, 1/3]
     # root: node 2 (token 2): 0.45 < 1/2 -> accept (the unrenormalised 0.3 would reject)
     # node 2 is a leaf: bonus from p2, CDF [.05, .1, .2, 1]: 0.6 -> token 3
-    assert hand_accept([0.6, 0.45, 0.6]) == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
-
-
-def test_accept_sampled_all_children_rejected_bonus_from_residual():
+    pytest.param([0.6, 0.45, 0.6], 0, 1.0, ([0, 2], 1, 3),
+                 id="second-child-tested-with-renormalised-probability"),
     # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.7 > 1/2 -> reject; p0 -> [1/6, 0, 0, 1/3] / (1/2) = [1/3, 0, 0, 2/3]
+    # root: node 2 (token 2): 0.7 > 1/2 -> reject; p0 -> [1/6, 0, 0, 1/3] / (1/2)
+    #   = [1/3, 0, 0, 2/3]
     # bonus: 0.4 in the residual CDF [1/3, 1/3, 1/3, 1] -> token 3
     #   (the unmodified p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
-    assert hand_accept([0.6, 0.7, 0.4]) == ([0], 0, 3, [0.6, 0.7, 0.4])
-
-
-def test_accept_sampled_leaf_bonus_from_unmodified_distribution():
+    pytest.param([0.6, 0.7, 0.4], 0, 1.0, ([0], 0, 3),
+                 id="all-children-rejected-bonus-from-residual"),
     # root: node 1: 0.35 < 0.4 -> accept; node 1: node 3 (token 3): 0.05 < 0.1 -> accept
     # node 3 is a leaf: bonus from p3, CDF [.7, .8, .9, 1]: 0.75 -> token 1
     #   (node 1's distribution, CDF [.4, .7, .9, 1], would give token 2)
-    assert hand_accept([0.35, 0.05, 0.75]) == ([0, 1, 3], 2, 1, [0.35, 0.05, 0.75])
-
-
-def test_accept_sampled_tests_drafts_against_warped_distribution():
+    pytest.param([0.35, 0.05, 0.75], 0, 1.0, ([0, 1, 3], 2, 1),
+                 id="leaf-bonus-from-unmodified-distribution"),
     # top_k = 2: p0 -> tokens {1, 2} kept: [0, 4/7, 3/7, 0]; p1 -> tokens {0, 1}: [4/7, 3/7, 0, 0]
     # root: node 1 (token 1): 0.5 < 4/7 -> accept (0.5 > the unwarped 0.4)
     # node 1: node 3 (token 3): 0.01 > 0 -> reject (top-k removed token 3); residual = p1
     # bonus: 0.6 in CDF [4/7, 1, 1, 1] -> token 1
-    got = hand_accept([0.5, 0.01, 0.6], sampling=E.Sampling(temperature=1.0, top_k=2))
-    assert got == ([0, 1], 1, 1, [0.5, 0.01, 0.6])
-
-
-def test_accept_sampled_never_accepts_zero_probability_draft():
+    pytest.param([0.5, 0.01, 0.6], 2, 1.0, ([0, 1], 1, 1),
+                 id="drafts-tested-against-warped-distribution"),
     # top_k = 2 leaves node 1's distribution [4/7, 3/7, 0, 0]: its child, token 3, has
     # probability 0 and must be rejected whatever the coin. torch.rand draws from [0, 1),
     # so u = 0.0 is a possible coin, and the rule "accept iff u <= p(x)" accepts at 0 <= 0.
     # root: node 1: 0.5 < 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
     # bonus: 0.6 in node 1's CDF [4/7, 1, 1, 1] -> token 1
-    got = hand_accept([0.5, 0.0, 0.6], sampling=E.Sampling(temperature=1.0, top_k=2))
-    assert got == ([0, 1], 1, 1, [0.5, 0.0, 0.6])
-
-
-def test_accept_sampled_applies_temperature():
+    pytest.param([0.5, 0.0, 0.6], 2, 1.0, ([0, 1], 1, 1),
+                 id="zero-probability-draft-never-accepted"),
     # logits = 0.5 log p at temperature 0.5 -> the warped distribution is p again, so the
     # renormalisation case above must come out unchanged
-    got = hand_accept([0.6, 0.45, 0.6], sampling=E.Sampling(temperature=0.5),
-                      logits=0.5 * HAND_P.log())
-    assert got == ([0, 2], 1, 3, [0.6, 0.45, 0.6])
-
-
-# Chain: drafts x1 = 1, x2 = 3 sampled from q; rows of p after root, x1, x2.
-HAND_CHAIN_Q = torch.tensor([[0.10, 0.60, 0.20, 0.10],
-                             [0.20, 0.20, 0.20, 0.40]], dtype=torch.float64)
-HAND_CHAIN_P = torch.tensor([[0.25, 0.30, 0.25, 0.20],
-                             [0.10, 0.10, 0.10, 0.70],
-                             [0.10, 0.20, 0.30, 0.40]], dtype=torch.float64)
-
-
-def hand_accept_chain(uniforms, q=HAND_CHAIN_Q, p=HAND_CHAIN_P):
+    pytest.param([0.6, 0.45, 0.6], 0, 0.5, ([0, 2], 1, 3), id="temperature-applied"),
+])
+def test_accept_sampled_on_the_hand_worked_tree(uniforms, top_k, temperature, expected):
+    # logits = temperature * log p, so that the warped distribution is p (before top-k)
+    tree = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))
     stream = iter(uniforms)
-    acc = E.accept_chain(p.log(), torch.tensor([1, 3]), q, stream, T1)
+    acc = E.accept_sampled(temperature * HAND_P.log(), tree, stream,
+                           E.Sampling(temperature=temperature, top_k=top_k))
     assert next(stream, None) is None, "uniforms left unused"
-    return acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms
+    assert (acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms) == (*expected, uniforms)
 
 
-def test_accept_chain_accepts_iff_u_times_q_below_p():
+# Chains: drafts x1, x2 sampled from the rows of q; p after the root, x1, x2.
+CHAIN_Q = [[0.10, 0.60, 0.20, 0.10], [0.20, 0.20, 0.20, 0.40]]
+CHAIN_P = [[0.25, 0.30, 0.25, 0.20], [0.10, 0.10, 0.10, 0.70], [0.10, 0.20, 0.30, 0.40]]
+
+
+@pytest.mark.parametrize("p, q, drafts, top_k, uniforms, expected", [
     # x1 = 1: 0.45 * q(1) = 0.27 <= p(1) = 0.3 -> accept (0.45 > p(1): a q = 1 rule rejects)
     # x2 = 3: 0.99 * 0.4 = 0.396 < 0.7 -> accept
     # bonus from the last row, CDF [.1, .3, .6, 1]: 0.5 -> token 2
-    assert hand_accept_chain([0.45, 0.99, 0.5]) == ([0, 1, 2], 2, 2, [0.45, 0.99, 0.5])
-
-
-def test_accept_chain_rejection_samples_residual_p_minus_q():
+    pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.45, 0.99, 0.5], ([0, 1, 2], 2, 2),
+                 id="accepts-iff-u-times-q-below-p"),
     # x1 = 1: 0.6 * 0.6 = 0.36 > 0.3 -> reject; x2 is never tested
     # residual max(0, p - q) = [.15, 0, .05, .1] (sum .3): 0.52 * .3 = .156 in CDF
     #   [.15, .15, .2, .3] -> token 2 (p itself, CDF [.25, .55, ...], gives the rejected 1)
-    assert hand_accept_chain([0.6, 0.52]) == ([0], 0, 2, [0.6, 0.52])
-
-
-def test_accept_chain_second_rejection_uses_its_own_rows():
-    q = torch.tensor([[0.10, 0.60, 0.20, 0.10], [0.10, 0.10, 0.10, 0.70]], dtype=torch.float64)
-    p = HAND_CHAIN_P.clone()
-    p[1] = torch.tensor([0.30, 0.20, 0.10, 0.40], dtype=torch.float64)
+    pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.6, 0.52], ([0], 0, 2),
+                 id="rejection-samples-residual-p-minus-q"),
     # x1 = 1: 0.45 * 0.6 = 0.27 < 0.3 -> accept
     # x2 = 3: 0.9 * q2(3) = 0.63 > p2(3) = 0.4 -> reject
     # residual max(0, p2 - q2) = [.2, .1, 0, 0] (sum .3): 0.7 * .3 = .21 in CDF [.2, .3, .3, .3]
     #   -> token 1
-    assert hand_accept_chain([0.45, 0.9, 0.7], q=q, p=p) == ([0, 1], 1, 1, [0.45, 0.9, 0.7])
-
-
-def test_accept_chain_never_accepts_zero_probability_draft():
+    pytest.param([CHAIN_P[0], [0.30, 0.20, 0.10, 0.40], CHAIN_P[2]],
+                 [CHAIN_Q[0], [0.10, 0.10, 0.10, 0.70]], [1, 3], 0, [0.45, 0.9, 0.7],
+                 ([0, 1], 1, 1), id="second-rejection-uses-its-own-rows"),
     # top_k = 2 keeps tokens 0, 1 of p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]. The
     # drafter proposed token 2 (q(2) = .5): the target gives it probability 0, so it must
     # be rejected whatever the coin; but u = 0.0 (a possible torch.rand draw) passes
     # "accept iff u * q(x) <= p(x)" as 0 <= 0.
     # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): 0.5 * .5 = .25 -> token 0
-    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4], dtype=torch.float64)
-    q = torch.tensor([[0.2, 0.3, 0.5, 0.0], [0.25] * 4], dtype=torch.float64)
-    stream = iter([0.0, 0.5, 0.5, 0.5])  # enough for the faulty path too
-    acc = E.accept_chain(p.log(), torch.tensor([2, 0]), q, stream,
-                         E.Sampling(temperature=1.0, top_k=2))
-    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 0)
+    pytest.param([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4],
+                 [[0.2, 0.3, 0.5, 0.0], [0.25] * 4], [2, 0], 2, [0.0, 0.5], ([0], 0, 0),
+                 id="zero-probability-draft-never-accepted"),
+])
+def test_accept_chain_on_hand_worked_chains(p, q, drafts, top_k, uniforms, expected):
+    stream = iter(uniforms)
+    acc = E.accept_chain(torch.tensor(p, dtype=torch.float64).log(), torch.tensor(drafts),
+                         torch.tensor(q, dtype=torch.float64), stream,
+                         E.Sampling(temperature=1.0, top_k=top_k))
+    assert next(stream, None) is None, "uniforms left unused"
+    assert (acc.path.tolist(), acc.accepted, acc.bonus, acc.uniforms) == (*expected, uniforms)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1898,43 +1836,34 @@ SG_P = torch.tensor([[0.125, 0.5, 0.25, 0.125],    # after the root
 SG_TREE = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))
 
 
-def sglang_hand(coins, final, ts=1.0, ta=1.0):
-    acc = E.accept_cumulative(SG_P, SG_TREE, torch.tensor(coins), torch.tensor(final), ts, ta)
-    return acc.path.tolist(), acc.accepted, acc.bonus
-
-
-def test_sglang_rejects_a_sibling_then_accepts_the_next_on_the_same_coin():
+@pytest.mark.parametrize("coins, final, ts, ta, expected", [
     # root coin 0.6: node 1 (token 1) mass 0.5 < 0.6 -> reject; node 2 mass 0.75 >= 0.6 ->
     # accept. Node 2 is a leaf: bonus from p2 (nothing rejected there), final 0.3 * 1 = 0.3 in
     # CDF [.25, .5, .75, 1] -> token 1. Node 2's coin (0.99) is never used.
-    assert sglang_hand([0.6, 0.0, 0.99, 0.0], 0.3) == ([0, 2], 1, 1)
-
-
-def test_sglang_full_depth_path_draws_the_bonus_from_the_leaf():
+    pytest.param([0.6, 0.0, 0.99, 0.0], 0.3, 1.0, 1.0, ([0, 2], 1, 1),
+                 id="rejects-a-sibling-then-accepts-the-next-on-the-same-coin"),
     # root coin 0.25 <= 0.5 -> node 1; node 1's coin 0.1 <= p1(3) = 0.125 -> node 3 (depth 2,
     # the tree's full depth): bonus from p3 unmodified, 0.75 * 1 in CDF [0, .5, 1, 1] -> 2
-    assert sglang_hand([0.25, 0.1, 0.0, 0.0], 0.75) == ([0, 1, 3], 2, 2)
-
-
-def test_sglang_all_children_rejected_bonus_from_the_unnormalised_residual():
+    pytest.param([0.25, 0.1, 0.0, 0.0], 0.75, 1.0, 1.0, ([0, 1, 3], 2, 2),
+                 id="full-depth-path-draws-the-bonus-from-the-leaf"),
     # root coin 0.9 > 0.5 and > 0.75: both rejected; r = p0 - [0, .5, .25, 0] = [.125, 0, 0,
     # .125] (not renormalised): final 0.6 * 0.25 = 0.15 in CDF [.125, .125, .125, .25] -> 3
-    assert sglang_hand([0.9, 0.0, 0.0, 0.0], 0.6) == ([0], 0, 3)
-
-
-def test_sglang_accepts_on_equality_coin_le_mass():
+    pytest.param([0.9, 0.0, 0.0, 0.0], 0.6, 1.0, 1.0, ([0], 0, 3),
+                 id="all-children-rejected-bonus-from-the-unnormalised-residual"),
     # coin exactly 0.5 = p0(1): accepted ("<="); node 1's coin 0.5 > 0.125 -> node 3 rejected;
     # r = p1 - [0, 0, 0, .125]: 0.99 * .875 = .866 in CDF [.5, .75, .875, .875] -> token 2
-    assert sglang_hand([0.5, 0.5, 0.0, 0.0], 0.99) == ([0, 1], 1, 2)
-
-
-def test_sglang_lossy_thresholds_accept_beyond_p():
-    # coin 0.9 rejects node 1 at the default thresholds ...
-    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0) == ([0], 0, 0)
+    pytest.param([0.5, 0.5, 0.0, 0.0], 0.99, 1.0, 1.0, ([0, 1], 1, 2),
+                 id="accepts-on-equality-coin-le-mass"),
+    # lossy thresholds accept beyond p: coin 0.9 rejects node 1 at the default thresholds ...
+    pytest.param([0.9, 0.9, 0.0, 0.0], 0.0, 1.0, 1.0, ([0], 0, 0), id="default-thresholds"),
     # ... threshold_single 0.4: p0(1) = 0.5 >= 0.4 accepts outright (then p1(3) = .125 < .4)
-    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0, ts=0.4) == ([0, 1], 1, 0)
+    pytest.param([0.9, 0.9, 0.0, 0.0], 0.0, 0.4, 1.0, ([0, 1], 1, 0), id="threshold-single"),
     # ... threshold_acc 0.5: 0.9 <= 0.5 / 0.5 accepts node 1; node 1: 0.9 > 0.125 / 0.5
-    assert sglang_hand([0.9, 0.9, 0.0, 0.0], 0.0, ta=0.5) == ([0, 1], 1, 0)
+    pytest.param([0.9, 0.9, 0.0, 0.0], 0.0, 1.0, 0.5, ([0, 1], 1, 0), id="threshold-acc"),
+])
+def test_sglang_tree_sampling_on_the_hand_worked_tree(coins, final, ts, ta, expected):
+    acc = E.accept_cumulative(SG_P, SG_TREE, torch.tensor(coins), torch.tensor(final), ts, ta)
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == expected
 
 
 # hand-worked vLLM rejection sampling of a chain of argmax drafts (q one-hot)
@@ -1944,27 +1873,22 @@ VL_P = torch.tensor([[0.125, 0.5, 0.25, 0.125],    # at draft 1 (token 1)
 VL_E = torch.tensor([1.0, 0.1, 2.0, 0.5])         # the request's Exp(1) vector
 
 
-def test_vllm_accepts_iff_p_at_least_u_and_recovers_argmax_r_over_e():
+@pytest.mark.parametrize("uniforms, bonus, expected", [
     # draft 1: p(1) = 0.5 >= 0.5 accepts (">=" : equality accepts); draft 2: p(3) = .125 < 0.2
     # rejects; r = p2 with token 3 zeroed = [.5, .25, .125, 0]; r / E = [.5, 2.5, .0625, 0]
     # -> argmax 1, though p2's own argmax is token 0
-    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.5, 0.2],
-                          dtype=torch.float64), VL_E, bonus=3)
-    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0, 1], 1, 1)
-
-
-def test_vllm_all_drafts_accepted_emits_the_presampled_bonus():
-    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.5, 0.1],
-                          dtype=torch.float64), VL_E, bonus=2)
-    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0, 1, 2], 2, 2)
-
-
-def test_vllm_first_rejection_zeroes_the_draft_in_r():
+    pytest.param([0.5, 0.2], 3, ([0, 1], 1, 1),
+                 id="accepts-iff-p-at-least-u-and-recovers-argmax-r-over-e"),
+    # both drafts accepted: the presampled bonus is emitted
+    pytest.param([0.5, 0.1], 2, ([0, 1, 2], 2, 2), id="all-accepted-emit-the-presampled-bonus"),
     # draft 1 rejected (0.4 < 0.6): r = p1 with token 1 zeroed = [.125, 0, .25, .125];
     # r / E = [.125, 0, .125, .25] -> token 3 (token 1 would win with p / E: 5.0)
-    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor([0.6, 0.0],
-                          dtype=torch.float64), VL_E, bonus=0)
-    assert (acc.path.tolist(), acc.accepted, acc.bonus) == ([0], 0, 3)
+    pytest.param([0.6, 0.0], 0, ([0], 0, 3), id="first-rejection-zeroes-the-draft-in-r"),
+])
+def test_vllm_rejection_sampling_on_the_hand_worked_chain(uniforms, bonus, expected):
+    acc = E.accept_onehot(VL_P, torch.tensor([1, 3]), torch.tensor(uniforms, dtype=torch.float64),
+                          VL_E, bonus=bonus)
+    assert (acc.path.tolist(), acc.accepted, acc.bonus) == expected
 
 
 # ----------------------------------------------------------------------------------------
