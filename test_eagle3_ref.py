@@ -1647,27 +1647,20 @@ def test_sample_inverse_cdf_never_picks_zero_probability_token():
 
 
 @pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
-def test_the_seed_alone_decides_the_tokens(case_name, vocab6_target, vocab6_drafts):
+def test_the_seed_alone_decides_the_tokens_and_the_trace_records_its_uniforms(
+        case_name, vocab6_target, vocab6_drafts):
     case = CASES[case_name]
 
-    def run(seed, **sampling):
-        return E.speculative_generate(vocab6_target, vocab6_drafts[case.draft], PROMPT, 24,
+    def run(seed, n=24, **sampling):
+        return E.speculative_generate(vocab6_target, vocab6_drafts[case.draft], PROMPT, n,
                                       tree=case.shape, seed=seed, scheme=case.scheme, **sampling)
     first, second = run(7, temperature=0.8, top_p=0.95), run(7, temperature=0.8, top_p=0.95)
     assert first.tokens.tolist() == second.tokens.tolist()
     assert first.accept_lengths == second.accept_lengths
     outputs = {tuple(run(seed, temperature=1.0).tokens.tolist()) for seed in range(4)}
     assert len(outputs) == 4  # 24 tokens of a 6-token vocab: a repeat is (almost) impossible
-
-
-@pytest.mark.parametrize("case_name", ["tree-2-2-5", "chain-2"])
-def test_round_trace_records_the_seeded_uniforms_in_order(case_name, vocab6_target,
-                                                          vocab6_drafts):
-    case = CASES[case_name]
-    for seed in range(5):
-        result = E.speculative_generate(
-            vocab6_target, vocab6_drafts[case.draft], PROMPT, 16, temperature=0.9, top_p=0.9,
-            tree=case.shape, seed=seed, scheme=case.scheme)
+    for seed in range(5):     # the uniforms used, in order: the seeded stream, none skipped
+        result = run(seed, 16, temperature=0.9, top_p=0.9)
         used = result.first_uniforms + [u for r in result.rounds for u in r.uniforms]
         assert used == list(itertools.islice(coins(seed), len(used)))
 
@@ -1739,22 +1732,21 @@ def sampled_on_rank(target_dir, rank):
             "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
 
 
-def test_tensor_parallel_ranks_emit_identical_tokens(tp_run, vocab6_target, vocab6_drafts):
-    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
-    for name, tokens in tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED).items():
-        assert rank0[name] == rank1[name], name
-        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
-
-
-def test_tensor_parallel_rank0_decides_sampled_tokens(tp_run, vocab6_target, vocab6_drafts):
-    """Rank 1 draws other uniforms, yet emits rank 0's tokens: the first token and every
+def test_tensor_parallel_sampled_tokens_are_rank0s_on_every_rank(tp_run, vocab6_target,
+                                                                 vocab6_drafts):
+    """With the shared seed, both ranks emit the tokens of one process. With a seed of its
+    own, rank 1 draws other uniforms yet emits rank 0's tokens: the first token and every
     acceptance are rank 0's, broadcast (SPEC §5 TP). (Not the chain: its sampled drafts
     are drawn on each rank, so it needs the shared seed.)"""
-    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED, ("tree", "plain"))
-    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
+    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
+    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
     for name, tokens in single.items():
-        assert rank1[name] == tokens, f"{name}: rank 1 decided"
-        assert rank0[name] == tokens, name
+        assert rank0[name] == rank1[name], name
+        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
+    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
+    for name in ("tree", "plain"):
+        assert rank1[name] == single[name], f"{name}: rank 1 decided"
+        assert rank0[name] == single[name], name
 
 
 # ----------------------------------------------------------------------------------------
@@ -2381,32 +2373,22 @@ def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
 # vocab mapping
 
 
-def test_vocab_mapping_keeps_most_frequent_ids_smaller_id_wins_ties():
-    #            id: 0  1  2  3  4  5  6  7  8  9
-    counts = torch.tensor([3, 0, 5, 3, 1, 0, 5, 2, 0, 0])
+@pytest.mark.parametrize("counts, size, used", [
+    #     id: 0  1  2  3  4  5  6  7  8  9
     # by count: 2 (5), 6 (5), then 0 and 3 tie at 3: the smaller id, 0, takes the last slot
-    d2t, t2d = E.build_vocab_mapping(counts, 3)
-    assert d2t.tolist() == [0 - 0, 2 - 1, 6 - 2]          # used = [0, 2, 6]
-    assert t2d.tolist() == [True, False, True, False, False, False, True, False, False, False]
-
-
-def test_vocab_mapping_pads_with_unseen_ids_in_ascending_order():
-    #            id: 0  1  2  3  4  5  6  7
-    counts = torch.tensor([0, 0, 0, 0, 0, 2, 0, 7])
-    # seen: 7, 5; two more slots go to the smallest unseen ids 0, 1 -> used = [0, 1, 5, 7]
-    d2t, t2d = E.build_vocab_mapping(counts, 4)
-    assert d2t.tolist() == [0, 0, 3, 4]
-    assert t2d.tolist() == [True, True, False, False, False, True, False, True]
-
-
-def test_vocab_mapping_is_sorted_ascending_with_offsets_and_t2d_marking_exactly_used():
-    #            id: 0  1  2  3  4  5  6  7  8  9 10 11
-    counts = torch.tensor([1, 9, 0, 4, 4, 0, 8, 2, 4, 0, 6, 3])
-    # by count: 1 (9), 6 (8), 10 (6), then 3, 4, 8 tie at 4 -> 3, 4 -> used = [1, 3, 4, 6, 10]
-    d2t, t2d = E.build_vocab_mapping(counts, 5)
+    pytest.param([3, 0, 5, 3, 1, 0, 5, 2, 0, 0], 3, [0, 2, 6], id="smaller-id-wins-ties"),
+    #     id: 0  1  2  3  4  5  6  7
+    # seen: 7, 5; two more slots go to the smallest unseen ids 0, 1
+    pytest.param([0, 0, 0, 0, 0, 2, 0, 7], 4, [0, 1, 5, 7], id="padded-with-unseen-ids"),
+    #     id: 0  1  2  3  4  5  6  7  8  9 10 11
+    # by count: 1 (9), 6 (8), 10 (6), then 3, 4, 8 tie at 4 -> 3, 4; sorted ascending
+    pytest.param([1, 9, 0, 4, 4, 0, 8, 2, 4, 0, 6, 3], 5, [1, 3, 4, 6, 10], id="sorted-ascending"),
+])
+def test_vocab_mapping_keeps_the_most_frequent_ids_as_offsets_and_a_mask(counts, size, used):
+    d2t, t2d = E.build_vocab_mapping(torch.tensor(counts), size)
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
-    assert d2t.tolist() == [1 - 0, 3 - 1, 4 - 2, 6 - 3, 10 - 4]
-    assert t2d.nonzero().flatten().tolist() == [1, 3, 4, 6, 10]
+    assert d2t.tolist() == [u - i for i, u in enumerate(used)]         # target id = i + d2t[i]
+    assert t2d.tolist() == [v in used for v in range(len(counts))]     # exactly the used ids
 
 
 @pytest.mark.parametrize("draft_vocab_size", [0, -1, 13])
@@ -2742,14 +2724,6 @@ def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
         E.read_draft_config(draft_config(cfg, num_attention_heads=HIDDEN), cfg)
 
 
-@pytest.mark.parametrize("world", [3, 4])   # 3: neither head count divides; 4: the kv heads
-def test_heads_not_divisible_by_world_size_are_refused(zoo, world):
-    cfg = E.read_target_config(zoo.dir("llama"))  # 4 query heads, 2 kv heads
-    with pytest.raises(E.Eagle3Error, match=r"num_attention_heads=4 and num_key_value_heads=2 "
-                                            rf"must both be divisible by the world size {world}"):
-        E.check_tp_sizes(cfg, world)
-
-
 def edited_checkpoint(zoo, tmp_path, edit):
     """A copy of the tiny llama checkpoint whose weights went through `edit(state)`."""
     shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
@@ -2759,19 +2733,15 @@ def edited_checkpoint(zoo, tmp_path, edit):
     return str(tmp_path)
 
 
-def test_missing_weight_key_is_refused_naming_it(zoo, tmp_path):
-    path = edited_checkpoint(zoo, tmp_path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight"))
-    message = r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("model.layers.3.mlp.up_proj.weight"),
+     r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"),
+    (lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}),
+     r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"),
+], ids=["missing", "unexpected"])
+def test_missing_or_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path, edit, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(path)
-
-
-def test_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path):
-    path = edited_checkpoint(zoo, tmp_path, lambda s: s.update(
-        {"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
-    message = r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(path)
+        E.load_target(edited_checkpoint(zoo, tmp_path, edit))
 
 
 def test_corrupt_safetensors_file_is_refused(zoo, tmp_path):
@@ -2793,22 +2763,29 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
 
 
-def ds_config_dir(tmp_path, **overrides):
-    config = {**TINY, **DS_TINY, **ZOO["ds-v3"][2], **overrides, "model_type": "deepseek_v3"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+def config_dir(tmp_path, family="deepseek_v3", **overrides):
+    """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
+    ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**TINY, **ds, **overrides, "model_type": family}))
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("world, overrides, message", [
-    (3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be divisible by the "
-            r"world size 3"),
-    (4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be divisible"),
-    (2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not divisible by the "
-                                        r"world size 2"),
-], ids=["heads", "kv-heads", "experts-width"])
-def test_deepseek_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, world, overrides,
-                                                                    message):
-    cfg = E.read_target_config(ds_config_dir(tmp_path, **overrides))
+@pytest.mark.parametrize("family, world, overrides, message", [
+    ("llama", 3, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
+                     r"by the world size 3"),       # neither head count divides
+    ("llama", 4, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
+                     r"by the world size 4"),       # the kv heads do not
+    ("deepseek_v3", 3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be "
+                           r"divisible by the world size 3"),
+    ("deepseek_v3", 4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be "
+                                                    r"divisible"),
+    ("deepseek_v3", 2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not "
+                                                       r"divisible by the world size 2"),
+], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width"])
+def test_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family, world, overrides,
+                                                           message):
+    cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
     with pytest.raises(E.Eagle3Error, match=message):
         E.check_tp_sizes(cfg, world)
 
@@ -2822,7 +2799,7 @@ def test_deepseek_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, wo
 ], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
 def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.read_target_config(ds_config_dir(tmp_path, **overrides))
+        E.read_target_config(config_dir(tmp_path, **overrides))
 
 
 def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
@@ -2865,10 +2842,8 @@ def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, gener
 
 
 @pytest.mark.parametrize("generate", list(GENERATORS))
-def test_eos_outside_the_vocab_and_non_id_prompts_are_refused(zoo, plain_draft, generate):
+def test_eos_outside_the_vocab_is_refused(zoo, plain_draft, generate):
     target = zoo.target("llama")
-    with pytest.raises(E.Eagle3Error, match=r"must be a torch.long tensor of token ids"):
-        GENERATORS[generate](target, plain_draft, random_prompt(0).float(), 5)
     eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
            "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
            "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
@@ -2879,24 +2854,18 @@ def test_eos_outside_the_vocab_and_non_id_prompts_are_refused(zoo, plain_draft, 
 
 
 @pytest.mark.parametrize("generate", list(GENERATORS))
-def test_empty_prompt_is_refused(zoo, plain_draft, generate):
-    with pytest.raises(E.Eagle3Error, match=r"prompt is empty"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft,
-                             torch.zeros(1, 0, dtype=torch.long), 5)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_prompt_plus_new_tokens_over_cache_length_is_refused(zoo, plain_draft, generate):
+@pytest.mark.parametrize("prompt, n, message", [
+    (torch.zeros(1, 0, dtype=torch.long), 5, r"prompt is empty"),
+    (random_prompt(0).float(), 5, r"must be a torch.long tensor of token ids"),
     # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
-    with pytest.raises(E.Eagle3Error, match=r"exceeds the cache length 512"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), 501)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("max_new_tokens", [0, -3])
-def test_non_positive_max_new_tokens_is_refused(zoo, plain_draft, generate, max_new_tokens):
-    with pytest.raises(E.Eagle3Error, match=rf"max_new_tokens={max_new_tokens} must be a positive"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, random_prompt(0), max_new_tokens)
+    (random_prompt(0), 501, r"exceeds the cache length 512"),
+    (random_prompt(0), 0, r"max_new_tokens=0 must be a positive"),
+    (random_prompt(0), -3, r"max_new_tokens=-3 must be a positive"),
+], ids=["empty-prompt", "not-token-ids", "over-cache-length", "zero-new-tokens",
+        "negative-new-tokens"])
+def test_bad_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n, message):
+    with pytest.raises(E.Eagle3Error, match=message):
+        GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n)
 
 
 def test_unbuildable_tree_shape_is_refused(zoo, plain_draft):
