@@ -45,7 +45,7 @@ from test_eagle3_scaffold import (
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
     inverse_cdf, path_to, pick, random_prompt, random_tree, refused, run_cli, sent, sharpen,
     shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target, train_config,
-    train_conversations, train_draft, train_generate_setup, train_render, train_special,
+    train_conversations, train_draft, train_generate_setup, train_render,
     train_step, train_top_ids, ttt_batch, verify, zoo)
 
 
@@ -342,6 +342,26 @@ def test_deepseek_mtp_layer_weights_are_skipped(zoo, tmp_path, capsys):
     logits = E.load_target(str(tmp_path / "mtp"))(ids)[0]
     assert f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights" in capsys.readouterr().err
     assert torch.equal(logits, zoo.target("ds-v3")(ids)[0])
+
+
+DS_ROPE_CASE = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                    n_group=1, topk_group=1, first_k_dense_replace=4, moe_intermediate_size=16)
+
+
+def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
+    # DeepSeek's checkpoints pair rope dims at (2i, 2i+1) (rope_interleave: true, the
+    # default); a config with false pairs the halves, and transformers then skips the
+    # de-interleave. Same weights, both flags: each equals transformers, and they differ.
+    ids = random_prompt(5)
+    logits = {}
+    for interleave in (True, False):
+        hf = tiny_model("deepseek_v3", 3, 0.2, **DS_ROPE_CASE, rope_interleave=interleave)
+        hf.save_pretrained(tmp_path / str(interleave))
+        assert_routing_is_robust(hf, ids)
+        logits[interleave] = E.load_target(str(tmp_path / str(interleave)))(ids)[0]
+        assert_close(logits[interleave], hf_forward(hf, ids)[0], f"rope_interleave={interleave}")
+    assert float((logits[True] - logits[False]).abs().max()) > 1e-2
 
 
 # ----------------------------------------------------------------------------------------
@@ -1792,6 +1812,25 @@ def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation,
         assert r.accept_lengths == single.accept_lengths
 
 
+@pytest.mark.parametrize("preset", ["official", "sglang", "vllm"])
+def test_batch_of_8_and_9_token_prompts_on_a_short_chain_equals_each_prompt_alone(speculation,
+                                                                                   preset):
+    # The 9-token row drafts deep and finishes first, often committing past its budget in its
+    # last round; it then rides along in the batched verify, padded to the widest tree, so
+    # the cache must hold that too (it once wrote past the end: "expanded size 3 vs 4").
+    s = speculation["llama"]
+    memorized = torch.cat([s.prompts["memorized"], s.reference["memorized"][None, :1]], 1)
+    prompts = [s.prompts["fresh"], memorized]
+    assert [p.shape[1] for p in prompts] == [8, 9]
+    for max_new in (28, 29, 30, 31):
+        batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
+                                             tree=E.TreeShape(1, 2, 4), preset=preset)
+        for ids, r in zip(prompts, batch):
+            assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
+        assert len(batch[1].rounds) < len(batch[0].rounds)   # the long row finished first
+        assert max(batch[1].accept_lengths) >= 3             # its drafts were accepted
+
+
 # ========================================================================================
 # SPEC 10. presets: the engines' conventions (SGLang, vLLM) and the official warper order
 # ========================================================================================
@@ -1856,6 +1895,34 @@ SG_TREE = E.tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 0
 def test_sglang_tree_sampling_on_the_hand_worked_tree(coins, final, ts, ta, expected):
     acc = E.accept_cumulative(SG_P, SG_TREE, torch.tensor(coins), torch.tensor(final), ts, ta)
     assert (acc.path.tolist(), acc.accepted, acc.bonus) == expected
+
+
+def test_cdf_pick_sums_in_float64_and_rounds_each_prefix_to_fp32():
+    # The reference: a Python float (double) running sum, each prefix rounded to fp32, and
+    # fp32 coin * total. Coins sit on the boundaries where a plain fp32 running sum (CUDA's
+    # cumsum) would pick another token.
+    r = torch.rand(3000, generator=torch.Generator().manual_seed(0))
+    r[r < 0.2] = 0
+    exact, fp32, acc, acc32 = [], [], 0.0, np.float32(0)
+    for x in r.tolist():
+        acc, acc32 = acc + x, np.float32(acc32 + np.float32(x))
+        exact.append(np.float32(acc))
+        fp32.append(acc32)
+
+    def pick(prefix, coin):
+        bound = np.float32(coin) * prefix[-1]
+        return next(i for i, (c, x) in enumerate(zip(prefix, r.tolist())) if c > bound and x > 0)
+
+    differ = [i for i in range(len(r)) if exact[i] != fp32[i] and r[i] > 0]
+    assert differ, "no boundary where the two sums differ"
+    checked = 0
+    for i in differ[::50]:
+        coin = np.float32(exact[i] / exact[-1])
+        for c in (np.nextafter(coin, np.float32(0)), coin, np.nextafter(coin, np.float32(1))):
+            got = E.cdf_pick(r, torch.tensor(c))
+            assert got == pick(exact, c), (i, c)
+            checked += got != pick(fp32, c)
+    assert checked, "no coin separates the float64 sum from a plain fp32 one"
 
 
 # hand-worked vLLM rejection sampling of a chain of argmax drafts (q one-hot)
@@ -2690,7 +2757,7 @@ def test_tiny_tokenizer_saves_as_a_model_dir_and_round_trips_the_synthetic_chats
         assert tok(text).input_ids == train_chat_target.tok(text).input_ids
         assert tok.decode(tok(text).input_ids) == text
     assert [tok.convert_tokens_to_ids(t) for t in (E.USER, E.ASSISTANT, E.END)] == [
-        train_special(train_chat_target.tok, t) for t in (E.USER, E.ASSISTANT, E.END)]
+        train_chat_target.tok.convert_tokens_to_ids(t) for t in (E.USER, E.ASSISTANT, E.END)]
 
 
 # ========================================================================================
@@ -3054,6 +3121,24 @@ def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_mod
     assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
 
 
+def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
+    path = tmp_path / "train_state.pt"
+    (tmp_path / "train_state.pt.tmp").write_bytes(b"cut sh")  # what a SIGKILL mid-write leaves
+    E.atomic_write(str(path), lambda f: torch.save({"step": 3}, f))
+    assert torch.load(path) == {"step": 3}
+    assert sorted(os.listdir(tmp_path)) == ["train_state.pt"]
+
+
+def test_written_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
+    old = os.umask(0o027)
+    try:
+        path = tmp_path / "model.safetensors"
+        E.atomic_write(str(path), lambda f: save_file({"w": torch.ones(2)}, f))
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640   # what open() would give
+    finally:
+        os.umask(old)
+
+
 # ----------------------------------------------------------------------------------------
 # wrong input through the CLI: one `error:` line naming the value, exit code 2, no traceback
 
@@ -3235,34 +3320,26 @@ def golden_trace(traces, kind, run="w1a"):
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_trace_is_bit_identical_across_two_runs(golden_traces, kind):
-    a, b = golden_trace(golden_traces, kind, "w1a"), golden_trace(golden_traces, kind, "w1b")
-    assert a["proc"].returncode == 0 and b["proc"].returncode == 0, a["proc"].stderr[-2000:]
-    assert a["header"] == b["header"]
-    assert sorted(a["tensors"]) == sorted(b["tensors"])
-    for name, x in a["tensors"].items():
-        y = b["tensors"][name]
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        assert torch.equal(x, y), f"{name} differs between two identical runs"
-
-
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_trace_at_world_size_2_equals_world_size_1(golden_traces, kind):
-    """Integer fields and uniforms exactly; logits up to fp32 round-off (the all-reduce
-    sums partial products in another order)."""
-    one = golden_trace(golden_traces, kind)["tensors"]
-    proc = golden_traces[kind]["w2"]["proc"]
-    assert proc.returncode == 0, f"{kind} at W=2 exit {proc.returncode}:\n{proc.stderr[-3000:]}"
-    two = golden_trace(golden_traces, kind, "w2")["tensors"]
-    assert sorted(one) == sorted(two)
-    for name, x in one.items():
-        y = two[name]
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        if name.endswith((".logits", ".draft_probs")):
-            diff = float((x - y).abs().max())
-            assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
-        else:
-            assert torch.equal(x, y), f"{name} differs between world size 1 and 2"
+def test_golden_trace_is_bit_identical_across_runs_and_equal_at_world_size_2(golden_traces,
+                                                                              kind):
+    """A second run: every tensor and the header, bit for bit. At W = 2: integer fields and
+    uniforms exactly; logits up to fp32 round-off (the all-reduce sums partial products in
+    another order)."""
+    a = golden_trace(golden_traces, kind, "w1a")
+    for run in ("w1b", "w2"):
+        b = golden_trace(golden_traces, kind, run)
+        for proc in (a["proc"], b["proc"]):
+            assert proc.returncode == 0, f"{kind}: exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+        assert run == "w2" or a["header"] == b["header"]
+        assert sorted(a["tensors"]) == sorted(b["tensors"])
+        for name, x in a["tensors"].items():
+            y = b["tensors"][name]
+            assert x.dtype == y.dtype and x.shape == y.shape, (name, run)
+            if run == "w2" and name.endswith((".logits", ".draft_probs")):
+                diff = float((x - y).abs().max())
+                assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
+            else:
+                assert torch.equal(x, y), f"{name} differs between {run} and a first run"
 
 
 def test_golden_header_records_format_version_config_world_size_and_versions(golden_traces,
@@ -3303,7 +3380,8 @@ def test_golden_greedy_tokens_equal_transformers_greedy_decoding(golden_traces, 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
 def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
     """Round r's root is the last token emitted so far; its accepted nodes and bonus are
-    the next output tokens; the last round is cut at max_new_tokens."""
+    the next output tokens (accept_length of them: its path's length); the last round is
+    cut at max_new_tokens."""
     t = golden_trace(golden_traces, kind)["tensors"]
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
@@ -3311,16 +3389,10 @@ def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
         tree_tokens, path = golden_round(t, r, "tree_tokens"), golden_round(t, r, "path")
         assert int(tree_tokens[0]) == out[-1], f"round {r} root"
         out += tree_tokens[path[1:]].tolist() + golden_round(t, r, "bonus").tolist()
+        length = int(t["accept_lengths"][r])       # accepted nodes + the bonus = the path
+        assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
     assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
     assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
-
-
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_accept_length_is_path_length(golden_traces, kind):
-    t = golden_trace(golden_traces, kind)["tensors"]
-    for r, length in enumerate(t["accept_lengths"].tolist()):
-        path = golden_round(t, r, "path")
-        assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -4154,100 +4226,3 @@ if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR
     result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
     torch.save(result, os.path.join(root, f"rank{rank}.pt"))
     finish_worker()
-
-
-# ----------------------------------------------------------------------------------------
-# small defects, each pinned
-
-
-def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
-    # DeepSeek's checkpoints pair rope dims at (2i, 2i+1) (rope_interleave: true, the
-    # default); a config with false pairs the halves, and transformers then skips the
-    # de-interleave. Same weights, both flags: each equals transformers, and they differ.
-    ids = random_prompt(5)
-    logits = {}
-    for interleave in (True, False):
-        hf = tiny_model("deepseek_v3", 3, 0.2, **DS_ROPE_CASE, rope_interleave=interleave)
-        hf.save_pretrained(tmp_path / str(interleave))
-        assert_routing_is_robust(hf, ids)
-        logits[interleave] = E.load_target(str(tmp_path / str(interleave)))(ids)[0]
-        assert_close(logits[interleave], hf_forward(hf, ids)[0], f"rope_interleave={interleave}")
-    assert float((logits[True] - logits[False]).abs().max()) > 1e-2
-
-
-DS_ROPE_CASE = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                    v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                    n_group=1, topk_group=1, first_k_dense_replace=4, moe_intermediate_size=16)
-
-
-@pytest.mark.parametrize("preset", ["official", "sglang", "vllm"])
-def test_batch_of_8_and_9_token_prompts_on_a_short_chain_equals_each_prompt_alone(speculation,
-                                                                                   preset):
-    # The 9-token row drafts deep and finishes first, often committing past its budget in its
-    # last round; it then rides along in the batched verify, padded to the widest tree, so
-    # the cache must hold that too (it once wrote past the end: "expanded size 3 vs 4").
-    s = speculation["llama"]
-    memorized = torch.cat([s.prompts["memorized"], s.reference["memorized"][None, :1]], 1)
-    prompts = [s.prompts["fresh"], memorized]
-    assert [p.shape[1] for p in prompts] == [8, 9]
-    for max_new in (28, 29, 30, 31):
-        batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
-                                             tree=E.TreeShape(1, 2, 4), preset=preset)
-        for ids, r in zip(prompts, batch):
-            assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
-        assert len(batch[1].rounds) < len(batch[0].rounds)   # the long row finished first
-        assert max(batch[1].accept_lengths) >= 3             # its drafts were accepted
-
-
-def test_cdf_pick_sums_in_float64_and_rounds_each_prefix_to_fp32():
-    # The reference: a Python float (double) running sum, each prefix rounded to fp32, and
-    # fp32 coin * total. Coins sit on the boundaries where a plain fp32 running sum (CUDA's
-    # cumsum) would pick another token.
-    r = torch.rand(3000, generator=torch.Generator().manual_seed(0))
-    r[r < 0.2] = 0
-    exact, fp32, acc, acc32 = [], [], 0.0, np.float32(0)
-    for x in r.tolist():
-        acc, acc32 = acc + x, np.float32(acc32 + np.float32(x))
-        exact.append(np.float32(acc))
-        fp32.append(acc32)
-
-    def pick(prefix, coin):
-        bound = np.float32(coin) * prefix[-1]
-        return next(i for i, (c, x) in enumerate(zip(prefix, r.tolist())) if c > bound and x > 0)
-
-    differ = [i for i in range(len(r)) if exact[i] != fp32[i] and r[i] > 0]
-    assert differ, "no boundary where the two sums differ"
-    checked = 0
-    for i in differ[::50]:
-        coin = np.float32(exact[i] / exact[-1])
-        for c in (np.nextafter(coin, np.float32(0)), coin, np.nextafter(coin, np.float32(1))):
-            got = E.cdf_pick(r, torch.tensor(c))
-            assert got == pick(exact, c), (i, c)
-            checked += got != pick(fp32, c)
-    assert checked, "no coin separates the float64 sum from a plain fp32 one"
-
-
-def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
-    path = tmp_path / "train_state.pt"
-    (tmp_path / "train_state.pt.tmp").write_bytes(b"cut sh")  # what a SIGKILL mid-write leaves
-    E.atomic_write(str(path), lambda f: torch.save({"step": 3}, f))
-    assert torch.load(path) == {"step": 3}
-    assert sorted(os.listdir(tmp_path)) == ["train_state.pt"]
-
-
-def test_written_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
-    from safetensors.torch import save_file
-    old = os.umask(0o027)
-    try:
-        path = tmp_path / "model.safetensors"
-        E.atomic_write(str(path), lambda f: save_file({"w": torch.ones(2)}, f))
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640   # what open() would give
-    finally:
-        os.umask(old)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] and sys.argv[1] in WORKERS:
-        WORKERS[sys.argv[1]](*sys.argv[2:4])
-        finish_worker()
-    sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")

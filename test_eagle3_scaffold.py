@@ -439,10 +439,6 @@ def train_chat_target(tmp_path_factory):
     return SimpleNamespace(dir=str(root / "target"), hf=hf, tok=tok, vocab=vocab, root=root)
 
 
-def train_special(tok, text):
-    return tok.convert_tokens_to_ids(text)
-
-
 def train_render(tok, messages):
     """Our own rendering of the tiny chat template: assistant turns are
     <|assistant|>content<|end|>, every other turn <|user|>content. Returns the token ids
@@ -451,11 +447,11 @@ def train_render(tok, messages):
     for m in messages:
         body = tok(m["content"], add_special_tokens=False).input_ids
         if m["role"] == "assistant":
-            reply = body + [train_special(tok, E.END)]
-            tokens += [train_special(tok, E.ASSISTANT)] + reply
+            reply = body + [tok.convert_tokens_to_ids(E.END)]
+            tokens += [tok.convert_tokens_to_ids(E.ASSISTANT)] + reply
             mask += [0] + [1] * len(reply)
         else:
-            tokens += [train_special(tok, E.USER)] + body
+            tokens += [tok.convert_tokens_to_ids(E.USER)] + body
             mask += [0] * (1 + len(body))
     return tokens, mask
 
@@ -502,7 +498,7 @@ TRAIN_GEN_PROMPT = "What is the capital of peru?"
 def train_chat_prompt_ids(tok, prompt):
     """Our rendering of the chat-templated prompt with the generation prompt appended."""
     ids, _ = train_render(tok, [dict(role="user", content=prompt)])
-    return ids + [train_special(tok, E.ASSISTANT)]
+    return ids + [tok.convert_tokens_to_ids(E.ASSISTANT)]
 
 
 @pytest.fixture(scope="module")
