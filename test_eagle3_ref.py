@@ -1175,7 +1175,7 @@ def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, 
 
 
 # ----------------------------------------------------------------------------------------
-# sampling acceptance: exact losslessness against an enumeration (vocab 6)
+# sampling acceptance: the exact law of a vocab-6 target, and speculation replayed round by round
 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
 PROMPT = torch.tensor([[1, 4, 2]])
@@ -1426,6 +1426,10 @@ def monte_carlo(replay, accept=None, seed=2024):
     uniforms = coins(seed)
     kwargs = {} if accept is None else dict(accept=accept)
     return [replay(uniforms, **kwargs) for _ in range(TRIALS)]
+
+
+# ----------------------------------------------------------------------------------------
+# sampled speculation is lossless: chi-square against the enumeration, the real loop replayed
 
 
 @pytest.mark.parametrize("sampling_name", SAMPLINGS)
@@ -3214,7 +3218,7 @@ def test_bad_input_is_one_error_line_naming_the_value_with_exit_code_2(bad_input
 
 
 # ========================================================================================
-# tools: golden traces (write, replay, --check)
+# the reference's command line: golden traces (write, replay, --check)
 # ========================================================================================
 
 GOLDEN_VOCAB = 24        # small vocab: varied greedy text, drafts accepted several levels deep
@@ -3664,7 +3668,7 @@ def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(b
 
 
 # ========================================================================================
-# tools: the generate command
+# the reference's command line: the generate command
 # ========================================================================================
 
 
@@ -3745,6 +3749,10 @@ def test_tokenizer_with_its_own_code_needs_trust_remote_code(train_chat_target,
 # ========================================================================================
 # the losslessness fuzzer: random targets, drafters, trees and prompts (-m fuzz --fuzz-cases N)
 # ========================================================================================
+
+
+# ----------------------------------------------------------------------------------------
+# the fuzzer's random cases
 
 FUZZ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
 FUZZ_ROPE = (None, "linear", "dynamic", "llama3", "yarn")
@@ -3927,6 +3935,10 @@ def fuzz_build(case, root):
     draft = fuzz_draft(case, target, hf)
     E.save_draft(draft, os.path.join(root, "draft"))
     return FuzzBuilt(case, hf, target, draft, root)
+
+
+# ----------------------------------------------------------------------------------------
+# the fuzzer's checks: transformers' greedy text, the sampled decisions replayed, batches, W = 2
 
 
 def top2_gap(target, ids):
