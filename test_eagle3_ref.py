@@ -1972,7 +1972,7 @@ def preset_accept(preset, generator):
     chosen = E.PRESETS[preset]._replace(**PRESET_OVERRIDES.get(preset, {}))
 
     def accept(logits, tree, uniforms, sampling):
-        run = E.Run(E.TreeShape(), sampling, chosen, chain=False, record_logits=False)
+        run = E.Run(E.TreeShape(), sampling, chosen, E.SCHEMES["tree"], record_logits=False)
         return E.accept(logits, tree, None, run, randomness)[0]
     return accept
 
