@@ -1973,7 +1973,7 @@ def preset_accept(preset, generator):
 
     def accept(logits, tree, uniforms, sampling):
         run = E.Run(E.TreeShape(), sampling, chosen, E.SCHEMES["tree"], record_logits=False)
-        return E.accept(logits, tree, None, run, randomness)[0]
+        return E.accept(logits, E.Drafted(tree), run, randomness)[0]
     return accept
 
 
