@@ -2093,8 +2093,8 @@ def sum_in_rank_order(x):
     return x.copy_(total)
 
 
-EXACT_WEIGHTED = (RowInvariantLinear, nn.Embedding, RMSNorm, Router)  # modules with weights
-                                                                       # the exact path serves
+EXACT_WEIGHTED = (nn.Linear, RowInvariantLinear, nn.Embedding, RMSNorm, Router)  # the
+                                        # modules with weights the exact path knows how to serve
 
 
 def make_exact(target):
@@ -2104,6 +2104,10 @@ def make_exact(target):
     if not isinstance(target, Target):
         fail(f"make_exact serves a target (a Target), got {type(target).__name__}; the "
              f"drafter stays as it is (its rounding only decides which drafts are verified)")
+    for name, module in target.named_modules():     # refused before anything changes
+        if list(module.parameters(recurse=False)) and type(module) not in EXACT_WEIGHTED:
+            fail(f"make_exact has no row-invariant form of {name!r} "
+                 f"({type(module).__name__}); serve the target with nn.Linear layers")
     for module in list(target.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
@@ -2112,10 +2116,6 @@ def make_exact(target):
             module.attend = attend_rows
         if isinstance(module, Router):
             module.product = rows_linear
-    for name, module in target.named_modules():
-        if list(module.parameters(recurse=False)) and not isinstance(module, EXACT_WEIGHTED):
-            fail(f"make_exact has no row-invariant form of {name!r} "
-                 f"({type(module).__name__}); serve the target with nn.Linear layers")
     if target.tp.size > 2:   # W = 2: one addition, in either order the same bits
         group = target.tp._replace(reduce=sum_in_rank_order)
         for module in target.modules():
