@@ -5283,7 +5283,10 @@ R.finish_worker()
 def test_exact_bf16_under_torchrun_greedy_speculation_equals_greedy_decoding(tmp_path, world):
     models = {}
     for family, extra in (("llama", {}), ("deepseek_v3", EXACT_TP_DS)):
-        hf = tiny_model(family, world, 0.25, **dict(extra, **EXACT_TP[world]))
+        sizes = dict(EXACT_TP[world], **extra)
+        if family == "deepseek_v3":            # MLA: as many kv heads as query heads
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+        hf = tiny_model(family, world, 0.25, **sizes)
         hf.save_pretrained(tmp_path / family)
         target = E.load_target(str(tmp_path / family))
         prompt = random_prompt(40 + world, 6)
