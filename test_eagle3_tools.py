@@ -781,7 +781,7 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
         linear = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(576, 1536, generator=g) * 0.05)
-        pair = T.PairLinear(linear)
+        pair = E.RowInvariantLinear(linear)
         x = torch.randn(1, 16, 1536, generator=g).to(torch.bfloat16)
         alone = [pair(x[:, j:j + 1]) for j in range(16)]                   # (1, 1, 576) each
         for M in range(2, 17):
