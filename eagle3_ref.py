@@ -1180,8 +1180,10 @@ def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.
 
 
 def check_dtypes(target, draft):
-    """The drafter reads the target's features: both must hold weights of one dtype."""
-    t, d = target.lm_head.weight.dtype, draft.fc.weight.dtype
+    """The drafter reads the target's features: both must hold weights of one dtype (a
+    stand-in drafter without an fc weight, an oracle, is not checked)."""
+    t = target.lm_head.weight.dtype
+    d = getattr(getattr(draft, "fc", None), "weight", torch.empty(0, dtype=t)).dtype
     if t != d:
         fail(f"the drafter's weights are {str(d)[6:]} but the target's are {str(t)[6:]}; "
              f"load the drafter in the target's dtype (load_draft(path, target, "
