@@ -14,13 +14,14 @@ which imports it; this file imports no other file of the project.
       2. distributed helpers                  11. variant: the engines' conventions
       3. target model (dense)                 12. variant: batched decoding
       4. tensor parallelism                   13. variant: DeepSeek-V3 / Kimi (MLA + MoE)
-      5. draft head                           14. config and checkpoint IO
-      6. draft tree                           15. drafter IO
-      7. verify and accept                    16. training data and the training loop
-         (variant: a sampled chain)           17. tiny models (corpus, tokenizer, target)
-      8. generation                           18. golden traces
-      9. training-time test                   19. the main job (the tiny demo)
-                                              20. command line (generate, golden, train)
+      5. draft head                           14. variant: exact in low precision
+      6. draft tree                           15. config and checkpoint IO
+      7. verify and accept                    16. drafter IO
+         (variant: a sampled chain)           17. training data and the training loop
+      8. generation                           18. tiny models (corpus, tokenizer, target)
+      9. training-time test                   19. golden traces
+                                              20. the main job (the tiny demo)
+                                              21. command line (generate, golden, train)
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -158,11 +159,13 @@ class Tally(NamedTuple):
 
 
 class Group(NamedTuple):
-    """The tensor-parallel group as the collectives see it: its size W and a tally of what
-    they sent through it. A loaded target creates its own (no global counter); the
-    replicated drafter uses a group of one, which sends and counts nothing."""
+    """The tensor-parallel group as the collectives see it: its size W, a tally of what
+    they sent through it, and how it sums a tensor over the ranks, in place. A loaded
+    target creates its own (no global counter); the replicated drafter uses a group of
+    one, which sends and counts nothing."""
     size: int
     sent: Tally
+    reduce: object = None  # None: dist.all_reduce; the exact path (Part II) may fix the order
 
 
 def new_group(size):
@@ -176,7 +179,7 @@ def all_reduce(x, group):
     """Sum the partial results of a row-parallel matmul over the W ranks holding slices."""
     if group.size > 1:
         group.sent.add("all_reduce", x)
-        dist.all_reduce(x)
+        (group.reduce or dist.all_reduce)(x)
     return x
 
 
@@ -254,10 +257,12 @@ def attention_bias(mask, dtype):
     return bias[:, None] if mask.dim() == 3 else bias
 
 
-def attend(q, k, v, bias):
+def attend(q, k, v, bias, scale=None):
     """Softmax attention of q (B, H, T, hs) over k, v (B, Hkv, S, hs) with an additive
-    bias (T, S). Query head h reads kv head h // (H / Hkv) (GQA)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    bias (T, S), scores scaled by `scale` (default hs^-0.5). Query head h reads kv head
+    h // (H / Hkv) (GQA)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                          enable_gqa=True)
 
 
 def cache_append(kv, start, a, b):
@@ -311,6 +316,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.hs, cfg.rms_eps)
             self.k_norm = RMSNorm(self.hs, cfg.rms_eps)
         self.qk_norm = qk_norm
+        self.attend = attend  # the attention core; make_exact (Part II) swaps in a per-row one
 
     def project(self, x, cos, sin):
         """x (B, T, in) -> q (B, H, T, hs), k and v (B, Hkv, T, hs), RoPE applied."""
@@ -331,7 +337,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
         q, k, v = self.project(x, cos, sin)
-        return self.output(attend_cached(q, k, v, bias, kv, start))
+        k, v = cache_append(kv, start, k, v)                               # (B, Hkv, S, hs)
+        return self.output(self.attend(q, k, v, bias))
 
 
 class MLP(nn.Module):
@@ -769,6 +776,15 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 # and attends to the accepted prefix plus its own ancestors. Acceptance walks down from the
 # root; everything random is drawn from one seeded generator in a documented order, and the
 # uniforms are returned so another implementation can replay the same coins.
+#
+# Why greedy speculation equals greedy decoding: each verify row must produce the bits of
+# the decode step at its position (the same logits, so the same argmax). In fp32 rounding
+# differences are far below the gaps between logits. In bf16 or fp16 they are not: a kernel
+# rounds a row differently when other rows share the call (a one-row product takes another
+# path than an N-row one; a query beside masked keys gets other bits than alone), and ties
+# between the top two logits are common, so speculation parts from greedy decoding. The
+# variant "exact in low precision" (Part II, make_exact) serves a target so that every row
+# rounds as its decode step.
 
 
 @torch.inference_mode()
@@ -1122,8 +1138,10 @@ def next_token(logits, sampling, uniforms, tp):
 
 
 @torch.inference_mode()
-def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id):
-    """Plain decoding with a KV cache: one target forward per token."""
+def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
+                            record_logits=False):
+    """Plain decoding with a KV cache: one target forward per token. -> the new tokens, and
+    with record_logits (new tokens, V) fp32: the logits each token was chosen from."""
     check_sampling(sampling)
     check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
                           target.cfg.vocab_size)
@@ -1132,19 +1150,24 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
     n = input_ids.shape[1]
     cache = target.new_cache(n + max_new_tokens)
     logits, _ = target(input_ids, cache=cache, aux_layers=())
-    out = []
+    out, seen = [], []
     while True:
         token, _ = next_token(logits[0, -1], sampling, uniforms, target.tp)
+        if record_logits:
+            seen.append(logits[0, -1].float().cpu())
         if emit(out, [token], max_new_tokens, eos_token_id):
-            return torch.tensor(out)
+            return (torch.tensor(out), torch.stack(seen)) if record_logits else torch.tensor(out)
         logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
                            start=n, aux_layers=())
         n += 1
 
 
-def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None):
-    """Argmax decoding: the baseline, and the reference greedy speculation must equal."""
-    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0, eos_token_id)
+def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record_logits=False):
+    """Argmax decoding: the baseline, and the reference greedy speculation must equal.
+    record_logits=True returns (tokens, logits (new tokens, V)): each decode step's row, to
+    hold a verify row against."""
+    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0,
+                                   eos_token_id, record_logits)
 
 
 def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
@@ -1154,6 +1177,15 @@ def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.
     sampling = Sampling(temperature, top_k, top_p, as_preset(preset).warpers)
     return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
                                    eos_token_id)
+
+
+def check_dtypes(target, draft):
+    """The drafter reads the target's features: both must hold weights of one dtype."""
+    t, d = target.lm_head.weight.dtype, draft.fc.weight.dtype
+    if t != d:
+        fail(f"the drafter's weights are {str(d)[6:]} but the target's are {str(t)[6:]}; "
+             f"load the drafter in the target's dtype (load_draft(path, target, "
+             f"dtype={t}) or draft.to({t}))")
 
 
 class Run(NamedTuple):
@@ -1190,6 +1222,7 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     if scheme == "chain" or preset.argmax_chain:
         shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    check_dtypes(target, draft)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         fail("prompts must be a non-empty list of (1, T) token-id tensors")
     check_eos(eos_token_id, target.cfg.vocab_size)
@@ -1876,6 +1909,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.H * (m.qk_nope_head_dim + m.v_head_dim),
                                    bias=False)                             # column-parallel
         self.o_proj = nn.Linear(self.H * m.v_head_dim, D, bias=False)      # row-parallel
+        self.attend = attend  # the attention core, as the dense Attention's (make_exact swaps it)
 
     def rope(self, x, cos, sin):
         return apply_rope(deinterleave(x) if self.m.rope_interleave else x, cos, sin)
@@ -1899,7 +1933,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv_heads.transpose(1, 2).split([dn, dv], -1)          # (B, H, S, dn / dv)
         k = torch.cat([k_nope, k_pe.expand(-1, H, -1, -1)], -1)          # (B, H, S, dn+dr)
         q = torch.cat([q_nope, q_pe], -1)                                # (B, H, T, dn+dr)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=m.softmax_scale)
+        y = self.attend(q, k, v, bias, m.softmax_scale)                  # (B, H, T, dv)
         y = y.transpose(1, 2).reshape(B, T, H * dv)                      # (B, T, H*dv)
         return all_reduce(self.o_proj(y), self.tp)  # row-parallel: sum the partials
 
@@ -1915,11 +1949,12 @@ class Router(nn.Module):
         self.moe = cfg.moe
         self.weight = nn.Parameter(torch.zeros(cfg.moe.n_routed, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.moe.n_routed))
+        self.product = F.linear  # make_exact swaps in a row-invariant one (still fp32)
 
     def forward(self, x):
         """x (N, D) -> weights (N, k) fp32 and expert ids (N, k)."""
         moe, N = self.moe, x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()                  # (N, E)
+        scores = self.product(x.float(), self.weight.float()).sigmoid()              # (N, E)
         biased = scores + self.e_score_correction_bias.float()
         groups = biased.view(N, moe.n_group, -1)                                     # (N, G, E/G)
         best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, -1).indices
@@ -1977,7 +2012,120 @@ class DeepSeekTarget(Target):
 
 
 # ----------------------------------------------------------------------------------------
-# 14. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
+# 14. variant: exact in low precision                            (a learner can skip this)
+#
+# Greedy speculation equals greedy decoding when every verify row produces the bits of the
+# decode step at its position (section 7). In bf16 / fp16 the plain path breaks this in two
+# places, and make_exact serves a target so that neither happens:
+#   1) a matmul rounds a row differently when it is alone: torch's bf16 CPU kernel takes
+#      another path for one row than for N (measured on SmolLM2's down projection: 334 of
+#      4,050 rows differ). So every linear (attention, MLP, every expert and the shared
+#      experts, the lm_head; the router's product too, still in fp32) runs a one-row product
+#      as two identical rows: a decode step then takes the kernel of a verify, which rounds
+#      a row alike whatever the number of rows (the tests check it);
+#   2) fused attention gives a query other bits when masked keys sit beside its own. So
+#      each query row attends alone, in fp32, over exactly the keys its mask shows, gathered
+#      in slot order into a fresh tensor: the call its decode step makes, whatever the
+#      other rows of a tree or of a batch see. The prefill (every key new) attends in one
+#      call over fresh fp32 copies: one call, the same in every decoder that shares it.
+#      MLA expands its latent cache with kv_b_proj (a row-invariant linear, 1) and attends
+#      per row the same way.
+# Under tensor parallelism the partial sums must meet in one order too: W = 2 is a single
+# addition (order-free); for W >= 3 a ring all-reduce orders the sum by message chunks, and
+# a verify's message is longer than a decode step's, so the exact path sums the gathered
+# partials in rank order. The drafter is left as it is: its rounding decides only which
+# drafts are verified, never which tokens are emitted.
+
+
+class RowInvariantLinear(nn.Module):
+    """An nn.Linear (the same weight and bias) whose one-row products run as two rows."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x):
+        return rows_linear(x, self.weight, self.bias)
+
+
+def rows_linear(x, weight, bias=None):
+    """F.linear, with a one-row x computed as two identical rows (the N-row kernel)."""
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
+    row = x.reshape(1, -1)
+    return F.linear(torch.cat([row, row]), weight, bias)[:1].view(*x.shape[:-1], -1)
+
+
+def fp32_copy(x):
+    """A fresh contiguous fp32 tensor: a kernel then sees the same layout whatever the cache
+    slab (its length, its batch) the values were read from."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+def attend_rows(q, k, v, bias, scale=None):
+    """The exact path's attention core (Attention.attend, MLAttention.attend), in fp32:
+    after a prefill, each query row of q (B, H, T, hs) alone over the slots of k, v
+    (B, Hkv, S, .) its bias (T, S) or (B, 1, T, S) shows, in slot order."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    if T == S:   # the prefill: every key is new, one call over fresh copies
+        return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale
+                      ).to(q.dtype)
+    seen = (bias == 0).reshape(-1, T, S).expand(B, T, S)                         # (B, T, S)
+    slots = seen.nonzero()[:, 2].split(seen.sum(-1).flatten().tolist())           # B*T rows
+    y = q.new_empty(B, H, T, v.shape[-1], dtype=torch.float32)                   # (B, H, T, .)
+    for row, keys in enumerate(slots):
+        b, t = divmod(row, T)
+        y[b, :, t] = attend(fp32_copy(q[b:b + 1, :, t:t + 1]), fp32_copy(k[b:b + 1, :, keys]),
+                            fp32_copy(v[b:b + 1, :, keys]), None, scale)[0, :, 0]
+    return y.to(q.dtype)
+
+
+def sum_in_rank_order(x):
+    """all_reduce in place with a fixed order: every rank gathers the W partials and adds
+    them ((x0 + x1) + x2) + ..., so a row's sum has the same bits in a decode step and in a
+    verify (whatever the message size) and on every rank."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return x.copy_(total)
+
+
+EXACT_WEIGHTED = (nn.Linear, RowInvariantLinear, nn.Embedding, RMSNorm, Router)  # the
+                                        # modules with weights the exact path knows how to serve
+
+
+def make_exact(target):
+    """Serve `target` on the exact path, in place -> the same target: every verify row
+    produces the bits of its own decode step (greedy_generate, speculative_generate and
+    speculative_generate_batch all run what it serves). Applying it twice changes nothing."""
+    if not isinstance(target, Target):
+        fail(f"make_exact serves a target (a Target), got {type(target).__name__}; the "
+             f"drafter stays as it is (its rounding only decides which drafts are verified)")
+    for name, module in target.named_modules():     # refused before anything changes
+        if list(module.parameters(recurse=False)) and type(module) not in EXACT_WEIGHTED:
+            fail(f"make_exact has no row-invariant form of {name!r} "
+                 f"({type(module).__name__}); serve the target with nn.Linear layers")
+    for module in list(target.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, RowInvariantLinear(child))
+        if isinstance(module, (Attention, MLAttention)):
+            module.attend = attend_rows
+        if isinstance(module, Router):
+            module.product = rows_linear
+    if target.tp.size > 2:   # W = 2: one addition, in either order the same bits
+        group = target.tp._replace(reduce=sum_in_rank_order)
+        for module in target.modules():
+            if hasattr(module, "tp"):
+                module.tp = group
+    return target
+
+
+# ----------------------------------------------------------------------------------------
+# 15. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
 
 
 def rope_inv_freq(hf_config):
@@ -2351,7 +2499,7 @@ def load_target(path, dtype=None, device=None):
 
 
 # ----------------------------------------------------------------------------------------
-# 15. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
+# 16. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 # How engines read a drafter's eagle_aux_hidden_state_layer_ids, as transformers
@@ -2532,7 +2680,7 @@ def draft_config_for(target, draft_vocab_size):
 
 
 # ----------------------------------------------------------------------------------------
-# 16. training data and the training loop (checkpoints, resume, held-out accuracy)
+# 17. training data and the training loop (checkpoints, resume, held-out accuracy)
 
 PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not a redraw
 
@@ -2878,7 +3026,7 @@ def live_inputs(target, pad_id):
 
 
 # ----------------------------------------------------------------------------------------
-# 17. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
+# 18. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
 #
 # Deterministic and written here, so the demo needs no download. Each conversation is a
 # user prompt and an assistant reply from one of a few task families: some replies are a
@@ -3078,7 +3226,7 @@ def build_assistant_lm(target_dir, path, seed=0):
 
 
 # ----------------------------------------------------------------------------------------
-# 18. golden traces: exact per-round records other implementations can be tested against
+# 19. golden traces: exact per-round records other implementations can be tested against
 #
 # One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
 # version, run configuration, library versions); tensors are named "round0007.<field>".
@@ -3233,6 +3381,8 @@ def golden_preset(cfg):
 def golden_run(cfg):
     """Run speculative decoding as described by a golden header -> (prompts, results)."""
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
+    if cfg.get("exact", False):   # traces written before the exact path ran without it
+        make_exact(target)
     draft = load_draft(cfg["draft"], target,
                        aux_convention=cfg.get("aux_convention", "specforge"))
     device = target.lm_head.weight.device
@@ -3246,7 +3396,7 @@ def golden_run(cfg):
 
 
 # ----------------------------------------------------------------------------------------
-# 19. the main job: the whole method on a laptop CPU, nothing downloaded
+# 20. the main job: the whole method on a laptop CPU, nothing downloaded
 
 
 
@@ -3390,8 +3540,9 @@ def ensure_tiny_models():
     return target_dir, draft_dir
 
 
-def main_demo():
-    """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
+def main_demo(exact=False):
+    """The tiny end-to-end run: build/reuse the target, train the drafter, decode (on the
+    exact path with exact=True), report."""
     from transformers import AutoTokenizer
     t0 = time.time()
     target_dir, draft_dir = tiny_paths()
@@ -3404,6 +3555,8 @@ def main_demo():
     print0(f"tiny target: {target.cfg.n_layers} layers, vocab {target.cfg.vocab_size}, "
            f"held-out top-1 next-token accuracy {target_acc:.3f}")
     draft, draft_acc = train_tiny_draft(target, tokenizer, draft_dir)
+    if exact:
+        make_exact(target)
     prompts = [torch.tensor([tokenizer(chat_text(p)).input_ids])
                for p in demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)]
     stats = measure_decoding(target, draft, prompts, DEMO.max_new_tokens,
@@ -3426,7 +3579,7 @@ def main_demo():
 
 
 # ----------------------------------------------------------------------------------------
-# 20. command line: the main job, generate, golden, train
+# 21. command line: the main job, generate, golden, train
 
 
 
@@ -3553,6 +3706,8 @@ def cmd_generate(args):
     preset = preset_of(args)
     target_dir, draft_dir = model_dirs(args)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    if args.exact:
+        make_exact(target)
     draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
     tokenizer = load_tokenizer(target_dir, args)
     ids = encode_prompt(tokenizer, args.prompt, args.chat, target.lm_head.weight.device)
@@ -3578,7 +3733,7 @@ def cmd_generate(args):
 
 
 def cmd_demo(args):
-    main_demo()
+    main_demo(args.exact)
 
 
 def parse_numbers(text, kind, what, count=None):
@@ -3611,7 +3766,7 @@ def golden_config(args):
                 top_p=args.top_p, top_k=args.top_k, tree=list(tree_shape(args)),
                 scheme=args.scheme, seed=args.seed, dtype=args.dtype or "float32",
                 eos_token_id=args.eos_token_id, aux_convention=args.aux_convention,
-                preset=preset_record(preset_of(args)))
+                preset=preset_record(preset_of(args)), exact=args.exact)
 
 
 def cmd_golden(args):
@@ -3689,6 +3844,16 @@ AUX_CONVENTION_FLAG = dict(
          "when the first id is 1), sglang-legacy (+1 always)")
 
 
+# --exact (make_exact) is opt-in. In fp32, the CPU default, the plain path already keeps
+# greedy speculation equal to greedy decoding, and fp32 outputs and golden traces stay
+# as they were. In bf16 / fp16 it is what makes them equal, proven on CPUs by the tests; on
+# a GPU the matmul kernels are chosen by row count, so run the probe there first. And it
+# costs: one attention call per verify row and layer.
+EXACT_FLAG = dict(action="store_true", help="serve the target on the exact path (make_exact): "
+                  "every verify row rounds as its decode step, so greedy speculation equals "
+                  "greedy decoding in bf16 / fp16 too")
+
+
 def remote_code_flag():
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument("--trust-remote-code", action="store_true",
@@ -3741,6 +3906,7 @@ def add_commands(sub):
     g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
     g.add_argument("--comm", action="store_true",
                    help="print the all-reduces and broadcasts of each round (TP)")
+    g.add_argument("--exact", **EXACT_FLAG)
     g.set_defaults(run=cmd_generate)
     gd = sub.add_parser("golden", parents=[models, tree, sampling],
                         help="write (--out) or re-check (--check) a golden trace")
@@ -3752,6 +3918,7 @@ def add_commands(sub):
                                          "sequence) or 1,2,3;4,5 (a batch)")
     gd.add_argument("--max-new-tokens", type=int, default=64)
     gd.add_argument("--eos-token-id", type=int)
+    gd.add_argument("--exact", **EXACT_FLAG)   # recorded in the trace's header
     gd.set_defaults(run=cmd_golden)
     t = sub.add_parser("train", parents=[remote_code_flag()],
                        help="train an EAGLE-3 drafter for a target on chat data")
@@ -3851,6 +4018,8 @@ def build_parser(*extensions, description="EAGLE-3 reference: with no command, r
     commands = add_commands(sub)
     for extend in extensions:
         extend(sub, commands)
+    if default is None:   # the main job is this parser's own
+        p.add_argument("--exact", **EXACT_FLAG)
     p.set_defaults(run=default or cmd_demo)
     return p
 

@@ -35,14 +35,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, atomic_write, attend, aux_inputs, aux_layer_ids, best_time, broadcast0,
-    broadcast_acceptance, build_assistant_lm, build_vocab_mapping, cache_append,
+    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time, broadcast0,
+    broadcast_acceptance, build_assistant_lm, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
     evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
@@ -486,114 +485,19 @@ def cmd_comm_plan(args):
 # ----------------------------------------------------------------------------------------
 # 3. serving layouts: rows (nn.Linear), and the invariant layout (exact in bf16)
 #
-# bench and cost-plan serve a target in one of LAYOUTS. This section is one block on
-# purpose: the invariant layout moves into the reference as its exact variant, and then
-# this section becomes a call into eagle3_ref.
+# bench and cost-plan serve a target in one of LAYOUTS: rows as loaded, or invariant, the
+# reference's exact path (make_exact: each verify row gets the bits of its own decode step,
+# so greedy speculation equals greedy decoding even in bf16). Greedy decoding runs the same
+# served target, so speedups stay like for like.
 
 LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
-# The invariant layout: a verify row gets the bits of its own decode step, so greedy
-# speculation equals greedy decoding even in bf16, where logits tie often enough that any
-# rounding difference parts the two (docs/costs_and_communication.md). Two kernels round a
-# row differently when other rows share the call: a one-row product takes another path than
-# an N-row one (torch's bf16 CPU matmul, measured on SmolLM2's MLP down projection: 334 of
-# 4,050 rows differ), and fused attention gives a query other bits when masked keys sit
-# beside its own. So one-row products run as two identical rows, and after the prefill each
-# query attends alone over exactly the keys it sees, in fp32 (bf16's one-query attention
-# took 175 us against 36 in fp32 here). Greedy decoding runs the same code, so speedups stay
-# like for like.
-
-class PairLinear(nn.Module):
-    """An nn.Linear whose one-row products run as two identical rows (the N-row kernel)."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-
-    def forward(self, x):
-        if x.numel() != x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        row = x.reshape(1, -1)
-        y = F.linear(torch.cat([row, row]), self.weight, self.bias)[:1]     # (1, out)
-        return y.view(*x.shape[:-1], -1)
-
-
-def visible_keys(bias, memo, start):
-    """Of an additive bias (T, S) (0 = visible) whose queries see every cached slot before
-    `start`: per query row the new slots it sees, as offsets from `start`, and whether each
-    row sees a prefix (a decode step, a chain) rather than a tree's branch. Worked out once
-    per forward: `memo` is shared by the model's layers."""
-    if memo.get("bias") is not bias:
-        rows, prefixes = [], True
-        for seen in bias.reshape(bias.shape[-2], bias.shape[-1]) == 0:           # (S,) bool
-            if not bool(seen[:start].all()):
-                fail("the invariant layout serves queries that see every cached slot (decode "
-                     "steps, chains and trees after a prefill); this mask hides some")
-            branch = seen[start:].nonzero()[:, 0]
-            rows.append(branch)
-            prefixes = prefixes and bool(seen[start:start + len(branch)].all())
-        memo.update(bias=bias, rows=rows, prefixes=prefixes)
-    return memo["rows"], memo["prefixes"]
-
-
-class RowAttention(nn.Module):
-    """A target layer's attention in fp32; after the prefill, each query row alone over its
-    own visible keys, the call a decode step makes for that position."""
-
-    def __init__(self, attention, memo):
-        super().__init__()
-        self.inner, self.memo = attention, memo
-
-    def forward(self, x, cos, sin, bias, kv=None, start=0):
-        if not isinstance(start, int):   # a batch of sequences, each with its own start
-            fail("the invariant layout serves one sequence at a time")
-        a = self.inner
-        q, k_new, v_new = a.project(x, cos, sin)                          # (B, ., T, hs)
-        k, v = cache_append(kv, start, k_new, v_new)                      # (B, Hkv, S, hs)
-        q = q.float()
-        if start == 0:   # the prefill: the same call in every decoder
-            return a.output(attend(q, k.float(), v.float(), bias.float()).to(x.dtype))
-        branches, prefixes = visible_keys(bias, self.memo, start)
-        # A decode step or a chain: row j reads the slots up to its own. A tree: each row's
-        # branch is laid right after the prefix, in fp32 copies of the slots, so it reads a
-        # prefix as its decode step does (gathering its keys instead copied the whole prefix
-        # per row: a tree of 8 nodes cost 1.6x a chain of 8, the same now).
-        if prefixes:
-            k, v = k.float(), v.float()
-        else:
-            k, v = k.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
-            k_new, v_new = k_new.float(), v_new.float()
-        ys = []
-        for j, branch in enumerate(branches):
-            end = start + len(branch)
-            if not prefixes:
-                k[:, :, start:end], v[:, :, start:end] = k_new[:, :, branch], v_new[:, :, branch]
-            ys.append(attend(q[:, :, j:j + 1], k[:, :, :end], v[:, :, :end], None))
-        return a.output(torch.cat(ys, 2).to(x.dtype))
-
-
-def check_layout(cfg, layout):
-    """Refuse, before any weight is loaded, a layout this target cannot be served in."""
-    if layout == "invariant" and cfg.mla:
-        fail("--layout invariant serves the Llama family's attention; this target uses MLA "
-             "(DeepSeek-V3 / Kimi-K2): use --layout rows")
-
-
 def use_layout(model, layout):
-    """Serve `model` in `layout` (LAYOUTS): rows keeps nn.Linear; invariant swaps a
-    target's linears for PairLinears and its attention for RowAttention (a drafter is
-    served as is: its rounding decides only which drafts are verified)."""
-    if layout == "rows" or not isinstance(model, Target):
-        return model
-    check_layout(model.cfg, layout)
-    memo = {}
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PairLinear(child))
-            if isinstance(child, E.Attention):
-                setattr(module, name, RowAttention(child, memo))
+    """Serve `model` in `layout` (LAYOUTS). A drafter is served as is: its rounding decides
+    only which drafts are verified."""
+    if layout == "invariant" and isinstance(model, Target):
+        return E.make_exact(model)
     return model
 
 
@@ -949,7 +853,6 @@ def cmd_cost_plan(args):
     t0, world = time.time(), world_info()[1]
     cfg, draft_cfg = cost_configs(args)
     check_tp_sizes(cfg, world)
-    check_layout(cfg, args.layout)
     shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
     timings, dtype, device = time_round(args, cfg, draft_cfg, world, shapes, sizes, layers)
     rows = cost_rows(timings, shapes, taus)
@@ -1378,7 +1281,6 @@ def bench_prompts(args, target_dir):
 def bench_models(args, target_dir, draft_dir):
     """(target, drafter, tokenizer) as bench serves them: in --layout, greedy and EAGLE-3
     alike (a layout the target cannot take is refused before its weights load)."""
-    check_layout(read_target_config(target_dir), args.layout)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
     draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),

@@ -5028,3 +5028,342 @@ if __name__ == "__main__":
         WORKERS[sys.argv[1]](*sys.argv[2:4])
         finish_worker()
     sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")
+
+
+# ========================================================================================
+# exact in low precision (make_exact): in bf16, each verify row gets its decode step's bits
+# ========================================================================================
+# Every check compares the exact path against decoding one token per forward (greedy
+# decoding, or decode steps along a given text) on the same served target, and the plain
+# bf16 path is the negative control: it must part somewhere, or the checks prove nothing.
+
+EXACT_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "ds-v3", "kimi"]
+EXACT_PROMPTS = 8         # random prompts per family (lengths 3..10)
+EXACT_NEW = 20            # tokens decoded per prompt
+EXACT_SHAPES = [(2, 3, 8), (1, 4, 6), (3, 2, 10)]   # trees, and a chain (tree top-k 1)
+
+
+def bf16_pair(zoo, name, seed=0):
+    """A ZOO target served in bf16 twice, plainly and on the exact path, with one drafter
+    sharpened (in fp32) on the target's greedy text, so acceptance goes deep."""
+    hf, target32 = zoo.hf(name), zoo.target(name)
+    texts = [torch.cat([p[0], hf_greedy(hf, p, 24)])
+             for p in (random_prompt(700 + seed + j, 6) for j in range(3))]
+    draft = sharpen(tiny_draft(target32, seed), target32, torch.stack(texts))
+    plain = E.load_target(zoo.dir(name), dtype=torch.bfloat16)
+    exact = E.make_exact(E.load_target(zoo.dir(name), dtype=torch.bfloat16))
+    return plain, exact, copy_draft(draft, plain), copy_draft(draft, exact)
+
+
+def copy_draft(draft, target):
+    """`draft`'s weights in a bf16 drafter that shares `target`'s embedding."""
+    new = E.new_draft(draft.cfg, target)
+    state = {k: v for k, v in draft.state_dict().items() if draft.owns(k)}
+    new.load_state_dict(state, strict=False)
+    return new.eval()
+
+
+def exact_prompts(family_index, n=EXACT_PROMPTS):
+    g = torch.Generator().manual_seed(900 + family_index)
+    return [torch.randint(0, VOCAB, (1, int(torch.randint(3, 11, (), generator=g))),
+                          generator=g) for _ in range(n)]
+
+
+def decode_step_logits(target, ids, n):
+    """Decode steps along ids (1, T) after a prefill of its first n tokens -> (T - n, V)
+    fp32: row j is the logits the token at position n + j is chosen from."""
+    cache = target.new_cache(ids.shape[1])
+    with torch.no_grad():
+        logits, _ = target(ids[:, :n], cache=cache, aux_layers=())
+        rows = [logits[0, -1]]
+        for i in range(n, ids.shape[1] - 1):
+            logits, _ = target(ids[:, i:i + 1], cache=cache, start=i, aux_layers=())
+            rows.append(logits[0, -1])
+    return torch.stack(rows).float()
+
+
+def path_rows(result):
+    """(output position, round, node) of every accepted node: node path[k] of a round whose
+    root is output token r holds the logits of output token r + k + 1."""
+    rows, root = [], 0
+    for i, r in enumerate(result.rounds):
+        rows += [(root + k + 1, i, int(node)) for k, node in enumerate(r.path)]
+        root += r.accepted + 1
+    return rows
+
+
+@pytest.fixture(scope="module")
+def exact_partings(zoo):
+    """Per family, every prompt, tree shape and preset in bf16, served plainly and on the
+    exact path: the cases where greedy speculation parted from the same target's greedy
+    decoding -> {family: dict(plain=[case], exact=[case], deepest=accept length)}."""
+    found = {}
+    for f, name in enumerate(EXACT_FAMILIES):
+        plain, exact, plain_draft, exact_draft = bf16_pair(zoo, name)
+        found[name] = dict(plain=[], exact=[], deepest=0)
+        for i, ids in enumerate(exact_prompts(f)):
+            for served, target, draft in (("plain", plain, plain_draft),
+                                          ("exact", exact, exact_draft)):
+                greedy = E.greedy_generate(target, ids, EXACT_NEW).tolist()
+                for j, shape in enumerate(EXACT_SHAPES):
+                    preset = list(E.PRESETS)[(i + j) % len(E.PRESETS)]
+                    out = E.speculative_generate(target, draft, ids, EXACT_NEW,
+                                                 tree=E.TreeShape(*shape), preset=preset)
+                    if out.tokens.tolist() != greedy:
+                        found[name][served].append((i, shape, preset))
+                    found[name]["deepest"] = max(found[name]["deepest"], *out.accept_lengths)
+        print(f"{name}: bf16 partings plain {len(found[name]['plain'])}, exact "
+              f"{len(found[name]['exact'])} of {EXACT_PROMPTS * len(EXACT_SHAPES)}")
+    return found
+
+
+@pytest.mark.parametrize("name", EXACT_FAMILIES)
+def test_exact_bf16_greedy_speculation_equals_greedy_decoding_every_preset_tree_and_chain(
+        exact_partings, name):
+    # Each prompt, tree or chain (tree top-k 1) and preset in bf16 on the exact path:
+    # speculation equals the same target's greedy decoding token for token.
+    assert exact_partings[name]["exact"] == [], name
+    assert exact_partings[name]["deepest"] >= 3          # verified rows went deep
+
+
+def test_the_plain_bf16_path_parts_where_the_exact_path_does_not(exact_partings):
+    # The negative control of the test above: without make_exact the same runs part.
+    assert sum(len(found["plain"]) for found in exact_partings.values()) > 0
+
+
+def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
+    # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
+    # probabilities acceptance draws against -- equal, bit for bit, those of the decode
+    # step at that position along the output; the plain bf16 path differs at some row.
+    plain, exact, plain_draft, exact_draft = bf16_pair(zoo, "llama")
+    sampling = E.Sampling(0.8, 0, 0.95, E.OFFICIAL_ORDER)
+    differ = Counter()
+    for seed, ids in enumerate(exact_prompts(50, 4)):
+        for served, target, draft in (("plain", plain, plain_draft), ("exact", exact, exact_draft)):
+            out = E.speculative_generate(target, draft, ids, EXACT_NEW, temperature=0.8,
+                                         top_p=0.95, tree=E.TreeShape(2, 3, 8), seed=seed,
+                                         record_logits=True)
+            steps = decode_step_logits(target, torch.cat([ids, out.tokens[None]], 1),
+                                       ids.shape[1])
+            for position, r, node in path_rows(out):
+                if position >= len(out.tokens):
+                    continue                             # past the budget: never used
+                row = out.rounds[r].logits[node]
+                same = torch.equal(row, steps[position])
+                differ[served] += not same
+                if served == "exact":
+                    assert same, (seed, position)
+                    assert torch.equal(E.warped_probs(row, sampling),
+                                       E.warped_probs(steps[position], sampling))
+    assert differ["plain"] > 0, "plain bf16 verify rows all equal their decode steps"
+
+
+def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo):
+    # The same prompt alone and at a random slot of a batch of 4 prompts of other lengths
+    # (a dense target and an MLA + MoE one): bitwise the same tokens and the same verify
+    # logits every round, and every row of the batch equals its own greedy decoding. The
+    # plain bf16 batch rounds the needle otherwise somewhere (the negative control).
+    g = torch.Generator().manual_seed(11)
+    needle = random_prompt(77, 7)
+    logits_differ = 0
+    for name in ("llama", "ds-v3"):
+        plain, exact, plain_draft, exact_draft = bf16_pair(zoo, name)
+        for trial in range(2):
+            others = [random_prompt(80 + 3 * trial + k, int(torch.randint(3, 12, (), generator=g)))
+                      for k in range(3)]
+            slot = int(torch.randint(0, 4, (), generator=g))
+            prompts = others[:slot] + [needle] + others[slot:]
+            for target, draft in ((exact, exact_draft), (plain, plain_draft)):
+                alone = E.speculative_generate(target, draft, needle, EXACT_NEW,
+                                               tree=E.TreeShape(2, 3, 8), record_logits=True)
+                batch = E.speculative_generate_batch(target, draft, prompts, EXACT_NEW,
+                                                     tree=E.TreeShape(2, 3, 8),
+                                                     record_logits=True)
+                same = [torch.equal(a.logits, b.logits)
+                        for a, b in zip(alone.rounds, batch[slot].rounds)]
+                if target is plain:
+                    logits_differ += not all(same)
+                    continue
+                assert batch[slot].tokens.tolist() == alone.tokens.tolist(), (name, trial, slot)
+                assert all(same), (name, trial, slot)
+                for ids, row in zip(prompts, batch):
+                    assert row.tokens.tolist() == E.greedy_generate(exact, ids,
+                                                                    EXACT_NEW).tolist()
+    assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
+
+
+def test_make_exact_twice_is_a_no_op(zoo):
+    target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
+    modules = list(target.modules())
+    assert E.make_exact(target) is target
+    assert list(target.modules()) == modules                    # nothing new, nothing nested
+    assert not any(isinstance(m, torch.nn.Linear) for m in modules)
+    assert all(type(m.weight) is torch.nn.Parameter for m in modules
+               if isinstance(m, E.RowInvariantLinear))
+    ids = random_prompt(5, 6)
+    once = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
+    assert torch.equal(target(ids)[0], once(ids)[0])          # served as once, bit for bit
+
+
+def test_make_exact_refuses_a_drafter_and_a_layer_it_cannot_serve_in_one_line(zoo):
+    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
+    with pytest.raises(E.Eagle3Error, match="serves a target"):
+        E.make_exact(tiny_draft(target, 0))
+
+    class Transposed(torch.nn.Module):     # a linear in another layout (the workbench's
+        def __init__(self, linear):        # columns layout stores W^T)
+            super().__init__()
+            self.weight_t = torch.nn.Parameter(linear.weight.t().contiguous())
+
+    target.model.layers[1].mlp.up_proj = Transposed(target.model.layers[1].mlp.up_proj)
+    with pytest.raises(E.Eagle3Error, match=r"model\.layers\.1\.mlp\.up_proj.*Transposed"):
+        E.make_exact(target)
+
+
+def test_a_float32_drafter_beside_a_bfloat16_target_is_a_one_line_error(zoo):
+    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
+    draft = tiny_draft(target, 0).float()
+    ids = random_prompt(1, 5)
+    for run in (lambda: E.speculative_generate(target, draft, ids, 4),
+                lambda: E.speculative_generate_batch(target, draft, [ids, ids], 4)):
+        with pytest.raises(E.Eagle3Error, match="drafter's weights are float32 but the "
+                                                "target's are bfloat16.*dtype=torch.bfloat16"):
+            run()
+
+
+def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
+    # Against transformers' forward over prompt + output: the row that chose token i is
+    # transformers' last-position logits after token i - 1 (fp32 round-off), its argmax.
+    target, ids = zoo.target("qwen2"), random_prompt(3, 7)
+    tokens, logits = E.greedy_generate(target, ids, 10, record_logits=True)
+    assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
+    full, _ = hf_forward(zoo.hf("qwen2"), torch.cat([ids, tokens[None, :-1]], 1))
+    assert_close(logits, full[ids.shape[1] - 1:], "greedy logits")
+    assert logits.argmax(-1).tolist() == tokens.tolist()
+    assert torch.equal(E.greedy_generate(target, ids, 10), tokens)   # the default: tokens
+
+
+# W = 2 (gloo) needs nothing (a sum of two is one addition); W = 3 sums in rank order.
+EXACT_TP = {2: dict(num_attention_heads=4, num_key_value_heads=2),
+            3: dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
+                    intermediate_size=96)}
+EXACT_TP_DS = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                   v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                   n_group=2, topk_group=1, first_k_dense_replace=2, moe_intermediate_size=24,
+                   intermediate_size=96)
+
+
+def exact_tp_worker(job):
+    """On every rank: each target in bf16 on the exact path, sharded over W ranks; greedy
+    decoding and speculation of each prompt."""
+    results = {}
+    for name, (target_dir, draft_dir) in job["models"].items():
+        target = E.make_exact(E.load_target(target_dir, dtype=torch.bfloat16))
+        draft = E.load_draft(draft_dir, target)
+        results[name] = dict(ordered=target.tp.reduce is E.sum_in_rank_order, runs=[
+            (E.greedy_generate(target, ids, EXACT_NEW).tolist(),
+             [E.speculative_generate(target, draft, ids, EXACT_NEW,
+                                     tree=E.TreeShape(*shape)).tokens.tolist()
+              for shape in EXACT_SHAPES[:2]])
+            for ids in job["prompts"]])
+    return results
+
+
+EXACT_TP_SCRIPT = """import os, sys, torch
+import test_eagle3_ref as R
+root = sys.argv[1]
+rank = R.E.init_distributed().rank
+torch.save(R.exact_tp_worker(torch.load(os.path.join(root, "job.pt"))),
+           os.path.join(root, f"rank{rank}.pt"))
+R.finish_worker()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_bf16_under_torchrun_greedy_speculation_equals_greedy_decoding(tmp_path, world):
+    models = {}
+    for family, extra in (("llama", {}), ("deepseek_v3", EXACT_TP_DS)):
+        sizes = dict(EXACT_TP[world], **extra)
+        if family == "deepseek_v3":            # MLA: as many kv heads as query heads
+            sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+        hf = tiny_model(family, world, 0.25, **sizes)
+        hf.save_pretrained(tmp_path / family)
+        target = E.load_target(str(tmp_path / family))
+        prompt = random_prompt(40 + world, 6)
+        text = torch.cat([prompt[0], hf_greedy(hf, prompt, 24)])
+        E.save_draft(sharpen(tiny_draft(target, world), target, text[None]),
+                     tmp_path / f"{family}-draft")
+        models[family] = (str(tmp_path / family), str(tmp_path / f"{family}-draft"))
+    prompts = [random_prompt(40 + world + k, 4 + k) for k in range(3)]
+    torch.save(dict(models=models, prompts=prompts), tmp_path / "job.pt")
+    (tmp_path / "worker.py").write_text(EXACT_TP_SCRIPT)
+    proc = finish(cli(tmp_path, world=world, script=tmp_path / "worker.py"), timeout=1200)[0]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for family in models:
+        assert all(r[family] == ranks[0][family] for r in ranks), family  # every rank alike
+        assert ranks[0][family]["ordered"] == (world > 2)
+        for greedy, speculative in ranks[0][family]["runs"]:
+            assert all(s == greedy for s in speculative), family
+
+
+class PlainParted(UserWarning):
+    """The plain bf16 path parted from greedy decoding: the fuzzer's negative control."""
+
+
+@pytest.mark.fuzz
+def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tmp_path):
+    # The fuzzer's case served in bf16 (at W = 1): on the exact path greedy speculation,
+    # alone and as row 0 of a batch of two, equals the same target's greedy decoding token
+    # for token; the plain bf16 path's partings are reported as the negative control.
+    case = fuzz_case(fuzz_seed)
+    hf = fuzz_hf_model(case)
+    hf.save_pretrained(tmp_path / "target")
+    draft = fuzz_draft(case, E.load_target(str(tmp_path / "target")), hf)
+    prompt, shape = torch.tensor([case.prompt]), E.TreeShape(*case.shape)
+    other = torch.tensor([[(t + 1) % case.config["vocab_size"] for t in case.prompt] + [0]])
+    for served in ("exact", "plain"):
+        target = E.load_target(str(tmp_path / "target"), dtype=torch.bfloat16)
+        target = E.make_exact(target) if served == "exact" else target
+        bf16_draft = copy_draft(draft, target)
+        greedy = E.greedy_generate(target, prompt, case.max_new_tokens, case.eos).tolist()
+        out = E.speculative_generate(target, bf16_draft, prompt, case.max_new_tokens, tree=shape,
+                                     eos_token_id=case.eos, preset=case.preset)
+        if served == "plain":
+            if out.tokens.tolist() != greedy:
+                warnings.warn(PlainParted(f"plain bf16 parted; {case.describe()}"))
+            continue
+        assert out.tokens.tolist() == greedy, f"exact bf16; {case.describe()}"
+        rows = E.speculative_generate_batch(target, bf16_draft, [prompt, other],
+                                            case.max_new_tokens, tree=shape,
+                                            eos_token_id=case.eos, preset=case.preset)
+        assert rows[0].tokens.tolist() == greedy, f"exact bf16 batch row 0; {case.describe()}"
+
+
+def test_golden_exact_records_the_switch_and_check_reruns_the_exact_path(zoo, tmp_path):
+    # golden --exact in bf16 writes exact: true in the header's config, --check re-runs it
+    # on the exact path (a match); the same file read as a plain run (the key absent, as in
+    # every trace written before it existed) diverges, so the key is what --check followed.
+    target = E.load_target(zoo.dir("llama"))
+    E.save_draft(tiny_draft(target, 2), tmp_path / "draft")
+    trace = tmp_path / "exact.safetensors"
+    args = ["--target", zoo.dir("llama"), "--draft", tmp_path / "draft", "--dtype", "bfloat16",
+            "--prompt-ids", "3,1,4,1,5,9", "--max-new-tokens", 12, "--tree-top-k", 2,
+            "--depth", 2, "--total-tokens", 6]
+    assert cli_here("golden", "--out", trace, "--exact", *args).returncode in (0, None)
+    header, tensors = golden_read(trace)
+    assert header["config"]["exact"] is True and header["version"] == 1
+    check = cli_here("golden", "--check", trace)
+    assert check.returncode == 0 and "match" in check.stdout, check.stdout + check.stderr
+    del header["config"]["exact"]
+    plain = tmp_path / "plain.safetensors"
+    save_file(tensors, plain, metadata={"eagle3_golden": json.dumps(header)})
+    check = cli_here("golden", "--check", plain)
+    assert check.returncode == 1 and "first divergence" in check.stdout, check.stdout
+
+
+def test_exact_is_a_switch_of_generate_golden_and_the_main_job_off_by_default():
+    parser = E.build_parser()
+    for argv in (["generate", "--prompt", "hi"], ["golden"], []):
+        assert parser.parse_args(argv).exact is False
+        assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
