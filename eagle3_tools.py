@@ -12,7 +12,8 @@ reference's own commands, generate / golden / train, work here too):
     5. the offline probe       capture, eval-draft, train --features
     6. benchmark               bench: ours against transformers on the same prompts
     7. real models             convert-gguf, prompts (ShareGPT), regenerate, curve, real-demo
-    8. command line            parsers and dispatch (each command's logic is in its section)
+    8. exact-probe             does each verify row round as its decode step on this stack?
+    9. command line            parsers and dispatch (each command's logic is in its section)
 
 Launch lines:
     python eagle3_tools.py bench                          # the tiny demo models, every peer
@@ -553,20 +554,27 @@ def randomise(module, generator, skip=lambda name: False):
                 b.zero_()
 
 
+def random_target(cfg, world, dtype, device, generator):
+    """The target of `cfg` (this rank's shard of W) built on the meta device, allocated once
+    on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    with torch.device("meta"):
+        target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
+    target = target.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
+        target.lm_head.weight = target.model.embed_tokens.weight
+    randomise(target, generator)
+    return target
+
+
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
                  layout="rows"):
     """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
     their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
     once on `device` in `dtype` (no fp32 copy on the CPU), filled with random weights and
     laid out for serving (use_layout)."""
-    with torch.device("meta"):
-        target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
-    target = target.to_empty(device=device)
-    if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
-        target.lm_head.weight = target.model.embed_tokens.weight
-    draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
-    randomise(target, generator)
+    target = random_target(cfg, world, dtype, device, generator)
+    draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
     randomise(draft, generator, skip=lambda name: not draft.owns(name))
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
@@ -1926,7 +1934,374 @@ def cmd_real_demo(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
+# 8. exact-probe: does each verify row round as its decode step, on this stack?
+#
+# Greedy speculation equals greedy decoding when every verify row has the bits of the
+# decode step at its position (the reference, section 7; its variant "exact in low
+# precision", make_exact, serves a target so). Whether a stack keeps that is a property of
+# its kernels, so it is measured here, for one dtype, device and serving path:
+#   (a) per operation: the model's own modules (layer 0's projections, norm and attention
+#       core; in the first MoE layer the router, expert 0 and the shared experts; the final
+#       norm and the lm_head) are fed the inputs one prefill gave them; row j of an M-row
+#       call is held against row j alone (the attention core: against row j's decode step
+#       over the prefix and rows < j), M = 1..N, bitwise. Each operation has its own inputs,
+#       so a flip is charged to the operation that makes it, not to those after it;
+#   (b) end to end (a model dir: it needs the tokenizer): greedy speculation against greedy
+#       decoding on prompts, where they part and the decode step's top-2 logit gap there (a
+#       near-tie one rounding flips), and each path's greedy against transformers' greedy
+#       generate in the same dtype (which greedy the path reproduces).
+# The plain path in bf16 on a CPU is the negative control: its rows flip and it parts.
+
+PROBE_PREFIX = 32    # cached tokens before the probed rows (the attention core's prefix)
+PROBE_ROWS = 16      # rows per call, M = 1..N (--rows)
+PROBE_TOKENS = 32    # new tokens per prompt end to end (--max-new-tokens)
+PROBE_PATHS = dict(plain=("plain",), exact=("exact",), both=("plain", "exact"))
+
+
+class ProbeInput(NamedTuple):
+    name: str          # the module's path in the target (found again after make_exact)
+    kind: str          # linear | norm | router | attention (by what the module is)
+    x: object          # its N input rows (N, in), or the attention core's (q, k, v, scale)
+    flat: bool         # served as (rows, in) (an expert, the router), else as (1, rows, in)
+
+
+class RowFlips(NamedTuple):
+    differ: int        # rows of an M-row call whose bits differ from the row alone
+    rows: int          # rows compared: N (N + 1) / 2
+    first_m: object    # the first M with a differing row (None: none differs)
+
+
+def probed_leaves(module, prefix):
+    """(path, module) of each operation under an attention, MLP or MoE: its direct children,
+    of a ModuleList of experts the first only (every expert has its shape)."""
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}"
+        if isinstance(child, nn.ModuleList):
+            yield from probed_leaves(child[0], f"{path}.0")
+        elif isinstance(child, (E.MLP, E.MoE)):
+            yield from probed_leaves(child, path)
+        else:
+            yield path, child
+
+
+def probed_modules(target):
+    """{path: module} of what the probe feeds: layer 0 whole, the first MoE layer's MoE,
+    the final norm and the lm_head."""
+    layers = target.model.layers
+    moe = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, E.MoE)), None)
+    picked = {"model.layers.0.input_layernorm": layers[0].input_layernorm}
+    picked.update(probed_leaves(layers[0].self_attn, "model.layers.0.self_attn"))
+    picked.update(probed_leaves(layers[0].mlp, "model.layers.0.mlp"))
+    if moe:
+        picked.update(probed_leaves(layers[moe].mlp, f"model.layers.{moe}.mlp"))
+    picked.update({"model.norm": target.model.norm, "lm_head": target.lm_head})
+    return picked, moe
+
+
+def probe_kind(module):
+    return ("norm" if isinstance(module, E.RMSNorm) else
+            "router" if isinstance(module, E.Router) else "linear")
+
+
+@torch.inference_mode()
+def probe_inputs(target, N, seed):
+    """One prefill of PROBE_PREFIX + N random tokens, recording what each probed module and
+    layer 0's attention core were given (then expert 0 fed every token, as a verify may
+    route them all to it) -> [ProbeInput], the last N rows of each."""
+    P, device = PROBE_PREFIX, target.lm_head.weight.device
+    ids = torch.randint(target.cfg.vocab_size, (1, P + N),
+                        generator=torch.Generator().manual_seed(seed)).to(device)
+    picked, moe = probed_modules(target)
+    seen, hooks = {}, []
+    for name, module in picked.items():
+        hooks.append(module.register_forward_pre_hook(
+            lambda m, args, name=name: seen.__setitem__(name, args[0])))
+    if moe:
+        hooks.append(target.model.layers[moe].mlp.register_forward_pre_hook(
+            lambda m, args: seen.__setitem__("moe", args[0])))
+    attn = target.model.layers[0].self_attn
+    core = attn.attend
+    attn.attend = lambda q, k, v, bias, scale=None: (
+        seen.__setitem__("attention", (q, k, v, scale)), core(q, k, v, bias, scale))[1]
+    try:
+        target(ids, cache=target.new_cache(P + N), aux_layers=())
+        if moe:
+            flat = seen["moe"].reshape(-1, target.cfg.hidden_size)
+            target.model.layers[moe].mlp.experts[0].partial(flat)
+    finally:
+        attn.attend = core
+        for hook in hooks:
+            hook.remove()
+    inputs = [ProbeInput("model.layers.0.self_attn.attend", "attention",
+                         seen["attention"], False)]
+    for name, module in picked.items():
+        x = seen.get(name)
+        if x is not None and x.numel() // x.shape[-1] == P + N:   # per token (not per head)
+            inputs.append(ProbeInput(name, probe_kind(module),
+                                     x.reshape(-1, x.shape[-1])[-N:], x.dim() == 2))
+    return inputs
+
+
+def attention_calls(module, q, k, v, scale):
+    """(M rows verified as a chain over the prefix -> (M, H, dv), row j's decode step ->
+    (H, dv)) of the attention core served in `module`, on the recorded q (1, H, P+N, d), k
+    and v. Dense attention reads its cache slab in place and MLA freshly expanded keys, as
+    each does when serving; the masks are the ones a verify and a decode step build."""
+    P, fresh, attend = PROBE_PREFIX, isinstance(module, E.MLAttention), module.attend
+    dtype, device = q.dtype, q.device
+
+    def keys(S):
+        k_s, v_s = k[:, :, :S], v[:, :, :S]                                 # (1, ., S, .)
+        return (k_s.contiguous(), v_s.contiguous()) if fresh else (k_s, v_s)
+
+    def rows(M):
+        chain = torch.ones(M, M, dtype=torch.bool, device=device).tril()
+        bias = E.attention_bias(E.prefix_mask(P, chain), dtype)            # (M, P+M)
+        return attend(q[:, :, P:P + M], *keys(P + M), bias, scale)[0].transpose(0, 1)
+
+    def alone(j):
+        bias = E.attention_bias(E.causal_mask(1, P + j, device), dtype)     # (1, P+j+1)
+        return attend(q[:, :, P + j:P + j + 1], *keys(P + j + 1), bias, scale)[0, :, 0]
+    return rows, alone
+
+
+def module_calls(module, x, flat):
+    """(M rows in one call, row j alone) of a linear, norm or router, called as served."""
+    def call(rows):
+        out = module(rows if flat else rows[None])
+        if isinstance(out, tuple):     # the router: (weights, expert ids), both compared
+            return torch.cat([out[0], out[1].to(out[0].dtype)], -1)
+        return out if flat else out[0]
+    return (lambda M: call(x[:M])), (lambda j: call(x[j:j + 1])[0])
+
+
+def row_flips(rows, alone, N):
+    """Row j of each M-row call against row j alone, M = 1..N, bitwise -> RowFlips."""
+    single = [alone(j) for j in range(N)]
+    differ, first = 0, None
+    for M in range(1, N + 1):
+        out = rows(M)
+        bad = sum(not torch.equal(out[j], single[j]) for j in range(M))
+        differ += bad
+        first = first or (M if bad else None)
+    return RowFlips(differ, N * (N + 1) // 2, first)
+
+
+@torch.inference_mode()
+def probe_ops(target, inputs, N):
+    """{operation: RowFlips} of the target as it is served now (each module looked up
+    again: make_exact swaps them)."""
+    flips = {}
+    for op in inputs:
+        if op.kind == "attention":
+            calls = attention_calls(target.get_submodule(op.name.rsplit(".", 1)[0]), *op.x)
+        else:
+            calls = module_calls(target.get_submodule(op.name), op.x, op.flat)
+        flips[op.name] = row_flips(*calls, N)
+    return flips
+
+
+def op_shape(target, op):
+    """The table's shape column: in -> out widths, or the attention core's heads."""
+    if op.kind == "attention":
+        q = op.x[0]
+        return f"{q.shape[1]} heads x {q.shape[-1]}, +{PROBE_PREFIX} cached"
+    weight = getattr(target.get_submodule(op.name), "weight", None)
+    if op.kind == "norm" or weight is None or weight.dim() != 2:
+        return f"{op.x.shape[-1]}"
+    return f"{weight.shape[1]} -> {weight.shape[0]}" + (" experts" if op.kind == "router" else "")
+
+
+def flips_table(shapes, flips, paths):
+    """The per-operation table: per path, rows that differ / rows compared, first M."""
+    cells = [f"{p + ': differ/rows':>20s} {'first M':>7s}" for p in paths]
+    lines = [f"{'operation':38s} {'shape':24s} " + " ".join(cells)]
+    for name, shape in shapes.items():
+        cells = [f"{f'{f.differ}/{f.rows}':>20s} {str(f.first_m or '-'):>7s}"
+                 for f in (flips[p][name] for p in paths)]
+        lines.append(f"{name.removeprefix('model.'):38s} {shape:24s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+class Parting(NamedTuple):
+    at: object         # first new token where greedy speculation differs from greedy decoding
+    gap: object        # the top-2 logit gap of greedy decoding's step there
+    hf_at: object      # first new token where greedy decoding differs from transformers'
+    tau: float         # accepted tokens per round (a random drafter: about 1)
+
+
+def first_parting(a, b):
+    """The first index where token lists a and b differ; None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def probe_prompt(target, draft, ids, n, shape, eos, hf_tokens):
+    """Greedy speculation against greedy decoding (and transformers' greedy) on one prompt."""
+    greedy, logits = E.greedy_generate(target, ids, n, eos, record_logits=True)
+    spec = speculative_generate(target, draft, ids, n, tree=shape, eos_token_id=eos)
+    at = first_parting(spec.tokens.tolist(), greedy.tolist())
+    top = logits[at].topk(2).values if at is not None and at < len(logits) else None
+    return Parting(at, None if top is None else float(top[0] - top[1]),
+                   None if hf_tokens is None else first_parting(greedy.tolist(), hf_tokens),
+                   sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1))
+
+
+def hf_greedy(target_dir, prompts, n, eos, dtype, device):
+    """transformers' greedy generate of each prompt in `dtype` -> new-token lists, or None
+    when transformers cannot load the model."""
+    from transformers import AutoModelForCausalLM
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
+        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); no agreement with "
+              f"its generate is reported", file=sys.stderr)
+        return None
+    pad = eos[0] if isinstance(eos, list) else eos
+    with torch.inference_mode():
+        return [hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=n, eos_token_id=eos, pad_token_id=pad
+                            )[0, ids.shape[1]:].tolist() for ids in prompts]
+
+
+def probe_draft(args, target):
+    """--draft, else a fresh random drafter (its lm_head the target's rows): it drafts
+    badly, but every round's bonus token is read off a verify row all the same."""
+    if args.draft:
+        return load_draft(args.draft, target, dtype=target.lm_head.weight.dtype,
+                          aux_convention=args.aux_convention), args.draft
+    V = target.cfg.vocab_size
+    identity = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))  # d2t, t2d
+    return (fresh_draft(draft_config_for(target, V), target, args.seed, identity,
+                        head_from_target=True),
+            "fresh random (no --draft; partings come from the verify rows all the same)")
+
+
+def probe_target(args):
+    """--target's weights, or --config's shapes with random weights (the first --layers
+    layers), in --dtype (default bf16: the dtype served) on --device -> (target, source)."""
+    from dataclasses import replace
+    device = cost_device(args.device)
+    dtype = parse_dtype(args.dtype or "bfloat16")
+    if args.target:
+        return load_target(args.target, dtype=dtype, device=device).eval(), args.target
+    cfg = read_target_config(config_dir(args.config))
+    layers = args.layers or cfg.n_layers
+    if layers > cfg.n_layers:
+        fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
+    generator = torch.Generator(device).manual_seed(args.seed)
+    target = random_target(replace(cfg, n_layers=layers), 1, dtype, device, generator)
+    return (target.eval().requires_grad_(False),
+            f"{config_dir(args.config)} (random weights, {layers} of {cfg.n_layers} layers)")
+
+
+def check_probe_args(args):
+    if (args.target is None) == (args.config is None):
+        fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
+             "end) or --config DIR|config.json (random weights at its shapes: per operation)")
+    if args.config and (args.prompts or args.draft):
+        flag = "--prompts" if args.prompts else "--draft"
+        fail(f"{flag} is for the end-to-end probe, which needs a model dir's weights and "
+             f"tokenizer: give --target DIR instead of --config")
+    if args.target and args.layers:
+        fail("--layers builds a slice of a --config's model; a --target is loaded whole")
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
+             f"(the first token comes from the prefill); use at least 2")
+
+
+def probe_prompts(args, target):
+    """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts
+    (the bench's prompt file reader), else bench's one prompt."""
+    tokenizer = load_tokenizer(args.target, args)
+    rows = (per_category(read_prompt_file(args.prompts), args.per_category) if args.prompts
+            else [dict(prompt=BENCH_PROMPT, category="")])
+    device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
+    prompts = [encode_prompt(tokenizer, r["prompt"], True, device) for r in rows]
+    eos = eos_ids(tokenizer, args.target)
+    return rows, prompts, eos, hf_greedy(args.target, prompts, args.max_new_tokens, eos, dtype,
+                                         device)
+
+
+def partings_table(rows, ends, paths):
+    """Per prompt and path: where speculation parts (-: never), the top-2 gap there, and
+    whether greedy equals transformers' generate (yes, @position, n/a)."""
+    cells = [f"{p + ': parts at':>16s} {'top-2 gap':>10s} {'= hf':>6s}" for p in paths]
+    lines = [f"{'#':>3s} {'category':12s} " + " ".join(cells)]
+    for i, row in enumerate(rows):
+        cells = []
+        for e in (ends[p][i] for p in paths):
+            hf = "n/a" if e.hf_at == "n/a" else "yes" if e.hf_at is None else f"@{e.hf_at}"
+            cells.append(f"{'-' if e.at is None else e.at:>16} "
+                         f"{'-' if e.gap is None else f'{e.gap:.4g}':>10s} {hf:>6s}")
+        lines.append(f"{i:3d} {row['category'][:12]:12s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def end_to_end_summary(ends, hf_known):
+    """{path: partings, agreement with transformers, per prompt}, printed one line each."""
+    summary = {}
+    for path, parts in ends.items():
+        parted = [e for e in parts if e.at is not None]
+        agree = sum(e.hf_at is None for e in parts) if hf_known else None
+        print0(f"{path}: greedy speculation parts from greedy decoding on {len(parted)} of "
+               f"{len(parts)} prompts" + (f"; its greedy equals transformers' generate on "
+                                           f"{agree} of {len(parts)}" if hf_known else ""))
+        summary[path] = dict(prompts=len(parts), partings=len(parted), agree_hf=agree,
+                             per_prompt=[e._asdict() for e in parts])
+    return summary
+
+
+def cmd_exact_probe(args):
+    t0, paths, N = time.time(), PROBE_PATHS[args.path], args.rows
+    check_probe_args(args)
+    target, source = probe_target(args)
+    cfg, dtype = target.cfg, target.lm_head.weight.dtype
+    if PROBE_PREFIX + max(N, args.max_new_tokens + args.total_tokens) > cfg.max_positions:
+        fail(f"max_position_embeddings={cfg.max_positions} is too short for the probe")
+    end_to_end = probe_prompts(args, target) if args.target else None
+    draft, drafter = probe_draft(args, target) if end_to_end else (None, None)
+    inputs = probe_inputs(target, N, args.seed)
+    shapes = {op.name: op_shape(target, op) for op in inputs}
+    flips, ends = {}, {}
+    for path in paths:
+        if path == "exact":
+            E.make_exact(target)
+        flips[path] = probe_ops(target, inputs, N)
+        if end_to_end:
+            rows, prompts, eos, hf = end_to_end
+            ends[path] = [probe_prompt(target, draft, ids, args.max_new_tokens, tree_shape(args),
+                                       eos, None if hf is None else hf[i])
+                          for i, ids in enumerate(prompts)]
+            if hf is None:
+                ends[path] = [e._replace(hf_at="n/a") for e in ends[path]]
+    device = target.lm_head.weight.device.type
+    print0(f"{source}: {cfg.family}, {str(dtype)[6:]} on {device}; per operation: row j of "
+           f"an M-row call against row j alone (attention: its decode step), M = 1..{N}, "
+           f"bitwise")
+    print0(flips_table(shapes, flips, paths))
+    report = dict(source=source, family=cfg.family, dtype=str(dtype)[6:], device=device,
+                  rows=N, prefix=PROBE_PREFIX, paths=list(paths),
+                  ops=[dict(op=op.name, kind=op.kind, shape=shapes[op.name],
+                            **{p: flips[p][op.name]._asdict() for p in paths}) for op in inputs],
+                  differing_ops={p: sum(f.differ > 0 for f in flips[p].values()) for p in paths})
+    if end_to_end:
+        rows = end_to_end[0]
+        print0(f"end to end: {len(rows)} prompts, {args.max_new_tokens} new tokens, tree "
+               f"{tuple(tree_shape(args))}, drafter {drafter}")
+        print0(partings_table(rows, ends, paths))
+        report.update(drafter=drafter, tree=list(tree_shape(args)),
+                      max_new_tokens=args.max_new_tokens,
+                      end_to_end=end_to_end_summary(ends, end_to_end[3] is not None))
+    else:
+        print0("end to end: needs a model dir's weights and tokenizer (--target DIR)")
+    print0(json.dumps(dict(report, seconds=round(time.time() - t0, 1))))
+
+
+# ----------------------------------------------------------------------------------------
+# 9. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
 # dispatch only; each command's logic stands in its tool's section
 
 
@@ -1942,6 +2317,8 @@ FLAGS = dict(  # the flags several commands take: one spelling, type, default an
     draft_vocab_size=dict(type=int, help="the drafter's output vocabulary (d2t)"),
     aux_convention=AUX_CONVENTION_FLAG,
     dtype=dict(help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
+    device=dict(choices=("cpu", "cuda"), help="default: cuda when present"),
+    per_category=dict(type=int, help="only the first N prompts of each category"),
     layout=dict(choices=LAYOUTS, default="rows", help="how the target runs (invariant: each "
                 "verify row bit-equal to its decode step, exact in bf16)"),
     max_len=dict(type=int, default=2048, help="tokens per conversation"),
@@ -2027,10 +2404,10 @@ def add_probe_commands(sub, train):
 
 def add_bench_command(sub):
     models, tree, _ = flag_groups()
-    b = sub.add_parser("bench", parents=[models, tree, common("prompts", "layout", "seed",
+    b = sub.add_parser("bench", parents=[models, tree, common("prompts", "per_category",
+                                                              "layout", "seed",
                                                               seed="the T=1 run's seed")],
                        help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
-    b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
@@ -2059,12 +2436,11 @@ def add_cost_commands(sub):
     cp.set_defaults(run=cmd_comm_plan)
     co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
                         "weights): break-even tau and speedup per shape", parents=[common(
-                            "config!", "draft_vocab_size", "dtype", "tree", "tau", "seed",
-                            "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
+                            "config!", "draft_vocab_size", "dtype", "device", "tree", "tau",
+                            "seed", "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
                                                       f"standard: {COST_DRAFT_VOCAB})")])
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
-    co.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
     co.add_argument("--sweep", help="verify sizes N, e.g. 1,2,4,8,16,32,64 (the default)")
     co.add_argument("--layers", type=int, help="time a slice of this many layers and scale "
@@ -2073,6 +2449,26 @@ def add_cost_commands(sub):
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
     co.set_defaults(run=cmd_cost_plan)
+
+
+def add_exact_probe_command(sub):
+    _, tree, _ = flag_groups()
+    ep = sub.add_parser("exact-probe", help="does each verify row round as its decode step? "
+                        "per operation, and greedy speculation against greedy decoding",
+                        parents=[tree, common(
+                            "target", "config", "draft", "prompts", "per_category", "dtype",
+                            "device", "seed", "aux_convention", remote=True,
+                            target="model dir: per operation and end to end (its tokenizer)",
+                            config="or a model dir or config.json: random weights at its "
+                                   "shapes, per operation only",
+                            draft="drafter dir (default: a fresh random one)",
+                            dtype="float32 | bfloat16 | float16 (default: bfloat16, as served)")])
+    ep.add_argument("--path", choices=tuple(PROBE_PATHS), default="both",
+                    help="the serving path: plain, exact (make_exact) or both side by side")
+    ep.add_argument("--rows", type=int, default=PROBE_ROWS, help="rows per call: M = 1..N")
+    ep.add_argument("--layers", type=int, help="with --config: build only the first K layers")
+    ep.add_argument("--max-new-tokens", type=int, default=PROBE_TOKENS)
+    ep.set_defaults(run=cmd_exact_probe)
 
 
 def add_real_commands(sub):
@@ -2121,11 +2517,12 @@ def add_tool_commands(sub, commands):
     add_probe_commands(sub, commands["train"])
     add_bench_command(sub)
     add_real_commands(sub)
+    add_exact_probe_command(sub)
 
 
 TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
     "tp", "max_examples", "draft_cost", "verify_cost", "context", "layers", "repeats",
-    "limit", "per_category")
+    "limit", "per_category", "rows")
 TOOL_PATH_FLAGS = dict(
     E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",
     assistant="dir", features="dir", against_data="file", config="any", draft_config="any",
