@@ -990,6 +990,116 @@ def test_the_invariant_layout_serves_a_mask_that_hides_cached_slots(train_chat_t
 
 
 # ========================================================================================
+# tools: exact-probe (per operation: row j of an M-row call against row j alone; end to end:
+# greedy speculation against greedy decoding, plain and exact)
+# ========================================================================================
+
+
+class RowCounted(torch.nn.Module):
+    """A planted row-dependent operation: a linear whose output grows by 1/16 whenever more
+    than one row shares the call (a kernel that rounds by batch size, exaggerated). It holds
+    no weight of its own, so make_exact serves the linear inside it and leaves the rest."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * (1 + 2 ** -4) if x.numel() > x.shape[-1] else y
+
+
+def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone(train_chat_target):
+    """On the exact path every operation but the planted one keeps each row's bits; the
+    planted one differs in every row of every call of M >= 2: 6*7/2 - 1 of 21 rows."""
+    target = E.load_target(train_chat_target.dir, dtype=torch.bfloat16)
+    mlp = target.model.layers[0].mlp
+    mlp.up_proj = RowCounted(mlp.up_proj)
+    E.make_exact(target)
+    inputs = T.probe_inputs(target, 6, seed=0)
+    flips = T.probe_ops(target, inputs, 6)
+    assert {"model.layers.0.self_attn.attend", "model.layers.0.self_attn.q_proj",
+            "model.layers.0.mlp.down_proj", "model.norm", "lm_head"} <= set(flips)
+    assert flips.pop("model.layers.0.mlp.up_proj") == T.RowFlips(differ=20, rows=21, first_m=2)
+    assert all(f == T.RowFlips(0, 21, None) for f in flips.values()), flips
+
+
+def test_row_flips_count_by_hand():
+    """Row j of an M-row call is compared with row j alone for M = 1..3 (6 rows): a call
+    that breaks only row 1 once three rows share it is one differing row, first at M = 3."""
+    alone = lambda j: torch.tensor([float(j)])                          # noqa: E731
+    rows = lambda M: torch.tensor([[0.0], [1.5 if M == 3 else 1.0], [2.0]][:M])  # noqa: E731
+    assert T.row_flips(rows, alone, 3) == T.RowFlips(differ=1, rows=6, first_m=3)
+    assert T.first_parting([1, 2, 3], [1, 2, 3]) is None
+    assert T.first_parting([1, 2, 3], [1, 4, 3]) == 1
+    assert T.first_parting([1, 2], [1, 2, 5]) == 2                     # one stopped at EOS
+
+
+def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_target, tmp_path):
+    """A tiny bf16 target, both paths side by side: the exact path keeps every row of every
+    operation and never parts; the plain path's columns are measured the same way (whether
+    they flip depends on this machine's kernels); greedy is held against transformers'."""
+    mt = tmp_path / "question.jsonl"
+    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[t, "more"])) + "\n"
+                          for i, (c, t) in enumerate([("a", "hello there"), ("a", "skip me"),
+                                                      ("b", "tell me a story")])))
+    proc = cli_here("exact-probe", "--target", train_chat_target.dir, "--prompts", mt,
+                    "--per-category", 1, "--rows", 8, "--max-new-tokens", 12,
+                    "--tree-top-k", 2, "--depth", 3, "--total-tokens", 8)
+    report = last_json(proc)
+    assert report["dtype"] == "bfloat16" and report["paths"] == ["plain", "exact"]
+    ops = {op["op"]: op for op in report["ops"]}
+    assert {"model.layers.0.self_attn.attend", "model.layers.0.input_layernorm",
+            "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.gate_proj",
+            "lm_head"} <= set(ops)
+    assert all(op["plain"]["rows"] == op["exact"]["rows"] == 36 for op in ops.values())
+    assert report["differing_ops"]["exact"] == 0
+    assert all(op["exact"] == dict(differ=0, rows=36, first_m=None) for op in ops.values())
+    e2e = report["end_to_end"]
+    assert e2e["exact"]["prompts"] == e2e["plain"]["prompts"] == 2     # one per category
+    assert e2e["exact"]["partings"] == 0
+    assert all(p["at"] is None and p["gap"] is None for p in e2e["exact"]["per_prompt"])
+    for path in ("plain", "exact"):
+        assert 0 <= e2e[path]["agree_hf"] <= 2
+        parts = [p for p in e2e[path]["per_prompt"] if p["at"] is not None]
+        assert e2e[path]["partings"] == len(parts) and all(p["gap"] >= 0 for p in parts)
+    assert report["drafter"].startswith("fresh random")
+    assert re.search(r"^layers\.0\.self_attn\.attend +4 heads x 8, \+32 cached +\d+/36 +"
+                     r"[-\d]+ +0/36 +-$", proc.stdout, re.M), proc.stdout
+
+
+def test_exact_probe_feeds_mla_and_moe_operations_of_a_deepseek_config(zoo):
+    """A deepseek_v3 config with random weights: MLA's projections and latent norm, the
+    router, one routed expert and the shared experts are probed, each row kept exact."""
+    report = last_json(cli_here("exact-probe", "--config", zoo.dir("ds-v3"), "--layers", 3,
+                                "--rows", 4, "--path", "exact"))
+    ops = {op["op"]: op for op in report["ops"]}
+    assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.q_b_proj",
+            "model.layers.0.self_attn.kv_a_proj_with_mqa", "model.layers.0.self_attn.kv_b_proj",
+            "model.layers.0.self_attn.kv_a_layernorm", "model.layers.2.mlp.gate",
+            "model.layers.2.mlp.experts.0.down_proj",
+            "model.layers.2.mlp.shared_experts.up_proj"} <= set(ops)
+    assert ops["model.layers.2.mlp.gate"]["kind"] == "router"
+    assert all(op["exact"]["differ"] == 0 for op in ops.values()) and "end_to_end" not in report
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--path", "bogus"], "argument --path: invalid choice: 'bogus'"),
+    ([], "exact-probe takes one of --target DIR"),
+    (["--target", "{model}", "--config", "{model}"], "exact-probe takes one of --target DIR"),
+    (["--config", "{model}", "--prompts", "{prompts}"], "--prompts is for the end-to-end probe"),
+    (["--target", "{model}", "--layers", "2"], "--layers builds a slice of a --config"),
+    (["--target", "{model}", "--rows", "0"], "--rows 0 must be > 0"),
+    (["--config", "{model}", "--layers", "99"], "--layers 99 exceeds the model's"),
+])
+def test_exact_probe_refuses_bad_input_in_one_line(argv, says, train_chat_target, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    paths = dict(model=train_chat_target.dir, prompts=tmp_path / "p.jsonl")
+    argv = [a.format(**paths) for a in argv]
+    assert says in R.refused(cli_here("exact-probe", *argv))
+
+
+# ========================================================================================
 # tools: bench
 # ========================================================================================
 
