@@ -2259,8 +2259,9 @@ def cmd_exact_probe(args):
     check_probe_args(args)
     target, source = probe_target(args)
     cfg, dtype = target.cfg, target.lm_head.weight.dtype
-    if PROBE_PREFIX + max(N, args.max_new_tokens + args.total_tokens) > cfg.max_positions:
-        fail(f"max_position_embeddings={cfg.max_positions} is too short for the probe")
+    if PROBE_PREFIX + N > cfg.max_positions:
+        fail(f"--rows {N}: {PROBE_PREFIX} cached tokens and {N} rows pass the model's "
+             f"max_position_embeddings={cfg.max_positions}; use fewer --rows")
     end_to_end = probe_prompts(args, target) if args.target else None
     draft, drafter = probe_draft(args, target) if end_to_end else (None, None)
     inputs = probe_inputs(target, N, args.seed)
