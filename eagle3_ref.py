@@ -1951,9 +1951,11 @@ class DeepSeekTarget(Target):
 #   1) a matmul rounds a row differently when it is alone: torch's bf16 CPU kernel takes
 #      another path for one row than for N (measured on SmolLM2's down projection: 334 of
 #      4,050 rows differ). So every linear (attention, MLP, every expert and the shared
-#      experts, the lm_head; the router's product too, still in fp32) runs a one-row product
-#      as two identical rows: a decode step then takes the kernel of a verify, which rounds
-#      a row alike whatever the number of rows (the tests check it);
+#      experts, the lm_head) runs a one-row product as two identical rows: a decode step
+#      then takes the kernel of a verify, which rounds a row alike whatever the number of
+#      rows (the tests and exact-probe check it). The router's product stays fp32, where
+#      the CPU kernel rounds a row differently once 4 rows share a call (exact-probe, a
+#      deepseek_v3 config on an AVX2 EPYC: 30 of 36 rows), so it runs row by row;
 #   2) fused attention gives a query other bits when masked keys sit beside its own. So
 #      each query row attends alone, in fp32, over exactly the keys its mask shows, gathered
 #      in slot order into a fresh tensor: the call its decode step makes, whatever the
@@ -1985,6 +1987,12 @@ def rows_linear(x, weight, bias=None):
         return F.linear(x, weight, bias)
     row = x.reshape(1, -1)
     return F.linear(torch.cat([row, row]), weight, bias)[:1].view(*x.shape[:-1], -1)
+
+
+def each_row_linear(x, weight):
+    """F.linear of x (N, D), each row in its own (paired) call: bits that cannot depend on
+    how many rows came together."""
+    return torch.cat([rows_linear(row[None], weight) for row in x]) if len(x) else x @ weight.T
 
 
 def fp32_copy(x):
@@ -2046,7 +2054,7 @@ def make_exact(target):
         if isinstance(module, (Attention, MLAttention)):
             module.attend = attend_rows
         if isinstance(module, Router):
-            module.product = rows_linear
+            module.product = each_row_linear
     if target.tp.size > 2:   # W = 2: one addition, in either order the same bits
         group = target.tp._replace(reduce=sum_in_rank_order)
         for module in target.modules():
