@@ -74,12 +74,6 @@ def token_strings(tokenizer, ids):
             for i in ids]
 
 
-def data_tokens(tokenizer, path):
-    """Token ids of a JSONL chat file through the tokenizer's chat template."""
-    conversations = read_conversations(path)
-    return [t for m in conversations for t in tokenize_conversation(tokenizer, m).tokens]
-
-
 class VocabFit(NamedTuple):
     matching: int         # d2t entries naming the same token string in both tokenizers
     entries: int          # draft vocab size
@@ -100,7 +94,8 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
     matching = sum(a is not None and a == b for a, b in zip(old, new))
     coverage = None
     if data:
-        ids = torch.tensor(data_tokens(target_tokenizer, data))
+        ids = torch.tensor([t for m in read_conversations(data)
+                            for t in tokenize_conversation(target_tokenizer, m).tokens])
         keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
         ids = ids[ids < len(keep)]
         coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
@@ -160,8 +155,8 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     old_cfg = read_json(os.path.join(draft_dir, "config.json"))
     if d2t_old is None:
         d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
-    old_rows = {s: i for i, s in enumerate(token_strings(
-        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
+    old_rows = {s: i for i, s in enumerate(token_strings(draft_tokenizer, vocab_map_ids(d2t_old)))
+                if s is not None}
     examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
     d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
                                    draft_vocab_size)
@@ -172,10 +167,9 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     skip = {"lm_head.weight", "d2t", "t2d"}
     load_state(draft, Checkpoint(draft_dir), 0, 1,
                skip=lambda name: name in skip or not draft.owns(name))
-    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
     carried = 0
     with torch.no_grad():
-        for j, s in enumerate(new_strings):
+        for j, s in enumerate(token_strings(target_tokenizer, vocab_map_ids(d2t))):
             if s in old_rows:
                 draft.lm_head.weight[j] = old_head[old_rows[s]]
                 carried += 1
@@ -276,8 +270,7 @@ def draft_check_accuracy(args, candidates):
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    accuracy = aux_fit(target, draft, examples, tokenizer.pad_token_id or 0, candidates)
     ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
     for indices in ranked:
         names = ", ".join(c for c, v in candidates.items() if v == indices)
@@ -1060,8 +1053,6 @@ def capture_features(target, examples, out, aux_layers):
 
 def captured_files(path):
     """{sample index: file} of a features dir in SpecForge's layout (.ckpt or .ckpt.gz)."""
-    if not os.path.isdir(path):
-        fail(f"--features {path!r} is not a directory of captured features (rows_*/data_*.ckpt)")
     found = {}
     for group in sorted(os.listdir(path)):
         if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
@@ -1585,8 +1576,6 @@ def convert_gguf(path, out):
 
 def cmd_convert_gguf(args):
     path = args.gguf or wheel_file(GGUF_WHEEL, ".gguf", "--gguf")
-    if not os.path.isfile(path):
-        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
     if os.path.isfile(os.path.join(args.out, "config.json")):
         print0(f"{args.out} already holds a converted model; delete it to convert again")
         return
@@ -1668,10 +1657,7 @@ def sharegpt_sets(path):
 
 
 def write_jsonl(path, rows):
-    def write(f):
-        with open(f, "w", encoding="utf-8") as out:
-            out.writelines(json.dumps(r) + "\n" for r in rows)
-    atomic_write(path, write)
+    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
 
 
 def conversation_rows(rows):
@@ -1711,14 +1697,9 @@ def prompt_row(line, where):
 def read_prompt_file(path):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
     MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
-    if not os.path.isfile(path):
-        fail(f"--prompts {path!r} is not a file; give a JSONL file of {{\"prompt\": ...}} or "
-             f"MT-bench questions")
-    rows = []
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                rows.append(prompt_row(line, f"{path}:{line_no}"))
+        rows = [prompt_row(line, f"{path}:{line_no}")
+                for line_no, line in enumerate(f, 1) if line.strip()]
     if not rows:
         fail(f"--prompts {path!r} holds no prompts")
     return rows
@@ -1795,8 +1776,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
         finished = j + len(chunk)
         bar.show(start + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
-    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(done[p]) + "\n"
-                                                      for p in kept)))
+    write_jsonl(out, [done[p] for p in kept])
     os.remove(partial)
     return len(todo), len(prompts) - len(kept)
 
