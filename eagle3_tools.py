@@ -593,15 +593,10 @@ def use_layout(model, layout):
 # ----------------------------------------------------------------------------------------
 # 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
 #
-# Whether speculation pays is tau set against what a round costs, and the cost side needs
-# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
-# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
-# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
-# plain decoding is one target forward per token. Weights do not change these costs (shapes,
-# dtype and device do), so random weights at the real shapes measure them exactly: the
-# models are built on the meta device and allocated once, on the device, in their dtype.
-# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
-# tokens per round decodes tau / cost times as fast as plain decoding.
+# Whether speculation pays is tau set against what a round costs (docs/costs_and_
+# communication.md), and the cost side needs neither a drafter nor trained weights: weights
+# do not change it (shapes, dtype and device do), so random weights at the real shapes
+# measure it exactly. In plain decode steps a round's cost is the break-even tau.
 #
 # The five adapters below (build, decode, verify, draft, accept) are the only calls into
 # Part I from here: a change of signature there is mended in one place.
@@ -700,12 +695,6 @@ def chain_tree(N):
                 mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
 
 
-def lm_ends(target, ids):
-    """The part of a target forward outside its layers (embedding, final norm, lm_head) on
-    ids (1, T): it does not grow with depth, so a slice's time scales without it."""
-    return target.lm_head(target.model.norm(target.model.embed_tokens(ids)))   # (1, T, V)
-
-
 class CostTimings(NamedTuple):
     """Seconds of each piece of a round, measured by cost-plan (or handed in by a test)."""
     decode: float      # one plain decode step at the context
@@ -734,13 +723,6 @@ def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
     return timer
 
 
-def all_reduces(payload, calls):
-    """A verify's collectives alone: `calls` all-reduces of an (N, D) zero payload (zeros
-    stay zeros, so repeating them never overflows)."""
-    for _ in range(calls):
-        dist.all_reduce(payload)
-
-
 @torch.inference_mode()
 def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
     """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
@@ -754,9 +736,9 @@ def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
     for N in sizes:
         tree = chain_tree(N)
         verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
-        if calls:
+        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
             payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
-            allreduce[N] = timer(lambda: all_reduces(payload, calls))[1]
+            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
     features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
     next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
     root = torch.tensor(0, device=device)
@@ -771,16 +753,18 @@ def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
 
 @torch.inference_mode()
 def measure_ends(target, sizes, timer):
-    """{T: seconds of lm_ends on T tokens} for T = 1 (a decode step) and each verify size."""
-    device = target.lm_head.weight.device
-    return {T: timer(lambda: lm_ends(target, torch.zeros(1, T, dtype=torch.long,
-                                                         device=device)))[1]
-            for T in sorted({1, *sizes})}
+    """{T: seconds of a target forward's ends (embedding, final norm, lm_head) on T tokens}
+    for T = 1 (a decode step) and each verify size: they do not grow with depth, so a
+    slice's time scales without them."""
+    m, device = target.model, target.lm_head.weight.device
+    ids = {T: torch.zeros(1, T, dtype=torch.long, device=device) for T in sorted({1, *sizes})}
+    return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1]
+            for T, x in ids.items()}
 
 
 def full_depth(timings, ends, built, layers):
     """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
-    target forward (all of it but lm_ends) grows in proportion; drafting and bookkeeping do
+    target forward (all of it but its ends) grows in proportion; drafting and bookkeeping do
     not. An estimate: it takes every layer to cost the same, as in a dense model."""
     def scaled(seconds, T):
         return ends[T] + (seconds - ends[T]) * layers / built
