@@ -157,7 +157,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
         d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
     old_rows = {s: i for i, s in enumerate(token_strings(draft_tokenizer, vocab_map_ids(d2t_old)))
                 if s is not None}
-    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
+    examples = training_examples(target_tokenizer, data, math.inf)
     d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
                                    draft_vocab_size)
     old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
@@ -195,26 +195,27 @@ def aux_fit(target, draft, examples, pad_id, candidates):
             for indices in distinct}
 
 
-def vocab_check_against(args, target_tok, draft_tok):
-    """vocab-check --against-draft / --against-data: this drafter's map (in its own
-    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
-    or against the map train would build for the target from that data."""
-    d2t, _ = raw_vocab_map(args.draft)
+def stored_map_ids(draft_dir, missing):
+    d2t, _ = raw_vocab_map(draft_dir)
     if d2t is None:
-        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
+        fail(f"{draft_dir!r} has no d2t map {missing}")
+    return vocab_map_ids(d2t)
+
+
+def vocab_check_against(args, target_tok, draft_tok):
+    """vocab-check --against-draft / --against-data: this drafter's map against another
+    drafter's, or against the map train would build for the target from that data."""
+    ids = stored_map_ids(args.draft, "(its draft vocab is its target's whole vocab)")
     if args.against_draft:
-        other, _ = raw_vocab_map(args.against_draft)
-        if other is None:
-            fail(f"{args.against_draft!r} has no d2t map to compare against")
-        other_ids = vocab_map_ids(other)
+        other_ids = stored_map_ids(args.against_draft, "to compare against")
         other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
         what = f"the map of {args.against_draft}"
     else:
         V = read_target_config(args.target).vocab_size
         train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
-        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
+        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(ids))[0])
         other_tok, what = target_tok, f"the map train builds from {args.against_data}"
-    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
+    cmp = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
     unit = "token string" if cmp.by_string else "target id"
     print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
     print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
@@ -222,7 +223,7 @@ def vocab_check_against(args, target_tok, draft_tok):
     report = cmp._asdict()
     data = args.data or args.against_data
     if data:
-        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
+        report.update(coverage=reply_coverage(ids, draft_tok, data, args.max_len),
                       coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
         print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
               f"the other {report['coverage_other']:.1%}")
@@ -285,9 +286,7 @@ def draft_check_accuracy(args, candidates):
 
 
 def cmd_draft_check(args):
-    """Which target features does this drafter read? Each convention's reading of its
-    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
-    accuracy under each distinct reading, naming the one that fits."""
+    """Which target features does this drafter read, under each engine's convention?"""
     raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
     candidates = aux_candidates(raw, target_cfg)
@@ -319,10 +318,8 @@ def cmd_draft_check(args):
 
 
 class Link(NamedTuple):
-    """A latency + bandwidth model of one all-reduce: alpha per call, ring transfer of
-    2(p-1)/p of the payload per rank at GBps. The presets are assumptions, not measurements:
-    NVLink/NVSwitch ~10 us per uncaptured small all-reduce (SGLang measured 13.5 us per call
-    for all-reduce + residual + RMSNorm at TP 8, sglang#7621), PCIe several times that."""
+    """One all-reduce: alpha per call, a ring's 2(p-1)/p of the payload per rank at GBps.
+    The presets are assumptions, not measurements (docs/costs_and_communication.md)."""
     alpha_us: float
     gbps: float
 
@@ -350,9 +347,8 @@ def allreduce_us(payload, world, link, saving=0.0):
 
 
 def plan_shapes(extra=()):
-    """(label, TreeShape) for comm-plan, in our top_k/depth/total_tokens notation: the
-    official tree, SGLang's default chain (its 3/1/4: 3 steps, top-k 1, 4 draft tokens = a
-    chain of 3 drafts = our 1/2/4), chains of 2..8 drafts, and any extra shapes."""
+    """(label, TreeShape) in our top_k/depth/total_tokens notation: the official tree,
+    chains of 2..8 drafts (SGLang's default 3/1/4 is our chain of 3, 1/2/4), any extra."""
     shapes = [("tree 10/7/60", TreeShape())]
     shapes += [(f"chain {k} (1/{k - 1}/{k + 1})" + (" = SGLang 3/1/4" if k == 3 else ""),
                 TreeShape(1, k - 1, k + 1)) for k in range(2, 9)]
@@ -380,10 +376,9 @@ def round_us(calls, broadcast_bytes, world, link, saving=0.0):
 
 def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
               measured=None):
-    """Per shape (plain decoding first): all-reduces per verify and bytes per call, then per
-    generated token at each tau the all-reduce calls and bytes and the modelled time on
-    each link, unfused and with all-reduce + residual + RMSNorm fused; and, where cost-plan
-    timed a verify of that size ({N: us of its all-reduces}), the measured time."""
+    """Per shape (plain decoding first): all-reduces per verify and their bytes, then per
+    generated token at each tau their calls, bytes and modelled time on each link (unfused
+    and fused), and the time cost-plan measured ({N: us}) for a verify of that size."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -639,10 +634,9 @@ def randomise(module, generator, skip=lambda name: False):
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
                  layout="rows"):
-    """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
-    their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
-    once on `device` in `dtype` (no fp32 copy on the CPU), filled with random weights and
-    laid out for serving (use_layout)."""
+    """Adapter: this rank's shard of the target, the drafter and their KV caches, built on
+    the meta device and allocated once on `device` in `dtype` (no fp32 copy on the CPU),
+    with random weights, laid out for serving."""
     with torch.device("meta"):
         target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     target = target.to_empty(device=device)
@@ -802,12 +796,10 @@ def cost_table(rows, taus):
     """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
     head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
             f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
-                     f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
-                     "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
-    return "\n".join(lines)
+    return "\n".join([head] + [
+        f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+        f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+        "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus) for r in rows])
 
 
 def break_even_tau(verify_cost, draft_cost, drafts):
@@ -1018,12 +1010,9 @@ def capture_features(target, examples, out, aux_layers):
     """Write every sample not yet on disk (so a killed capture resumes where it stopped;
     files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
     every rank runs the tensor-parallel forward. Returns the number written."""
-    device = target.lm_head.weight.device
-    todo = [i for i in range(len(examples)) if not os.path.isfile(capture_file(out, i))]
-    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device),
-                           target.tp))
-    todo = broadcast0(torch.tensor(todo if is_rank0() else [0] * count, dtype=torch.long,
-                                   device=device), target.tp).tolist()
+    missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
+                           dtype=torch.long, device=target.lm_head.weight.device)
+    todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
         sample = capture_sample(target, examples[i], aux_layers)
@@ -1091,9 +1080,8 @@ class TargetHead(nn.Module):
 
 
 def captured_inputs(head, pad_id):
-    """ttt_batch's inputs from captured features: (examples, aux_layers) -> TTTInputs of a
-    batch of Captured samples, right-padded as collate pads; the teacher logits are the
-    lm_head of the captured last hidden state."""
+    """ttt_batch's inputs from captured features: Captured samples right-padded as collate
+    pads; the teacher logits are the lm_head of the captured last hidden state."""
     @torch.no_grad()
     def inputs(examples, aux_layers):
         if head.captured_aux is not None and tuple(aux_layers) != tuple(head.captured_aux):
@@ -1269,10 +1257,9 @@ PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs u
 
 
 def sweep_shape(target, draft, prompts, eos):
-    """The tree shape with the best measured speedup over plain greedy on a few prompts:
-    each candidate's verify cost, draft cost and tau on this machine, in one number, the
-    mean of SWEEP_ROUNDS passes over the candidates (one pass picks by noise: on a 2-core CPU
-    identical rounds measured 0.93-1.25x; three interleaved passes agreed within ~2%)."""
+    """The tree shape with the best measured speedup over plain greedy on a few prompts
+    (verify cost, draft cost and tau on this machine in one number): the mean of
+    SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
     speedups, taus = {shape: [] for shape in SWEEP_SHAPES}, {}
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
@@ -1501,10 +1488,9 @@ def wheel_file(distribution, suffix, flag):
 
 
 def gguf_model(path):
-    """(transformers model in fp32, tokenizer) from a GGUF file: config and tokenizer from
-    transformers' GGUF readers, the dequantized tensors copied into a fresh model built from
-    that config (from_pretrained(gguf_file=) would keep a quantizer attached, which refuses
-    save_pretrained)."""
+    """(transformers model in fp32, tokenizer) from a GGUF file: its dequantized tensors
+    copied into a fresh model of its config (from_pretrained(gguf_file=) would keep a
+    quantizer attached, which refuses save_pretrained)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.split(os.path.abspath(path))
@@ -1526,9 +1512,8 @@ def gguf_model(path):
 
 
 def convert_gguf(path, out):
-    """Write the Hugging Face dir (config.json, generation_config.json, model.safetensors,
-    tokenizer files with the chat template) of a GGUF file; the dir appears complete or
-    not at all (written under a temporary name, then renamed)."""
+    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
+    template), complete or not at all (written under a temporary name, then renamed)."""
     import shutil
     model, tokenizer = gguf_model(path)
     model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
