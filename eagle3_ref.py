@@ -742,13 +742,13 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 # uniforms are returned so another implementation can replay the same coins.
 #
 # Why greedy speculation equals greedy decoding: each verify row must produce the bits of
-# the decode step at its position (the same logits, so the same argmax). In fp32 rounding
-# differences are far below the gaps between logits. In bf16 or fp16 they are not: a kernel
-# rounds a row differently when other rows share the call (a one-row product takes another
-# path than an N-row one; a query beside masked keys gets other bits than alone), and ties
-# between the top two logits are common, so speculation parts from greedy decoding. The
-# variant "exact in low precision" (Part II, make_exact) serves a target so that every row
-# rounds as its decode step.
+# the decode step at its position (the same logits, so the same argmax). A kernel rounds a
+# row differently when other rows share the call (a one-row product takes another path
+# than an N-row one; a query beside masked keys gets other bits than alone). In fp32 that
+# moves the last bits, and a top-2 gap that small is rare; in bf16 or fp16 ties between the
+# top two logits are common, so speculation parts from greedy decoding. The variant "exact
+# in low precision" (section 14, make_exact) serves a target so every row rounds as its
+# decode step.
 
 
 @torch.inference_mode()
