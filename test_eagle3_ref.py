@@ -4423,17 +4423,15 @@ def partings(target, draft, prompts):
 
 @pytest.fixture(scope="module")
 def exact_partings(zoo):
-    """Per family, every prompt, tree shape and preset in bf16, served plainly and on the
-    exact path: the cases where greedy speculation parted from the same target's greedy
-    decoding -> {family: dict(plain=[case], exact=[case], deepest=accept length)}."""
+    """Per family, every prompt, tree shape and preset in bf16 on the exact path: the cases
+    where greedy speculation parted from the same target's greedy decoding -> {family:
+    dict(exact=[case], deepest=accept length)}."""
     found = {}
     for f, name in enumerate(EXACT_FAMILIES):
-        plain, exact, plain_draft, exact_draft = bf16_pair(zoo, name)
+        _, exact, _, exact_draft = bf16_pair(zoo, name)
         prompts = exact_prompts(f) + memorized_prompts()[:1]
-        found[name] = dict(plain=partings(plain, plain_draft, prompts)[0])
-        found[name]["exact"], found[name]["deepest"] = partings(exact, exact_draft, prompts)
-        print(f"{name}: bf16 partings plain {len(found[name]['plain'])}, exact "
-              f"{len(found[name]['exact'])} of {len(prompts) * len(EXACT_SHAPES)}")
+        parted, deepest = partings(exact, exact_draft, prompts)
+        found[name] = dict(exact=parted, deepest=deepest)
     return found
 
 
@@ -4481,12 +4479,16 @@ def test_a_row_dependent_operation_makes_the_same_runs_part(zoo):
 def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
     # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
     # probabilities acceptance draws against -- equal, bit for bit, those of the decode
-    # step at that position along the output; the plain bf16 path differs at some row.
+    # step at that position along the output. The control: the same check sees the rows
+    # of a target with a planted row-dependent lm_head differ.
     plain, exact, plain_draft, exact_draft = bf16_pair(zoo, "llama")
+    planted = E.make_exact(plain)
+    planted.lm_head = RowCountRounding(planted.lm_head, step=1.0)
     sampling = E.Sampling(0.8, 0, 0.95, E.OFFICIAL_ORDER)
     differ = Counter()
     for seed, ids in enumerate(exact_prompts(50, 4)):
-        for served, target, draft in (("plain", plain, plain_draft), ("exact", exact, exact_draft)):
+        for served, target, draft in (("exact", exact, exact_draft),
+                                      ("planted", planted, plain_draft)):
             out = E.speculative_generate(target, draft, ids, EXACT_NEW, temperature=0.8,
                                          top_p=0.95, tree=E.TreeShape(2, 3, 8), seed=seed,
                                          record_logits=True)
@@ -4502,7 +4504,7 @@ def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
                     assert same, (seed, position)
                     assert torch.equal(E.warped_probs(row, sampling),
                                        E.warped_probs(steps[position], sampling))
-    assert differ["plain"] > 0, "plain bf16 verify rows all equal their decode steps"
+    assert differ["planted"] > 0, "the planted row-dependent lm_head went unseen"
 
 
 def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo):
