@@ -2004,20 +2004,42 @@ def fp32_copy(x):
 def attend_rows(q, k, v, bias, scale=None):
     """The exact path's attention core (Attention.attend, MLAttention.attend), in fp32:
     after a prefill, each query row of q (B, H, T, hs) alone over the slots of k, v
-    (B, Hkv, S, .) its bias (T, S) or (B, 1, T, S) shows, in slot order."""
+    (B, Hkv, S, .) its bias (T, S) or (B, 1, T, S) shows, in slot order. A sequence's rows
+    all see the same cached slots (its prefix) and then their own new ones (a decode step:
+    itself; a tree node: its branch), so the prefix is copied once into a time-major fp32
+    buffer and each row's branch written after it: every row, decode step or verify, reads
+    buffer[:n], the same call with the same strides."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     if T == S:   # the prefill: every key is new, one call over fresh copies
         return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale
                       ).to(q.dtype)
+    start = S - T                                        # the new slots come last
     seen = (bias == 0).reshape(-1, T, S).expand(B, T, S)                         # (B, T, S)
-    slots = seen.nonzero()[:, 2].split(seen.sum(-1).flatten().tolist())           # B*T rows
     y = q.new_empty(B, H, T, v.shape[-1], dtype=torch.float32)                   # (B, H, T, .)
-    for row, keys in enumerate(slots):
-        b, t = divmod(row, T)
-        y[b, :, t] = attend(fp32_copy(q[b:b + 1, :, t:t + 1]), fp32_copy(k[b:b + 1, :, keys]),
-                            fp32_copy(v[b:b + 1, :, keys]), None, scale)[0, :, 0]
+    for b in range(B):
+        cached = seen[b, :, :start]
+        if not torch.equal(cached, cached[:1].expand_as(cached)):
+            fail("the exact path attends rows that share their cached slots (decode steps, "
+                 "chains and trees after a prefill); this mask gives rows different ones")
+        prefix = cached[0].nonzero()[:, 0]
+        p = len(prefix)
+        kb, vb = time_major(k[b], prefix, p + T), time_major(v[b], prefix, p + T)
+        for t, new in enumerate(seen[b, :, start:]):
+            branch = start + new.nonzero()[:, 0]
+            n = p + len(branch)
+            kb[p:n] = k[b].index_select(1, branch).transpose(0, 1)
+            vb[p:n] = v[b].index_select(1, branch).transpose(0, 1)
+            y[b, :, t] = attend(fp32_copy(q[b:b + 1, :, t:t + 1]), kb[None, :n].transpose(1, 2),
+                                vb[None, :n].transpose(1, 2), None, scale)[0, :, 0]
     return y.to(q.dtype)
+
+
+def time_major(x, slots, length):
+    """An fp32 buffer (length, heads, .) holding x (heads, S, .)'s `slots` first."""
+    buffer = x.new_empty(length, x.shape[0], x.shape[-1], dtype=torch.float32)
+    buffer[:len(slots)] = x.index_select(1, slots).transpose(0, 1)
+    return buffer
 
 
 def sum_in_rank_order(x):
