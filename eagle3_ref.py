@@ -205,12 +205,6 @@ def check_aux_layers(aux_layers, n_layers):
              f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
 
 
-def rms_norm(x, weight, eps):
-    # Normalise in fp32, cast back, then scale: the order transformers (and EAGLE) use.
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -218,7 +212,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        # Normalise in fp32, cast back, then scale: the order transformers (and EAGLE) use.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(inv_freq, positions, scale, dtype):
@@ -271,12 +268,6 @@ def cache_append(kv, start, a, b):
     end = start + a.shape[2]
     kv[0][:, :, start:end], kv[1][:, :, start:end] = a, b
     return kv[0][:, :, :end], kv[1][:, :, :end]                                 # (B, ., S, .)
-
-
-def attend_cached(q, k, v, bias, kv=None, start=0):
-    """Append the new keys/values to the cache (if any), then attend over all of them."""
-    k, v = cache_append(kv, start, k, v)                                   # (B, Hkv, S, hs)
-    return attend(q, k, v, bias)
 
 
 class KVCache(NamedTuple):
@@ -397,12 +388,10 @@ class Target(nn.Module):
 
     def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
-        (T, start+T) bool (default causal). With a cache, K/V are written at slots
-        start..start+T-1 and the first `start` slots are the prefix. A batch of sequences
-        with their own lengths passes positions (B, T) and masks (B, T, S).
-        Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
-        of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
-        aux_layers=() when no features are needed (aux is then None)."""
+        (T, start+T) bool (default causal); rows of their own lengths pass positions (B, T)
+        and masks (B, T, S). With a cache, K/V go to slots start.. after a `start`-slot prefix.
+        -> logits (B, T, V), aux (B, T, 3*D): the residual stream entering each of
+        `aux_layers` (default 2, L//2, L-3; L = the final pre-norm state; () -> aux None)."""
         B, T = input_ids.shape
         device = input_ids.device
         if aux_layers is None:
@@ -517,7 +506,8 @@ class Draft(nn.Module):
         ids; mask (T, start+T). Project, attend over the cache (slots start.. written), finish."""
         q, k, v = self.project(h, tokens, positions)
         kv = None if cache is None else (cache.k[0], cache.v[0])
-        return self.finish(h, attend_cached(q, k, v, attention_bias(mask, h.dtype), kv, start))
+        k, v = cache_append(kv, start, k, v)                               # (B, Hkv, S, hs)
+        return self.finish(h, attend(q, k, v, attention_bias(mask, h.dtype)))
 
     def logits(self, h):
         return self.lm_head(self.norm(h))  # (.., Vd)
@@ -580,11 +570,10 @@ def check_token_ids(ids, vocab_size):
 
 
 def topk_first_index(x, k):
-    """torch.topk along the last dim with ties broken toward the lower index. It equals
-    torch.topk whenever values are distinct; on ties it is reproducible across devices and
-    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices).
-    When the k+1 best values are strictly decreasing no tie can reorder them, so torch.topk
-    is already that answer; only otherwise is the (10x slower) stable sort needed."""
+    """torch.topk along the last dim with ties broken toward the lower index: reproducible
+    across devices, and a parent ranks ahead of an equal-scored descendant (parents have
+    lower pool indices). When the k+1 best values strictly decrease no tie can reorder them
+    and torch.topk is the answer; only otherwise is the (10x slower) stable sort needed."""
     values, indices = torch.topk(x, min(k + 1, x.shape[-1]))                    # (.., k+1)
     if not bool((values[..., :-1] > values[..., 1:]).all()):  # a tie (or NaN) near the top
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
@@ -741,14 +730,10 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 # root; everything random is drawn from one seeded generator in a documented order, and the
 # uniforms are returned so another implementation can replay the same coins.
 #
-# Why greedy speculation equals greedy decoding: each verify row must produce the bits of
-# the decode step at its position (the same logits, so the same argmax). A kernel rounds a
-# row differently when other rows share the call (a one-row product takes another path
-# than an N-row one; a query beside masked keys gets other bits than alone). In fp32 that
-# moves the last bits, and a top-2 gap that small is rare; in bf16 or fp16 ties between the
-# top two logits are common, so speculation parts from greedy decoding. The variant "exact
-# in low precision" (section 14, make_exact) serves a target so every row rounds as its
-# decode step.
+# Greedy speculation equals greedy decoding when each verify row produces the bits of its
+# own decode step. A kernel may round a row differently when other rows share the call: in
+# fp32 that rarely flips an argmax, in bf16 / fp16 it often does. Section 14 (make_exact)
+# serves a target so that every row rounds as its decode step.
 
 
 @torch.inference_mode()
@@ -764,9 +749,8 @@ def verify_tree(target, cache, n, tree, aux_layers):
 
 def commit(cache, start, path):
     """Keep the accepted tree nodes: move the K/V of `path` (node indices, root first, in
-    the N entries written after `start`) to start, start+1, ... . The official
-    `data[..., n:n+a+1] = data[..., path + n]`; indexing copies first, so overlapping
-    ranges are safe. Returns the new valid length."""
+    the N entries written after `start`) to start, start+1, ...: the official `data[...,
+    n:n+a+1] = data[..., path + n]` (indexing copies first, so overlaps are safe)."""
     src = start + path
     for slab in cache:  # K and V, or MLA's latent and rope key: (L, B, heads, S, .)
         slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
@@ -943,20 +927,17 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
 
-# A Preset is an engine's conventions resolved into the functions and numbers they choose,
-# once, when a run starts; the decoding loop only calls them. The official code's is below;
-# SGLang's and vLLM's join the table in their own section after the method.
-
-
 def official_verify(logits, tree, randomness, sampling, preset):
     """The official scheme (accept_sampled above) as a preset's verification rule."""
     return accept_sampled(logits, tree, randomness.uniforms, sampling), None
 
 
 class Preset(NamedTuple):
-    """An engine's EAGLE-3 conventions, resolved into what they choose (PRESETS: the
-    official code, SGLang, vLLM). In all three the output stops exactly at max_new_tokens
-    and at the first EOS, and siblings are tried in ascending node index."""
+    """An engine's EAGLE-3 conventions, resolved once, when a run starts, into the functions
+    and numbers they choose; the decoding loop only calls them. PRESETS holds the official
+    code's; SGLang's and vLLM's join it after the method. In all three the output stops
+    exactly at max_new_tokens and at the first EOS, and siblings are tried in ascending
+    node index."""
     name: str                 # for reports and golden headers; never branched on
     scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
                               # probabilities that multiply (SGLang, vLLM)
@@ -999,10 +980,6 @@ def eos_list(eos_token_id):
     return list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
 
 
-def is_eos(token, eos_token_id):
-    return int(token) in eos_list(eos_token_id)
-
-
 def check_eos(eos_token_id, vocab_size):
     for t in eos_list(eos_token_id):
         if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
@@ -1032,7 +1009,7 @@ def emit(out, tokens, max_new_tokens, eos_token_id):
     """Append tokens to out up to the budget or the first EOS; True when generation ends."""
     for t in tokens:
         out.append(int(t))
-        if len(out) == max_new_tokens or is_eos(t, eos_token_id):
+        if len(out) == max_new_tokens or int(t) in eos_list(eos_token_id):
             return True
     return False
 
@@ -1074,9 +1051,8 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
 
 
 def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record_logits=False):
-    """Argmax decoding: the baseline, and the reference greedy speculation must equal.
-    record_logits=True returns (tokens, logits (new tokens, V)): each decode step's row, to
-    hold a verify row against."""
+    """Argmax decoding: the baseline greedy speculation must equal. record_logits=True also
+    returns each decode step's logits (new tokens, V), to hold a verify row against."""
     return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0,
                                    eos_token_id, record_logits)
 
@@ -1187,10 +1163,9 @@ class SpecResult(NamedTuple):
 
 
 class RoundState(NamedTuple):
-    """Where a sequence's next round starts. The target's cache holds n tokens; the
-    drafter's holds all but the last m, whose features arrived with the last verify (the
-    prompt's with the prefill) and are encoded at the start of the round, as the official
-    code does."""
+    """Where a sequence's next round starts. The target's cache holds n tokens, the
+    drafter's all but the last m, whose features came with the last verify (or the prefill)
+    and are encoded at the start of the round, as the official code does."""
     n: int                   # tokens in the target's cache (the accepted prefix)
     root: int                # the target's last token: the next tree's root
     features: torch.Tensor   # (1, m, 3*D_t) target features of the last m cached tokens
@@ -1260,10 +1235,9 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
                          record_logits=False, preset="official"):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
     budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
-    has exactly the distribution of sample_generate. `tree` is the TreeShape (tree top-k,
-    depth, total tokens); top_k is the *sampling* top-k; `preset` names the conventions
-    followed ("official", "sglang", "vllm" or a Preset); `scheme` "tree" (the official
-    tree) or "chain" (drafts sampled from the drafter, Part II)."""
+    has exactly the distribution of sample_generate. `tree`: the TreeShape; top_k: the
+    *sampling* top-k; `preset`: whose conventions ("official", "sglang", "vllm" or a Preset);
+    `scheme`: "tree" (the official tree) or "chain" (drafts sampled from the drafter)."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
                     scheme, preset, eos_token_id, record_logits)
     T, shape = input_ids.shape[1], run.shape
@@ -1289,7 +1263,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
 # The drafter is trained on the target's own replies, with features and logits computed
 # online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
 # its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
-# its own (imperfect) hidden states. (The optimizer loop around this loss: section 16.)
+# its own (imperfect) hidden states. (The optimizer loop around this loss: section 17.)
 
 
 class Example(NamedTuple):
