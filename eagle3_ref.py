@@ -2363,7 +2363,6 @@ def in_model_dtype(target, dtype):
     return target
 
 
-
 def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -3029,6 +3028,32 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + AS
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
+# the lookup tasks: kind -> (word list, prompt, reply); {k} is the key drawn, {v} its value
+LOOKUP_TASKS = {
+    0: ("capitals", "What is the capital of {k}?",
+        "The capital of {k} is {v}. Many people in {k} live in {v}, and visitors to {k} often "
+        "start their trip in {v}."),
+    3: ("colors", "What color is the {k}?",
+        "The {k} is {v}. Most people would say that the color of the {k} is {v}."),
+    4: ("opposites", "What is the opposite of {k}?",
+        "The opposite of {k} is {v}. Something that is not {k} is {v}."),
+}
+
+
+def number_example(g, numbers, kind):
+    """Counting (kind 1) or adding (kind 2), the numbers spelled out."""
+    if kind == 1:
+        a = int(torch.randint(0, 12, (1,), generator=g))
+        b = a + int(torch.randint(3, 9, (1,), generator=g))
+        return (f"Count from {numbers[a]} to {numbers[b]}.",
+                f"Sure, counting from {numbers[a]} to {numbers[b]}: "
+                f"{', '.join(numbers[a:b + 1])}. That is {numbers[b - a + 1]} numbers.")
+    a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
+    x, y, z = numbers[a], numbers[b], numbers[a + b]
+    return (f"What is {x} plus {y}?",
+            f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
+
+
 def corpus_example(g, w):
     """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
     Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
@@ -3036,43 +3061,17 @@ def corpus_example(g, w):
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
     kind = int(torch.randint(8, (1,), generator=g))
-    numbers = w["numbers"]
-    if kind == 0:
-        country = pick(list(w["capitals"]))
-        city = w["capitals"][country]
-        return (f"What is the capital of {country}?",
-                f"The capital of {country} is {city}. Many people in {country} live in {city}, "
-                f"and visitors to {country} often start their trip in {city}.")
-    if kind == 1:
-        a = int(torch.randint(0, 12, (1,), generator=g))
-        b = a + int(torch.randint(3, 9, (1,), generator=g))
-        return (f"Count from {numbers[a]} to {numbers[b]}.",
-                f"Sure, counting from {numbers[a]} to {numbers[b]}: "
-                f"{', '.join(numbers[a:b + 1])}. "
-                f"That is {numbers[b - a + 1]} numbers.")
-    if kind == 2:
-        a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = numbers[a], numbers[b], numbers[a + b]
-        return (f"What is {numbers[a]} plus {numbers[b]}?",
-                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
-                f"you have {z} apples.")
-    if kind == 3:
-        thing = pick(list(w["colors"]))
-        color = w["colors"][thing]
-        return (f"What color is the {thing}?",
-                f"The {thing} is {color}. Most people would say that the color of the "
-                f"{thing} is {color}.")
-    if kind == 4:
-        word = pick(list(w["opposites"]))
-        opposite = w["opposites"][word]
-        return (f"What is the opposite of {word}?",
-                f"The opposite of {word} is {opposite}. Something that is not {word} "
-                f"is {opposite}.")
+    if kind in LOOKUP_TASKS:
+        table, prompt, reply = LOOKUP_TASKS[kind]
+        k = pick(list(w[table]))
+        return prompt.format(k=k, v=w[table][k]), reply.format(k=k, v=w[table][k])
+    if kind in (1, 2):
+        return number_example(g, w["numbers"], kind)
     if kind == 5:
         word = pick(w["words"])
         return (f"Spell the word {word}.",
                 f"The word {word} is spelled {' '.join(word.upper())}. It has "
-                f"{numbers[len(word)]} letters.")
+                f"{w['numbers'][len(word)]} letters.")
     if kind == 6:
         words = " ".join(pick(w["words"] + w["animals"]) for _ in range(3))
         return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
@@ -3387,7 +3386,6 @@ def golden_run(cfg):
 # 20. the main job: the whole method on a laptop CPU, nothing downloaded
 
 
-
 class DecodeStats(NamedTuple):
     tau: float                # mean accept length (accepted drafts + 1) per round
     accept_rate_by_depth: list  # P(depth d accepted | depth d-1 accepted), d = 1..
@@ -3567,7 +3565,6 @@ def main_demo(exact=False):
 
 # ----------------------------------------------------------------------------------------
 # 21. command line: the main job, generate, golden, train
-
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
