@@ -2176,14 +2176,9 @@ def read_target_config(path):
         {k: v for k, v in text.items() if k not in drop}), f"{path}/config.json (DeepSeek-V3)"))
 
 
-class BinWeights(NamedTuple):
-    state: dict
-
-    def keys(self):
-        return self.state.keys()
-
-    def get_slice(self, name):
-        return self.state[name]
+class BinWeights(dict):
+    """A .bin file's state dict, read through safetensors' get_slice."""
+    get_slice = dict.__getitem__
 
 
 def open_weights(file):
@@ -2434,24 +2429,31 @@ def aux_layer_ids(raw):
     return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
+def draft_llama_config(raw, where):
+    """A drafter's config.json, as transformers' LlamaConfig, with the draft RoPE base."""
+    from transformers import LlamaConfig
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in DRAFT_ARCHITECTURES:
+        fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
+             f"expected one of {DRAFT_ARCHITECTURES}")
+    c = validated(lambda: LlamaConfig.from_dict(
+        {k: v for k, v in raw.items() if k != "architectures"}), where)
+    if "rope_theta" not in raw and "rope_parameters" not in raw:
+        c.rope_parameters = {"rope_type": "default", "rope_theta": DRAFT_ROPE_BASE}
+    return c
+
+
 def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
     target it will run with. Its aux-layer ids are read in `aux_convention`. With
     `weight_keys` (a checkpoint's), a drafter whose draft vocab is the whole target vocab and
     whose weights carry no d2t/t2d has the identity map, as the official loader reads it."""
-    from transformers import LlamaConfig
-    raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(
-        os.path.join(path_or_dict, "config.json"))
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in DRAFT_ARCHITECTURES:
-        fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
-             f"expected one of {DRAFT_ARCHITECTURES}")
-    where = ("the drafter config" if isinstance(path_or_dict, dict) else
-             os.path.join(path_or_dict, "config.json"))
-    c = validated(lambda: LlamaConfig.from_dict(
-        {k: v for k, v in raw.items() if k != "architectures"}), where)
-    if "rope_theta" not in raw and "rope_parameters" not in raw:
-        c.rope_parameters = {"rope_type": "default", "rope_theta": DRAFT_ROPE_BASE}
+    if isinstance(path_or_dict, dict):
+        raw, where = path_or_dict, "the drafter config"
+    else:
+        where = os.path.join(path_or_dict, "config.json")
+        raw = read_json(where)
+    c = draft_llama_config(raw, where)
     if c.vocab_size != target_cfg.vocab_size:
         fail(f"draft vocab_size={c.vocab_size} != target vocab_size={target_cfg.vocab_size}: "
              f"this drafter was trained for another target")
@@ -2805,18 +2807,27 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
     return replies
 
 
+TRAIN_STATE_FILE = "train_state.pt"   # in a training run's out dir, for --resume
+
+
 class TrainState(NamedTuple):
     step: int = 0          # optimizer steps done
     seconds: float = 0.0   # training time spent on them, over every resumed run
     curve: list = []       # curve_point per held-out evaluation so far
 
 
-def save_train_state(path, draft, opt, state):
-    """One file holds the drafter, the optimizer and the TrainState, written atomically, so
-    a resume never mixes weights, optimizer state and curve from different steps."""
+def save_checkpoint(out_dir, draft, opt, state):
+    """The drafter (save_draft's layout), then train_state.pt: one file holds the drafter,
+    the optimizer and the TrainState, written atomically, so a resume never mixes weights,
+    optimizer state and curve from different steps; then a readable copy of the curve."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_draft(draft, out_dir)
     if is_rank0():
-        state = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
-        atomic_write(path, lambda f: torch.save(state, f))
+        full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
+        atomic_write(os.path.join(out_dir, TRAIN_STATE_FILE), lambda f: torch.save(full, f))
+        if state.curve:
+            atomic_write(os.path.join(out_dir, CURVE_FILE),
+                         lambda f: write_json(f, dict(points=state.curve)))
 
 
 def load_train_state(path, draft, opt):
@@ -2944,7 +2955,7 @@ def curve_point(step, seconds, stats):
 
 
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
-    """Naive EAGLE-3 training: train_step (Part I) over seeded batches, data-parallel over
+    """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over
     the W ranks, the target's side from `inputs` (live_inputs or captured_inputs).
     Checkpoints go to out_dir (save_draft layout + train_state.pt for --resume) every
     save_every steps; every held-out evaluation joins the curve (out_dir/curve.json) with
@@ -2956,7 +2967,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
-    state_file = os.path.join(out_dir, "train_state.pt")
+    state_file = os.path.join(out_dir, TRAIN_STATE_FILE)
     start, seconds, curve = load_train_state(state_file, draft, opt) if resume else TrainState()
     bar, t0, curve = Progress("train draft", cfg.steps, start), time.time() - seconds, list(curve)
     for step in range(start, cfg.steps):
@@ -2975,12 +2986,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
             print0(f"  held-out greedy chain tau, 1..{cfg.ttt_steps} drafts: "
                    f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}")
         if (step + 1) % cfg.save_every == 0 or last:
-            os.makedirs(out_dir, exist_ok=True)
-            save_draft(draft, out_dir)
-            save_train_state(state_file, draft, opt, TrainState(step + 1, time.time() - t0, curve))
-            if is_rank0() and curve:   # a readable copy of the curve train_state.pt holds
-                atomic_write(os.path.join(out_dir, CURVE_FILE),
-                             lambda f: write_json(f, dict(points=curve)))
+            save_checkpoint(out_dir, draft, opt, TrainState(step + 1, time.time() - t0, curve))
     bar.done()
     draft.eval().requires_grad_(False)
     return curve
@@ -3881,8 +3887,13 @@ def flag_groups():
 def add_commands(sub):
     """The reference's commands: generate, golden, train -> {name: its parser}, so that
     the workbench can add to them."""
-    models, tree, sampling = flag_groups()
-    g = sub.add_parser("generate", parents=[models, tree, sampling],
+    shared = list(flag_groups())   # models, tree, sampling
+    return dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
+                train=add_train(sub))
+
+
+def add_generate(sub, shared):
+    g = sub.add_parser("generate", parents=shared,
                        help="speculative decoding: a target and an EAGLE-3 drafter")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -3892,7 +3903,11 @@ def add_commands(sub):
                    help="print the all-reduces and broadcasts of each round (TP)")
     g.add_argument("--exact", **EXACT_FLAG)
     g.set_defaults(run=cmd_generate)
-    gd = sub.add_parser("golden", parents=[models, tree, sampling],
+    return g
+
+
+def add_golden(sub, shared):
+    gd = sub.add_parser("golden", parents=shared,
                         help="write (--out) or re-check (--check) a golden trace")
     gd.add_argument("--out")
     gd.add_argument("--check")
@@ -3904,6 +3919,10 @@ def add_commands(sub):
     gd.add_argument("--eos-token-id", type=int)
     gd.add_argument("--exact", **EXACT_FLAG)   # recorded in the trace's header
     gd.set_defaults(run=cmd_golden)
+    return gd
+
+
+def add_train(sub):
     t = sub.add_parser("train", parents=[remote_code_flag()],
                        help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
@@ -3925,7 +3944,7 @@ def add_commands(sub):
     t.add_argument("--autocast", choices=("none", "bf16"), default="none",
                    help="bf16: the forward's matmuls in bf16, the drafter's weights in fp32")
     t.set_defaults(run=cmd_train)
-    return dict(generate=g, golden=gd, train=t)
+    return t
 
 
 POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len",
