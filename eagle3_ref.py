@@ -1419,16 +1419,10 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2)
 
 
-def write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def atomic_write(path, write):
-    """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written file
-    under the real name, and the next write to NAME replaces a killed run's NAME.tmp. The
-    file gets the umask's mode, as open() gives (safetensors writes 0600, which would hide
-    drafters and golden traces from the other users of a shared machine)."""
+    """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written NAME.
+    The file gets the umask's mode, as open() gives (safetensors writes 0600, which would
+    hide drafters and golden traces from the other users of a shared machine)."""
     tmp = f"{path}.tmp"
     try:
         write(tmp)
@@ -1516,11 +1510,10 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
 
 
 def accept_chain(logits, drafts, q, uniforms, sampling):
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
-    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
-    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
-    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
-    from p_k."""
+    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of k drafts
+    sampled from q (k, V). After the drafting uniforms: per draft one uniform u, accept iff
+    u * q_i(x) < p_i(x); at the first rejection one uniform for the token from
+    norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus from p_k."""
     coins, k = Recorder(uniforms), len(drafts)
     for i, x in enumerate(drafts.tolist()):
         p = warped_probs(logits[i], sampling)
@@ -1580,16 +1573,12 @@ def cdf_pick(r, coin):
 def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
                       kids=None):
     """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
-    target distribution at every node; coins (N,): one per tree node, used by the nodes
-    that become parents (the root first); final_coin: one per request.
-    At the current node, children in ascending node index add their (unnormalised) p to a
-    running sum; a child is accepted when coin <= sum / threshold_acc or p >= threshold_single,
-    and its own coin carries on. One coin is thus an inverse-CDF draw over the children
-    (lossless at the default thresholds 1, 1; lower ones accept more and are lossy). The
-    bonus: at the last accepted node, final_coin * sum(r) through the CDF of r, r = p with
-    the rejected children's p removed (p itself after a full-depth path). `kids` (each
-    node's children in the order tried) defaults to ascending node index, as SGLang builds
-    its trees."""
+    target distribution at every node; coins (N,): one per node, read at the nodes that
+    become parents. At a node, its children (`kids`, default ascending node index, as
+    SGLang builds trees) add their unnormalised p to a running sum; a child is accepted when
+    coin <= sum / threshold_acc or p >= threshold_single: one coin is an inverse-CDF draw
+    over the children (lossless at thresholds 1, 1). The bonus: final_coin through the CDF
+    of r = p at the last accepted node minus the rejected children's p."""
     kids, ta = kids or children_of(tree.parents), max(threshold_acc, 1e-9)
     node, path, depth = 0, [0], tree.retrieve_indices.shape[1] - 1
     rejected = torch.zeros_like(p[0])
@@ -1621,11 +1610,10 @@ def sglang_verify(logits, tree, randomness, sampling, preset):
 
 
 def accept_onehot(p, drafts, uniforms, exponentials, bonus):
-    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i (its target
-    distribution p[i]) is accepted iff p[i](x) >= uniforms[i] (float64); at the first
-    rejection the recovered token is argmax(r * (1 / E)) with r = p[i] with x zeroed and E
-    one Exp(1) vector per request (an exponential race: a sample of r / sum r); after the
-    last draft, the bonus (drawn before verification by the plain sampler)."""
+    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i is accepted
+    iff p[i](x) >= uniforms[i] (float64); at the first rejection the token is argmax(r / E),
+    r = p[i] with x zeroed, E an Exp(1) vector (an exponential race: a sample of r / sum r);
+    after the last draft, the bonus (drawn before verification by the plain sampler)."""
     for i, x in enumerate(drafts.tolist()):
         if float(p[i, x]) >= float(uniforms[i]):
             continue
@@ -2275,10 +2263,8 @@ class Checkpoint:
 
 def load_state(module, ckpt, rank, world, skip=lambda name: False, tied=False):
     """Strict key-for-key load of a Checkpoint into `module`, each rank reading only its
-    slice (shard_dim). Missing or unexpected keys and wrong shapes are errors that name the
-    key. `skip` names keys the caller fills itself (loaded from neither side). Tolerated
-    extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored, as
-    transformers)."""
+    slice (shard_dim). `skip` names keys the caller fills itself. Tolerated extras: old HF
+    rotary buffers, and a tied model's lm_head.weight (ignored, as transformers does)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
@@ -2630,14 +2616,12 @@ class TTTInputs(NamedTuple):
 
 
 def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
-    """The target's side of the whole batch from `inputs(examples, aux_layers)` -> TTTInputs
-    (a live forward of the frozen target, tensor-parallel, every rank seeing it all; or
-    captured features), then the TTT loss on this rank's slice of the rows, normalised by
-    the *global* B*T so the all-reduced gradient is the gradient of the global loss. The
-    drafter reads the target features of its aux layers (or of `aux_layers`)."""
+    """The target's side of the whole batch (TTTInputs from `inputs`: a live, tensor-parallel
+    forward, or captured features; at the drafter's aux layers unless `aux_layers`), then
+    the TTT loss on this rank's rows, normalised by the *global* B*T so the all-reduced
+    gradient is the gradient of the global loss."""
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
-    B = len(x.input_ids)
-    rows = slice(rank * B // world, (rank + 1) * B // world)
+    rows = slice(*slice_bounds(len(x.input_ids), rank, world))
     return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
                     x.target_logits[rows], steps, denominator=x.input_ids.numel())
 
@@ -2653,10 +2637,8 @@ def new_optimizer(draft, cfg):
 
 
 def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
-    """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
-    rank's rows, gradients summed over the ranks of `dp` (one all_reduce each), clip 0.5,
-    warmup + cosine learning rate, AdamW; the forward under bf16 autocast when cfg.bf16.
-    Returns the TTTResult."""
+    """One data-parallel AdamW step of TTT on the global batch `examples` -> TTTResult: loss
+    on this rank's rows, gradients summed over `dp`; the forward under autocast if cfg.bf16."""
     params = [p for group in opt.param_groups for p in group["params"]]
     with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
         result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
@@ -2906,14 +2888,11 @@ def replay_rounds(accepted, scored):
 
 
 def chain_stats(results):
-    """Greedy-chain acceptance from TTT results over a data set. A chain started at
-    position t drafts with TTT steps 0, 1, .. at t, each fed the data's next token: when the
-    data are the target's own greedy replies, that token is exactly the accepted draft, so
-    draft d is accepted iff steps 0..d-1 are all correct there. The expected accept length
-    of a chain of k drafts is 1 + sum_{d<=k} prod_{j<=d} rate_j (the bonus + the accepted
-    drafts), averaging over every start position. Served rounds do not start everywhere:
-    each starts after the previous round's bonus, more often inside hard spans when misses
-    cluster, so `replayed_tau` also walks each reply as serving does, round after round."""
+    """Greedy-chain acceptance from TTT results. On the target's own greedy replies, TTT
+    step d at t is fed exactly the accepted draft, so draft d is accepted iff steps 0..d-1
+    are all correct there: a chain of k drafts expects 1 + sum_{d<=k} prod_{j<=d} rate_j,
+    averaged over every start. Served rounds start after the previous round's bonus (more
+    often in hard spans when misses cluster), so `replayed_tau` walks the replies so."""
     steps = len(results[0].correct)
     hits, counts = torch.zeros(steps), torch.zeros(steps)
     tried, reached = torch.zeros(steps), torch.zeros(steps)
@@ -2955,12 +2934,10 @@ def curve_point(step, seconds, stats):
 
 
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
-    """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over
-    the W ranks, the target's side from `inputs` (live_inputs or captured_inputs).
-    Checkpoints go to out_dir (save_draft layout + train_state.pt for --resume) every
-    save_every steps; every held-out evaluation joins the curve (out_dir/curve.json) with
-    the training time so far (resumed runs add up). Returns the curve: a curve_point per
-    held-out evaluation."""
+    """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over the W ranks,
+    the target's side from `inputs` (live_inputs or captured_inputs); save_checkpoint every
+    save_every steps. -> the curve: a curve_point per held-out evaluation, with the training
+    time so far (resumed runs add up)."""
     rank, world = world_info()
     dp = new_group(world)
     check_train_config(cfg)
@@ -3124,13 +3101,12 @@ class Pretrain(NamedTuple):
     conversations: int = 40000  # synthetic conversations in the pretraining corpus
     row_len: int = 128          # tokens per packed training row
     batch: int = 16
-    steps: int = 240            # the tiny target; the assistant LM takes ASSISTANT_LM_STEPS
+    steps: int = 240            # the tiny target (the workbench's assistant LM takes fewer)
     lr: float = 3e-3
     warmup: int = 30
 
 
 PRETRAIN = Pretrain()
-ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
 
 
 def pack_rows(token_lists, row_len):
@@ -3206,16 +3182,6 @@ def build_tiny_target(path, seed=0):
                   bos_token_id=None)
     build_lm(path, AutoConfig.for_model(**config), tokenizer, texts, PRETRAIN.steps, seed)
     print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
-
-
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained here on the same
-    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM_LAYERS
-    build_lm(path, config, AutoTokenizer.from_pretrained(target_dir), pretraining_texts(seed),
-             ASSISTANT_LM_STEPS, seed)
 
 
 # ----------------------------------------------------------------------------------------
