@@ -1421,8 +1421,7 @@ def write_json(path, obj):
 
 def atomic_write(path, write):
     """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written NAME.
-    The file gets the umask's mode, as open() gives (safetensors writes 0600, which would
-    hide drafters and golden traces from the other users of a shared machine)."""
+    The file gets the umask's mode (safetensors writes 0600, hiding it from other users)."""
     tmp = f"{path}.tmp"
     try:
         write(tmp)
@@ -1484,9 +1483,8 @@ def print0(*args, **kwargs):
 
 
 def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
-    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
-    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
-    and the uniforms used."""
+    """Sample a chain of drafts from the drafter's own warped q, one uniform per draft
+    (inverse CDF) -> the chain as a Tree, q over the target vocab (k, V), the uniforms."""
     device, V = h_last.device, draft.cfg.vocab_size
     coins, tokens, q_rows = Recorder(uniforms), [], []
     in_target = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=device))
@@ -1558,12 +1556,10 @@ def probs(logits):
 
 
 def cdf_pick(r, coin):
-    """SGLang's final draw: the first id whose cumulative sum exceeds coin * sum(r), among
-    ids with r > 0 (else the last id with r > 0, else V - 1). The running sum is taken in
-    float64 and each prefix rounded to fp32, on every device: torch's CPU cumsum of fp32
-    does exactly that internally while CUDA's accumulates in fp32, so an implicit fp32
-    cumsum picks a different token on CPU and GPU when a coin lands within an ulp of a
-    boundary. (SGLang's kernel scans in fp32: such a coin can differ there too.)"""
+    """SGLang's final draw: the first id with r > 0 whose cumulative sum exceeds coin *
+    sum(r) (else the last id with r > 0, else V - 1). The sum runs in float64, each prefix
+    rounded to fp32, as torch's CPU fp32 cumsum does but CUDA's does not: a coin within an
+    ulp of a boundary would pick another token on CPU and GPU (and can in SGLang's kernel)."""
     cdf = r.double().cumsum(-1).float()
     hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
     live = (r > 0).nonzero()
@@ -1648,12 +1644,10 @@ PRESETS.update(  # the table of Part I gains the engines' presets
 # ----------------------------------------------------------------------------------------
 # 12. variant: a batch of prompts, verified in one forward      (a learner can skip this)
 #
-# As the engines batch: each sequence drafts its own tree and keeps its own state and
-# random numbers; one target forward verifies all B trees (per-row positions and masks over
-# per-row cache lengths); each row then settles exactly as above and stops on its own.
-# The forward writes every row's nodes at one slot range, after the longest row's prefix
-# (a row's mask hides the slots between its own prefix and its nodes); each row's nodes
-# then move to its own slots, so a row settles as a batch-1 sequence does.
+# As the engines batch: each sequence drafts its own tree with its own state and random
+# numbers; one target forward verifies all B trees (per-row positions and masks), writing
+# every row's nodes after the longest prefix; they then move to the row's own slots, so each
+# row settles as a batch-1 sequence does, and stops on its own.
 
 
 def row_cache(cache, b):
@@ -1663,10 +1657,9 @@ def row_cache(cache, b):
 
 @torch.inference_mode()
 def verify_trees(target, cache, ns, trees, aux_layers):
-    """verify_tree for B sequences in one forward. Row b's N_b nodes sit at positions
-    n_b + depth and are written at slots s.., s = the longest prefix, then moved to its own
-    slots n_b..; trees are padded to the widest with nodes that see only the prefix and
-    themselves. -> per row (logits (N_b, V), aux (N_b, 3*D))."""
+    """verify_tree for B sequences in one forward -> per row (logits (N_b, V), aux
+    (N_b, 3*D)). Trees are padded to the widest with nodes that see only the prefix and
+    themselves; all are written after the longest prefix, then moved to their own slots."""
     B, N, s, device = len(trees), max(len(t.tokens) for t in trees), max(ns), cache[0].device
     tokens = torch.zeros(B, N, dtype=torch.long)                                # (B, N)
     positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
@@ -1689,9 +1682,8 @@ def verify_trees(target, cache, ns, trees, aux_layers):
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
                                top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
                                scheme="tree", record_logits=False, preset="official"):
-    """speculative_generate of B prompts (each (1, T_b), lengths may differ), verified
-    together. Row b draws its random numbers from its own generator, seeded seed + b; its
-    rounds' `comm` is the whole batched round's. -> one SpecResult per prompt."""
+    """speculative_generate of B prompts (1, T_b) verified together -> a SpecResult each.
+    Row b's generator is seeded seed + b; its rounds' `comm` is the whole batched round's."""
     run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
                     scheme, preset, eos_token_id, record_logits)
     B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
@@ -1732,13 +1724,11 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
 # 13. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
 #
 # model_type deepseek_v3, kimi_k2, kimi_k25: multi-head latent attention (MLA) and a
-# sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM
-# computes them. They plug into the same Block where the dense model chooses its attention
-# and MLP (DeepSeekTarget below); everything else (cache commit, verify, drafting,
-# training) is unchanged. TP is the same thin layer: q_b/q_proj and kv_b column-parallel
-# by head, o_proj row-parallel; each expert and the shared experts sharded along their
-# width; routed + shared summed before one all_reduce, so a layer still has 2 all-reduces
-# (SGLang's layout; the official DeepSeek code has 3).
+# sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM.
+# They plug into the Block where the dense model chooses its attention and MLP; all else is
+# unchanged. TP: q_b/q_proj and kv_b column-parallel by head, o_proj row-parallel, experts
+# sharded along their width, routed + shared summed before one all_reduce: 2 all-reduces
+# per layer (SGLang's layout; the official DeepSeek code has 3).
 
 
 @dataclass
@@ -1832,10 +1822,9 @@ class MLAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """DeepSeek-V3 routing, in fp32 whatever the model dtype (near-tied experts flip in
-    bf16): sigmoid scores; the correction bias only *selects*; a token may use the experts
-    of its topk_group best groups (a group scores the sum of its top-2 biased scores); the
-    weights are the unbiased sigmoids of the chosen k, renormalised, times the scaling."""
+    """DeepSeek-V3 routing in fp32 (near-tied experts flip in bf16): sigmoid scores; the
+    correction bias only *selects*, among the experts of the topk_group best groups (a group
+    scores its top-2 biased scores); weights: the chosen k's sigmoids, renormalised, scaled."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -1907,29 +1896,23 @@ class DeepSeekTarget(Target):
 # ----------------------------------------------------------------------------------------
 # 14. variant: exact in low precision                            (a learner can skip this)
 #
-# Greedy speculation equals greedy decoding when every verify row produces the bits of the
-# decode step at its position (section 7). In bf16 / fp16 the plain path breaks this in two
-# places, and make_exact serves a target so that neither happens:
-#   1) a matmul rounds a row differently when it is alone: torch's bf16 CPU kernel takes
-#      another path for one row than for N (measured on SmolLM2's down projection: 334 of
-#      4,050 rows differ). So every linear (attention, MLP, every expert and the shared
-#      experts, the lm_head) runs a one-row product as two identical rows: a decode step
-#      then takes the kernel of a verify, which rounds a row alike whatever the number of
-#      rows (the tests and exact-probe check it). The router's product stays fp32, where
-#      the CPU kernel rounds a row differently once 4 rows share a call (exact-probe, a
-#      deepseek_v3 config on an AVX2 EPYC: 30 of 36 rows), so it runs row by row;
-#   2) fused attention gives a query other bits when masked keys sit beside its own. So
-#      each query row attends alone, in fp32, over exactly the keys its mask shows, gathered
-#      in slot order into a fresh tensor: the call its decode step makes, whatever the
-#      other rows of a tree or of a batch see. The prefill (every key new) attends in one
-#      call over fresh fp32 copies: one call, the same in every decoder that shares it.
-#      MLA expands its latent cache with kv_b_proj (a row-invariant linear, 1) and attends
-#      per row the same way.
-# Under tensor parallelism the partial sums must meet in one order too: W = 2 is a single
-# addition (order-free); for W >= 3 a ring all-reduce orders the sum by message chunks, and
-# a verify's message is longer than a decode step's, so the exact path sums the gathered
-# partials in rank order. The drafter is left as it is: its rounding decides only which
-# drafts are verified, never which tokens are emitted.
+# Greedy speculation equals greedy decoding when every verify row produces the bits of its
+# decode step (section 7). In bf16 / fp16 the plain path breaks this in two places, and
+# make_exact serves a target so that neither happens:
+#   1) a matmul rounds a row differently when it is alone (torch's bf16 CPU kernel: 334 of
+#      4,050 rows of SmolLM2's down projection). So every linear runs a one-row product as
+#      two identical rows: a decode step takes a verify's kernel, which rounds a row alike
+#      whatever the row count. The router's fp32 product rounds a row differently once 4
+#      rows share a call (exact-probe, AVX2 EPYC: 30 of 36 rows), so it runs row by row;
+#   2) fused attention gives a query other bits when masked keys sit beside its own. So each
+#      query row attends alone, in fp32, over exactly the keys its mask shows, gathered in
+#      slot order into a fresh tensor: the call its decode step makes. The prefill (every key
+#      new) attends in one call over fresh fp32 copies. MLA expands its latent with kv_b_proj
+#      (a row-invariant linear) and attends per row the same way.
+# Under TP at W >= 3 a ring all-reduce orders the sum by message chunks, and a verify's
+# message is longer than a decode step's, so the exact path sums the gathered partials in
+# rank order (W = 2 is one addition). The drafter is left as it is: its rounding decides
+# only which drafts are verified, never which tokens are emitted.
 
 
 class RowInvariantLinear(nn.Module):
@@ -1999,9 +1982,8 @@ EXACT_WEIGHTED = (nn.Linear, RowInvariantLinear, nn.Embedding, RMSNorm, Router) 
 
 
 def make_exact(target):
-    """Serve `target` on the exact path, in place -> the same target: every verify row
-    produces the bits of its own decode step (greedy_generate, speculative_generate and
-    speculative_generate_batch all run what it serves). Applying it twice changes nothing."""
+    """Serve `target` on the exact path, in place (idempotent) -> the same target: every
+    verify row produces the bits of its own decode step."""
     if not isinstance(target, Target):
         fail(f"make_exact serves a target (a Target), got {type(target).__name__}; the "
              f"drafter stays as it is (its rounding only decides which drafts are verified)")
@@ -2202,11 +2184,9 @@ def slice_bounds(n, rank, world):
 
 
 class Checkpoint:
-    """The weights of a model dir. Tensors are read one by one (files open on first use),
-    and each rank reads only its own slice. `prefix` selects a wrapped text model (Kimi-K2.5:
-    "language_model."); other keys are listed in `outside`. With `fp8_block` (rows, cols),
-    weights stored as float8 with a `weight_scale_inv` per block are dequantised on read,
-    from this rank's slice of both."""
+    """The weights of a model dir, read tensor by tensor, each rank only its slice. `prefix`
+    selects a wrapped text model (Kimi-K2.5: "language_model."; other keys: `outside`).
+    With `fp8_block` (rows, cols), float8 weights are dequantised on read (_scale_inv)."""
 
     def __init__(self, path, prefix="", fp8_block=None):
         self.path, self.prefix, self.fp8_block, self.handles = path, prefix, fp8_block, {}
@@ -2301,9 +2281,8 @@ def parse_dtype(name):
 
 
 def target_checkpoint(path):
-    """The Checkpoint of a target dir: the text model's key prefix (Kimi-K2.5 keeps it under
-    language_model.) and its quantisation (FP8 blocks are dequantised on load; anything
-    else is refused)."""
+    """The Checkpoint of a target dir: its text model's key prefix (Kimi-K2.5: language_model.)
+    and quantisation (FP8 blocks are dequantised on load; anything else is refused)."""
     raw = read_config_json(path)
     quant = text_config(raw).get("quantization_config") or raw.get("quantization_config")
     block = None
@@ -2319,9 +2298,8 @@ def target_checkpoint(path):
 
 
 def report_weight_bytes(target, path, dtype, world, device):
-    """Rank 0 says what each rank will hold before anything is allocated (for real
-    checkpoints: from 1 GiB per rank, or on GPUs and under torchrun), and a GPU that cannot
-    hold it is refused now rather than by an out-of-memory error mid-load."""
+    """Before anything is allocated, rank 0 says what each rank will hold (real checkpoints),
+    and a GPU that cannot hold it is refused now, not by an out-of-memory error mid-load."""
     params = list(target.parameters()) + list(target.buffers())
     size = sum(p.numel() * (4 if p.dtype == torch.float32 else dtype.itemsize) for p in params)
     if size >= 2**30 or world > 1 or device.type == "cuda":
@@ -2430,10 +2408,9 @@ def draft_llama_config(raw, where):
 
 
 def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
-    """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
-    target it will run with. Its aux-layer ids are read in `aux_convention`. With
-    `weight_keys` (a checkpoint's), a drafter whose draft vocab is the whole target vocab and
-    whose weights carry no d2t/t2d has the identity map, as the official loader reads it."""
+    """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against its
+    target; aux-layer ids read in `aux_convention`. Given `weight_keys`, a full-vocab drafter
+    without d2t/t2d weights has the identity map, as the official loader reads it."""
     if isinstance(path_or_dict, dict):
         raw, where = path_or_dict, "the drafter config"
     else:
@@ -2515,9 +2492,8 @@ def init_draft(draft, seed, std=0.02):
 
 def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=False):
     """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in.
-    head_from_target: its lm_head starts as the target's own rows of the draft vocab (as
-    vLLM's speculators start it): the drafter's normed hidden state lives in the target's
-    hidden space, so its first guesses are the target's readout, not noise."""
+    head_from_target: its lm_head starts as the target's rows of the draft vocab (as vLLM's
+    speculators do): its hidden state lives in the target's space, so it starts informed."""
     draft = init_draft(new_draft(cfg, target, dtype=dtype), seed)
     with torch.no_grad():
         if vocab_map is not None:
@@ -2532,8 +2508,7 @@ def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=
 
 def load_draft(path, target, dtype=None, aux_convention="specforge"):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
-    Strict: every key present, nothing extra, right shapes, a valid d2t/t2d. Its aux-layer
-    ids are read in `aux_convention` (AUX_CONVENTIONS)."""
+    Strict (keys, shapes, d2t/t2d); its aux-layer ids are read in `aux_convention`."""
     ckpt = Checkpoint(path)
     cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys(),
                             aux_convention=aux_convention)
@@ -2657,9 +2632,8 @@ PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not
 
 
 class Progress:
-    """A progress line on rank 0: redrawn in place on a terminal, one line every
-    PROGRESS_LOG_SECONDS when stderr goes to a log file (where redraws would pile up into
-    one endless line)."""
+    """A progress line on rank 0: redrawn in place on a terminal; in a log file, where redraws
+    would pile up into one endless line, one line every PROGRESS_LOG_SECONDS."""
 
     def __init__(self, label, total, start=0):
         self.label, self.total, self.last_line = label, total, -math.inf
@@ -2743,11 +2717,10 @@ def tokenize_conversation(tokenizer, messages):
 
 
 def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
-    """Batched greedy decoding of prompts of any lengths (lists of ids) -> lists of new
-    tokens, each cut after its first EOS. Prompts are left-padded, so every row writes the
-    same cache slot each step; a row's pads are masked out of every query (a pad query sees
-    only itself, so no softmax row is empty) and its positions count from its first real
-    token, so each row computes what it would alone."""
+    """Batched greedy decoding of prompts (lists of ids) -> lists of new tokens, each cut
+    after its first EOS. Left-padded, so every row writes the same cache slot each step;
+    pads are masked out (a pad query sees only itself) and positions count from a row's
+    first real token, so each row computes what it would alone."""
     device = target.lm_head.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     pads = torch.tensor([T - len(p) for p in prompts], device=device)                 # (B,)
@@ -2773,9 +2746,8 @@ def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
 
 @torch.inference_mode()
 def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
-    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
-    of prompt token ids through padded_greedy, batched over prompts of equal length (no
-    padding); cut after the first EOS (a batch stops once every row has produced one)."""
+    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies to prompts
+    (lists of ids), batched by prompt length (no padding), each cut after its first EOS."""
     by_length = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
@@ -2970,9 +2942,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
 
 
 def training_examples(tokenizer, data, max_len, limit=None, truncate=False):
-    """The conversations of a JSONL file (its first `limit`) that train and capture use:
-    chat-templated, with an assistant turn, at most max_len tokens (a longer one is dropped,
-    or with truncate cut to its first max_len tokens); in file order."""
+    """The conversations of a JSONL file (its first `limit`) with an assistant turn, as
+    Examples of at most max_len tokens (longer ones dropped, or with truncate cut)."""
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(data)[:limit]]
     if truncate:
         examples = [Example(ex.tokens[:max_len], ex.reply_mask[:max_len]) for ex in examples]
@@ -3038,9 +3009,8 @@ def number_example(g, numbers, kind):
 
 
 def corpus_example(g, w):
-    """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
-    Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
-    with some words drawn at random."""
+    """One (prompt, reply) pair drawn with the torch generator g from the word lists w: a
+    few sentences, mostly determined by the prompt, with some words drawn at random."""
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
     kind = int(torch.randint(8, (1,), generator=g))
@@ -3211,10 +3181,9 @@ def golden_rows(t, name, x):
 
 
 def sglang_tree(tree):
-    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them for one
-    request: retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next
-    sibling (ascending node index; -1 for none). The rest of SGLang's tree is the Tree's own:
-    draft_tokens = tokens, positions = seq_len + positions, retrive_index = b * N + node."""
+    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them (-1: none):
+    retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next sibling.
+    The rest of SGLang's tree is the Tree's own (positions offset, retrive_index b*N + node)."""
     N = len(tree.tokens)
     first, sibling = torch.full((N,), -1), torch.full((N,), -1)
     for parent, kids in enumerate(children_of(tree.parents)):
@@ -3297,9 +3266,8 @@ def golden_where(name):
 
 
 def first_divergence(expected, actual):
-    """The first field (in row and round order) where two traces differ, as a readable
-    line, or None. Logits and draft probabilities compare within SCORES_ATOL (fp32
-    round-off); everything else, random numbers included, exactly."""
+    """The first field (in row and round order) where two traces differ, as a line, or
+    None. Scores compare within SCORES_ATOL; everything else, coins included, exactly."""
     for name in sorted(set(expected) | set(actual)):
         where = golden_where(name)
         if name not in expected or name not in actual:
@@ -3314,11 +3282,6 @@ def first_divergence(expected, actual):
             return (f"{where}, index {index if len(index) > 1 else index[0]}: "
                     f"file {e[index].item()}, re-run {a[index].item()}")
     return None
-
-
-def golden_prompts(cfg):
-    """The prompts a golden config records: input_ids (one) or prompts (a batch)."""
-    return cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]
 
 
 PRESET_NUMBERS = ("draft_pos_offset", "threshold_single", "threshold_acc")
@@ -3345,7 +3308,8 @@ def golden_run(cfg):
     draft = load_draft(cfg["draft"], target,
                        aux_convention=cfg.get("aux_convention", "specforge"))
     device = target.lm_head.weight.device
-    prompts = [torch.tensor([ids], device=device) for ids in golden_prompts(cfg)]
+    rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
+    prompts = [torch.tensor([ids], device=device) for ids in rows]
     results = speculative_generate_batch(
         target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
@@ -3469,20 +3433,18 @@ def tiny_draft_config(target, draft_vocab_size):
     return read_draft_config(raw, target.cfg)
 
 
-def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False):
-    """Target replies -> vocab map -> TTT training; returns the drafter and held-out acc."""
-    train = replies_as_examples(target, tokenizer, demo_prompts(DEMO.train_prompts,
-                                                                DEMO.train_offset),
-                                DEMO.reply_tokens)
-    held_out = replies_as_examples(target, tokenizer, demo_prompts(DEMO.eval_prompts,
-                                                                   DEMO.eval_offset),
-                                   DEMO.reply_tokens)
-    vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
-                                    DEMO.draft_vocab)
+def train_tiny_draft(target, tokenizer, out_dir):
+    """Target replies -> vocab map -> TTT training -> the drafter and its held-out accuracy."""
+    def replies(n, offset):
+        return replies_as_examples(target, tokenizer, demo_prompts(n, offset), DEMO.reply_tokens)
+    train = replies(DEMO.train_prompts, DEMO.train_offset)
+    held_out = replies(DEMO.eval_prompts, DEMO.eval_offset)
+    counts = count_reply_tokens(train, target.cfg.vocab_size)
+    vocab_map = build_vocab_mapping(counts, DEMO.draft_vocab)
     draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
                         vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
-                        cfg, out_dir, resume)
+                        TrainConfig(), out_dir)
     return draft, curve[-1]["step_accuracy"]
 
 
@@ -3800,11 +3762,9 @@ AUX_CONVENTION_FLAG = dict(
          "when the first id is 1), sglang-legacy (+1 always)")
 
 
-# --exact (make_exact) is opt-in. In fp32, the CPU default, the plain path already keeps
-# greedy speculation equal to greedy decoding, and fp32 outputs and golden traces stay
-# as they were. In bf16 / fp16 it is what makes them equal, proven on CPUs by the tests; on
-# a GPU the matmul kernels are chosen by row count, so run the probe there first. And it
-# costs: one attention call per verify row and layer.
+# --exact (make_exact) is opt-in: in fp32 the plain path already keeps greedy speculation
+# equal to greedy decoding (and fp32 goldens stay as they were); in bf16 / fp16 make_exact
+# does (on a GPU run the probe first), at one attention call per verify row and layer.
 EXACT_FLAG = dict(action="store_true", help="serve the target on the exact path (make_exact): "
                   "every verify row rounds as its decode step, so greedy speculation equals "
                   "greedy decoding in bf16 / fp16 too")
@@ -3943,9 +3903,8 @@ def check_output(out, is_file):
 
 
 def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
-    """Every path a command reads exists, is of the right kind and is readable, and --out
-    can be written: before anything loads, so a typo is one line naming the flag (never a
-    hub lookup answering for a local path, never a traceback after minutes of work)."""
+    """Every path a command reads exists, is of its kind and readable, and --out can be
+    written: checked before anything loads, so a typo is one line naming the flag."""
     for name, kind in path_flags.items():
         path = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
