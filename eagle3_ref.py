@@ -1761,16 +1761,14 @@ class MoEConfig:
 
 class LatentCache(NamedTuple):
     """The MLA cache, as production engines keep it: per token and layer the normalised
-    latent and the rotated shared rope key, not per-head K/V. Attention re-expands the
-    latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
+    latent and the rotated shared rope key (r + dr values), not per-head K/V (2*H*hs)."""
     latent: torch.Tensor  # (L, B, 1, S, r)
     k_pe: torch.Tensor    # (L, B, 1, S, dr)
 
 
 def deinterleave(x):
-    """(.., dr) with rope pairs at (2i, 2i+1) -> evens then odds, so that rotate-half
-    rotates exactly those pairs. DeepSeek's weights pair dims this way; transformers also
-    keeps q_pe and k_pe in this permuted layout, which leaves q.k unchanged."""
+    """(.., dr) with rope pairs at (2i, 2i+1), as DeepSeek's weights pair them -> evens then
+    odds, so rotate-half rotates those pairs (q.k is unchanged by the permutation)."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                       # (.., dr)
 
 
@@ -1875,8 +1873,7 @@ class MoE(nn.Module):
 
 
 class DeepSeekTarget(Target):
-    """The target with MLA in every layer, MoE from layer first_dense on, and the latent
-    cache; the latent is replicated on every rank (it is not split by head)."""
+    """MLA in every layer, MoE from layer first_dense on, and the (replicated) latent cache."""
 
     def attention(self, layer):
         return MLAttention(self.cfg, self.tp)
@@ -1935,21 +1932,18 @@ def rows_linear(x, weight, bias=None):
 
 
 def each_row_linear(x, weight):
-    """F.linear of x (N, D), each row in its own (paired) call: bits that cannot depend on
-    how many rows came together."""
+    """F.linear of x (N, D), each row in its own (paired) call, whatever the row count."""
     return torch.cat([rows_linear(row[None], weight) for row in x]) if len(x) else x @ weight.T
 
 
 def fp32_copy(x):
-    """A fresh contiguous fp32 tensor: a kernel then sees the same layout whatever the cache
-    slab (its length, its batch) the values were read from."""
+    """A fresh contiguous fp32 copy: the same layout whatever cache slab it was read from."""
     return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def attend_rows(q, k, v, bias, scale=None):
-    """The exact path's attention core (Attention.attend, MLAttention.attend), in fp32:
-    after a prefill, each query row of q (B, H, T, hs) alone over the slots of k, v
-    (B, Hkv, S, .) its bias (T, S) or (B, 1, T, S) shows, in slot order."""
+    """The exact path's attention core, in fp32: after a prefill, each query row of q
+    (B, H, T, hs) alone over the slots of k, v (B, Hkv, S, .) its bias shows, in order."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     if T == S:   # the prefill: every key is new, one call over fresh copies
@@ -1966,9 +1960,8 @@ def attend_rows(q, k, v, bias, scale=None):
 
 
 def sum_in_rank_order(x):
-    """all_reduce in place with a fixed order: every rank gathers the W partials and adds
-    them ((x0 + x1) + x2) + ..., so a row's sum has the same bits in a decode step and in a
-    verify (whatever the message size) and on every rank."""
+    """all_reduce in place in a fixed order, ((x0 + x1) + x2) + ...: a row's sum has the
+    same bits in a decode step and in a verify, and on every rank."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     total = parts[0]
@@ -2012,9 +2005,8 @@ def make_exact(target):
 
 
 def rope_inv_freq(hf_config):
-    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them.
-    The scaled types (llama3, yarn, linear, dynamic, ...) come from transformers' own table,
-    so we never re-derive a scaling rule; only the unscaled default is written here."""
+    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them:
+    scaled types from its own table (no scaling rule re-derived), the default written here."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     params = hf_config.rope_parameters
     rope_type = params.get("rope_type", "default")
@@ -2116,8 +2108,7 @@ def text_config(raw):
 
 
 def validated(make_config, what):
-    """A transformers config, with its own validation of the fields (a chained, multi-line
-    exception) turned into our one-line error naming the file."""
+    """A transformers config, its (chained, multi-line) validation error made one line."""
     try:
         return make_config()
     except Exception as e:  # ValueError, TypeError, huggingface_hub's validation error
@@ -2126,9 +2117,8 @@ def validated(make_config, what):
 
 
 def read_target_config(path):
-    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs).
-    kimi_k2 and kimi_k25 dirs are read as the DeepseekV3Config they are, so no remote code
-    runs (transformers' AutoConfig does not know kimi_k2)."""
+    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs);
+    kimi_k2 and kimi_k25 are read as the DeepseekV3Config they are (no remote code runs)."""
     from transformers import AutoConfig, DeepseekV3Config
     family = read_config_json(path).get("model_type")
     if family not in SUPPORTED_FAMILIES:
@@ -2152,8 +2142,7 @@ class BinWeights(dict):
 
 
 def open_weights(file):
-    """A lazy handle with .keys() and .get_slice(name) (safetensors reads from disk on
-    demand; .bin files are memory-mapped). Unreadable files are a clear error."""
+    """A lazy handle with .keys() and .get_slice(name) (.bin files are memory-mapped)."""
     try:
         if file.endswith(".safetensors"):
             from safetensors import safe_open
@@ -2313,8 +2302,7 @@ def report_weight_bytes(target, path, dtype, world, device):
 
 
 def in_model_dtype(target, dtype):
-    """The model cast to `dtype`, except the MoE routers, which stay fp32 (transformers
-    keeps gate.weight and e_score_correction_bias in fp32 as well)."""
+    """The model cast to `dtype`, except the MoE routers, which stay fp32 (as transformers)."""
     target.to(dtype)
     for module in target.modules():
         if isinstance(module, Router):
@@ -2474,8 +2462,7 @@ def new_draft(cfg, target, own_embedding=False, dtype=None):
 
 
 def init_weights(module, seed, std=0.02, skip=lambda name: False):
-    """Fresh weights from a seeded CPU generator (identical on every rank, then copied to
-    the device): vectors (norms) 1, matrices N(0, std)."""
+    """Fresh weights from a seeded CPU generator (alike on every rank): norms 1, N(0, std)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -2602,8 +2589,7 @@ def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_lay
 
 
 def new_optimizer(draft, cfg):
-    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (now requiring
-    grad; everything else frozen)."""
+    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (all else frozen)."""
     params = trainable(draft)
     draft.train().requires_grad_(False)
     for p in params:
@@ -2685,8 +2671,7 @@ def conversation(line, where):
 
 
 def read_conversations(path):
-    """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
-    content}) -> lists of {role, content}."""
+    """JSONL of ShareGPT `conversations` or OpenAI `messages` -> lists of {role, content}."""
     if not os.path.isfile(path):
         fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
     try:
@@ -2771,9 +2756,8 @@ class TrainState(NamedTuple):
 
 
 def save_checkpoint(out_dir, draft, opt, state):
-    """The drafter (save_draft's layout), then train_state.pt: one file holds the drafter,
-    the optimizer and the TrainState, written atomically, so a resume never mixes weights,
-    optimizer state and curve from different steps; then a readable copy of the curve."""
+    """The drafter (save_draft), then train_state.pt: drafter, optimizer and TrainState in
+    one atomic file, so a resume never mixes steps; then a readable copy of the curve."""
     os.makedirs(out_dir, exist_ok=True)
     save_draft(draft, out_dir)
     if is_rank0():
@@ -2785,8 +2769,7 @@ def save_checkpoint(out_dir, draft, opt, state):
 
 
 def load_train_state(path, draft, opt):
-    """The TrainState to resume from: step 0 when no checkpoint was written yet (the run
-    was stopped before its first one); a truncated or foreign file is refused."""
+    """The TrainState to resume from (step 0 before the first checkpoint was written)."""
     if not os.path.exists(path):
         print0(f"--resume: no {path} yet, starting from step 0")
         return TrainState()
@@ -2823,8 +2806,7 @@ def check_train_config(cfg):
 
 
 def batch_indices(n, batch, step, seed):
-    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen."""
+    """The examples of step `step`, a function of (seed, step): resuming sees the same ones."""
     per_epoch = max(1, n // batch)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -2846,9 +2828,8 @@ class ChainStats(NamedTuple):
 
 
 def replay_rounds(accepted, scored):
-    """Accept lengths of the rounds serving would run along each row: the first round
-    drafts the reply's second token (the prefill gives its first), each next round starts
-    after the previous one's bonus. accepted (B, T): drafts accepted by a chain at t."""
+    """Accept lengths of the rounds serving would run along each row (accepted (B, T): by a
+    chain at t): the first drafts the reply's second token, each next one follows a bonus."""
     lengths = []
     for row, live in zip(accepted.tolist(), scored.tolist()):
         starts = [t for t, x in enumerate(live) if x]
@@ -3049,8 +3030,7 @@ def chat_text(prompt, reply=None):
 
 
 def train_tokenizer(texts, vocab_size):
-    """Byte-level BPE trained with the `tokenizers` library, wrapped as a transformers
-    tokenizer with the chat template, so it saves and loads like a real one."""
+    """Byte-level BPE (`tokenizers`) as a transformers tokenizer with the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -3117,8 +3097,7 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
 
 
 def save_target(target, hf_config, tokenizer, path):
-    """A real HF model dir: config.json, model.safetensors, tokenizer files; loadable by
-    transformers' AutoModelForCausalLM / AutoTokenizer and by load_target."""
+    """A real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
@@ -3128,8 +3107,7 @@ def save_target(target, hf_config, tokenizer, path):
 
 
 def build_lm(path, hf_config, tokenizer, texts, steps, seed):
-    """The one pretraining pipeline of the tiny models: random init, pack the tokenised
-    corpus into rows, next-token training, save as an HF model dir."""
+    """Pretrain a tiny LM: random init, packed corpus rows, next-token loss, saved HF dir."""
     lm = init_weights(Target(target_config(hf_config)), seed)
     rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN.row_len)
     pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
@@ -3170,8 +3148,7 @@ SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may dif
 
 
 def golden_rows(t, name, x):
-    """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
-    ids plus a float64 row checksum."""
+    """(rows, V) scores in full for small vocabularies, else top-20 values, ids, checksum."""
     if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
         t[name] = x
     else:
@@ -3194,9 +3171,8 @@ def sglang_tree(tree):
 
 
 def golden_tensors(input_ids, result, preset=PRESETS["official"]):
-    """One sequence's trace: the prompt, the output and, per round, the tree (ours and the
-    engine's layout), the target logits at its nodes, the accepted path, the bonus and the
-    random numbers used, in the preset's layout."""
+    """One sequence's trace: prompt, output and per round the tree (also in the engine's
+    layout), the target logits at its nodes, path, bonus and random numbers used."""
     t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
              accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
              first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
@@ -3222,8 +3198,7 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
 
 
 def golden_batch_tensors(prompts, results, preset):
-    """A batch's trace: each sequence's tensors, named rowBB.<field> (batch size 1 keeps
-    the plain names of version 1)."""
+    """A batch's trace: each sequence's tensors as rowBB.<field> (plain names for one)."""
     if len(results) == 1:
         return golden_tensors(prompts[0], results[0], preset)
     return {f"row{b:02d}.{k}": v for b, (ids, r) in enumerate(zip(prompts, results))
@@ -3288,8 +3263,7 @@ PRESET_NUMBERS = ("draft_pos_offset", "threshold_single", "threshold_acc")
 
 
 def preset_record(preset):
-    """A preset as a golden header records it: its name (which fixes its functions) and
-    its numbers."""
+    """A preset as a golden header records it: its name (fixing its functions), numbers."""
     return dict(name=preset.name, **{k: getattr(preset, k) for k in PRESET_NUMBERS})
 
 
@@ -3334,8 +3308,7 @@ class DecodeStats(NamedTuple):
 
 
 def best_time(run, repeats):
-    """(result, fastest wall time) of `repeats` calls: the minimum filters out machine noise
-    and is applied to every contender alike."""
+    """(result, fastest wall time) of `repeats` calls: the minimum filters out noise."""
     best, result = math.inf, None
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -3460,8 +3433,7 @@ def ensure_tiny_models():
 
 
 def main_demo(exact=False):
-    """The tiny end-to-end run: build/reuse the target, train the drafter, decode (on the
-    exact path with exact=True), report."""
+    """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
     from transformers import AutoTokenizer
     t0 = time.time()
     target_dir, draft_dir = tiny_paths()
@@ -3506,8 +3478,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path, args):
-    """The tokenizer of a model dir. Tokenizers that ship their own code (Kimi's tiktoken
-    one) run it only with --trust-remote-code."""
+    """The tokenizer of a model dir (its own code, like Kimi's, only with --trust-remote-code)."""
     from transformers import AutoTokenizer
     trust = getattr(args, "trust_remote_code", False)
     if not os.path.isdir(path):
@@ -3571,9 +3542,8 @@ def preset_of(args):
 
 
 def reported_tau(result, preset):
-    """The accept length as the preset's engine reports it: mean(accepted + 1) per round as
-    decided, drafts after an EOS included (official; vLLM's 1 + accepted / drafts), or the
-    tokens each round actually emitted (SGLang)."""
+    """The accept length as the preset's engine reports it: mean(accepted + 1) as decided
+    (official, vLLM), or the tokens each round actually emitted (SGLang)."""
     if not result.rounds:
         return 0.0
     if preset.tau_emitted:
@@ -3725,8 +3695,8 @@ def check_examples(examples, where, max_len):
 
 
 def train_command(args, target, inputs, examples):
-    """train once the data and target are read: hold out 1/50, build the vocab map (or keep
-    --init-draft's), run TTT with checkpoints and resume, print the last curve point."""
+    """train, once data and target are read: hold out 1/50, map the vocab (or keep
+    --init-draft's), run TTT, print the last curve point."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -3811,8 +3781,7 @@ def flag_groups():
 
 
 def add_commands(sub):
-    """The reference's commands: generate, golden, train -> {name: its parser}, so that
-    the workbench can add to them."""
+    """generate, golden, train -> {name: its parser}, for the workbench to add to."""
     shared = list(flag_groups())   # models, tree, sampling
     return dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
                 train=add_train(sub))
@@ -3939,8 +3908,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(*extensions, description="EAGLE-3 reference: with no command, run the tiny "
                  "end-to-end demo (train a drafter, decode, report).", default=None):
-    """The reference's parser; each extension(sub, commands) may add commands or flags
-    (the workbench does)."""
+    """The reference's parser; each extension(sub, commands) may add commands or flags."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
     commands = add_commands(sub)
