@@ -2147,8 +2147,7 @@ def open_weights(file):
         if file.endswith(".safetensors"):
             from safetensors import safe_open
             return safe_open(file, framework="pt")
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        return BinWeights(state)
+        return BinWeights(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
     except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
         fail(f"cannot read weight file {file!r} ({why(e)}); "
              f"the file is corrupt or truncated, re-download or re-save it")
@@ -2682,18 +2681,23 @@ def read_conversations(path):
         fail(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
 
 
+def chat_ids(tokenizer, messages, add_generation_prompt=False):
+    """The chat-templated token ids (a list; newer transformers wrap them in an encoding)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def tokenize_conversation(tokenizer, messages):
     """Chat-template the conversation; reply_mask marks the tokens of assistant turns,
     found by rendering each prefix (the template must extend its prefixes, as real ones do)."""
-    def render(msgs, gen=False):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    tokens = render(messages)
+    tokens = chat_ids(tokenizer, messages)
     mask = [0] * len(tokens)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], gen=True) if i else [], render(messages[:i + 1])
+        before = chat_ids(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+        upto = chat_ids(tokenizer, messages[:i + 1])
         if upto[:len(before)] != before or tokens[:len(upto)] != upto:
             fail("the tokenizer's chat template does not extend its prefixes, so assistant "
                  "tokens cannot be located; use a template that renders turns in sequence")
@@ -3496,12 +3500,8 @@ def load_tokenizer(path, args):
 
 
 def encode_prompt(tokenizer, text, chat, device):
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(text).input_ids
+    ids = (chat_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+           if chat else tokenizer(text).input_ids)
     return torch.tensor([ids], device=device)
 
 
