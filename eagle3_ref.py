@@ -205,12 +205,6 @@ def check_aux_layers(aux_layers, n_layers):
              f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
 
 
-def rms_norm(x, weight, eps):
-    # Normalise in fp32, cast back, then scale: the order transformers (and EAGLE) use.
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -218,7 +212,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        # Normalise in fp32, cast back, then scale: the order transformers (and EAGLE) use.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 def rope_cos_sin(inv_freq, positions, scale, dtype):
@@ -271,12 +268,6 @@ def cache_append(kv, start, a, b):
     end = start + a.shape[2]
     kv[0][:, :, start:end], kv[1][:, :, start:end] = a, b
     return kv[0][:, :, :end], kv[1][:, :, :end]                                 # (B, ., S, .)
-
-
-def attend_cached(q, k, v, bias, kv=None, start=0):
-    """Append the new keys/values to the cache (if any), then attend over all of them."""
-    k, v = cache_append(kv, start, k, v)                                   # (B, Hkv, S, hs)
-    return attend(q, k, v, bias)
 
 
 class KVCache(NamedTuple):
@@ -397,12 +388,10 @@ class Target(nn.Module):
 
     def forward(self, input_ids, positions=None, mask=None, cache=None, start=0, aux_layers=None):
         """input_ids (B, T) at `positions` (default start..start+T-1), attending to `mask`
-        (T, start+T) bool (default causal). With a cache, K/V are written at slots
-        start..start+T-1 and the first `start` slots are the prefix. A batch of sequences
-        with their own lengths passes positions (B, T) and masks (B, T, S).
-        Returns logits (B, T, V) and aux (B, T, 3*D): the residual stream entering each
-        of `aux_layers` (default 2, L//2, L-3; id L = the final pre-norm state); pass
-        aux_layers=() when no features are needed (aux is then None)."""
+        (T, start+T) bool (default causal); rows of their own lengths pass positions (B, T)
+        and masks (B, T, S). With a cache, K/V go to slots start.. after a `start`-slot prefix.
+        -> logits (B, T, V), aux (B, T, 3*D): the residual stream entering each of
+        `aux_layers` (default 2, L//2, L-3; L = the final pre-norm state; () -> aux None)."""
         B, T = input_ids.shape
         device = input_ids.device
         if aux_layers is None:
@@ -517,7 +506,8 @@ class Draft(nn.Module):
         ids; mask (T, start+T). Project, attend over the cache (slots start.. written), finish."""
         q, k, v = self.project(h, tokens, positions)
         kv = None if cache is None else (cache.k[0], cache.v[0])
-        return self.finish(h, attend_cached(q, k, v, attention_bias(mask, h.dtype), kv, start))
+        k, v = cache_append(kv, start, k, v)                               # (B, Hkv, S, hs)
+        return self.finish(h, attend(q, k, v, attention_bias(mask, h.dtype)))
 
     def logits(self, h):
         return self.lm_head(self.norm(h))  # (.., Vd)
@@ -580,11 +570,10 @@ def check_token_ids(ids, vocab_size):
 
 
 def topk_first_index(x, k):
-    """torch.topk along the last dim with ties broken toward the lower index. It equals
-    torch.topk whenever values are distinct; on ties it is reproducible across devices and
-    ranks a parent ahead of an equal-scored descendant (parents have lower pool indices).
-    When the k+1 best values are strictly decreasing no tie can reorder them, so torch.topk
-    is already that answer; only otherwise is the (10x slower) stable sort needed."""
+    """torch.topk along the last dim with ties broken toward the lower index: reproducible
+    across devices, and a parent ranks ahead of an equal-scored descendant (parents have
+    lower pool indices). When the k+1 best values strictly decrease no tie can reorder them
+    and torch.topk is the answer; only otherwise is the (10x slower) stable sort needed."""
     values, indices = torch.topk(x, min(k + 1, x.shape[-1]))                    # (.., k+1)
     if not bool((values[..., :-1] > values[..., 1:]).all()):  # a tie (or NaN) near the top
         values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
@@ -741,14 +730,10 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 # root; everything random is drawn from one seeded generator in a documented order, and the
 # uniforms are returned so another implementation can replay the same coins.
 #
-# Why greedy speculation equals greedy decoding: each verify row must produce the bits of
-# the decode step at its position (the same logits, so the same argmax). A kernel rounds a
-# row differently when other rows share the call (a one-row product takes another path
-# than an N-row one; a query beside masked keys gets other bits than alone). In fp32 that
-# moves the last bits, and a top-2 gap that small is rare; in bf16 or fp16 ties between the
-# top two logits are common, so speculation parts from greedy decoding. The variant "exact
-# in low precision" (section 14, make_exact) serves a target so every row rounds as its
-# decode step.
+# Greedy speculation equals greedy decoding when each verify row produces the bits of its
+# own decode step. A kernel may round a row differently when other rows share the call: in
+# fp32 that rarely flips an argmax, in bf16 / fp16 it often does. Section 14 (make_exact)
+# serves a target so that every row rounds as its decode step.
 
 
 @torch.inference_mode()
@@ -764,9 +749,8 @@ def verify_tree(target, cache, n, tree, aux_layers):
 
 def commit(cache, start, path):
     """Keep the accepted tree nodes: move the K/V of `path` (node indices, root first, in
-    the N entries written after `start`) to start, start+1, ... . The official
-    `data[..., n:n+a+1] = data[..., path + n]`; indexing copies first, so overlapping
-    ranges are safe. Returns the new valid length."""
+    the N entries written after `start`) to start, start+1, ...: the official `data[...,
+    n:n+a+1] = data[..., path + n]` (indexing copies first, so overlaps are safe)."""
     src = start + path
     for slab in cache:  # K and V, or MLA's latent and rope key: (L, B, heads, S, .)
         slab[:, :, :, start:start + len(path)] = slab[:, :, :, src]
@@ -943,20 +927,17 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
 
-# A Preset is an engine's conventions resolved into the functions and numbers they choose,
-# once, when a run starts; the decoding loop only calls them. The official code's is below;
-# SGLang's and vLLM's join the table in their own section after the method.
-
-
 def official_verify(logits, tree, randomness, sampling, preset):
     """The official scheme (accept_sampled above) as a preset's verification rule."""
     return accept_sampled(logits, tree, randomness.uniforms, sampling), None
 
 
 class Preset(NamedTuple):
-    """An engine's EAGLE-3 conventions, resolved into what they choose (PRESETS: the
-    official code, SGLang, vLLM). In all three the output stops exactly at max_new_tokens
-    and at the first EOS, and siblings are tried in ascending node index."""
+    """An engine's EAGLE-3 conventions, resolved once, when a run starts, into the functions
+    and numbers they choose; the decoding loop only calls them. PRESETS holds the official
+    code's; SGLang's and vLLM's join it after the method. In all three the output stops
+    exactly at max_new_tokens and at the first EOS, and siblings are tried in ascending
+    node index."""
     name: str                 # for reports and golden headers; never branched on
     scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
                               # probabilities that multiply (SGLang, vLLM)
@@ -999,10 +980,6 @@ def eos_list(eos_token_id):
     return list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
 
 
-def is_eos(token, eos_token_id):
-    return int(token) in eos_list(eos_token_id)
-
-
 def check_eos(eos_token_id, vocab_size):
     for t in eos_list(eos_token_id):
         if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
@@ -1032,7 +1009,7 @@ def emit(out, tokens, max_new_tokens, eos_token_id):
     """Append tokens to out up to the budget or the first EOS; True when generation ends."""
     for t in tokens:
         out.append(int(t))
-        if len(out) == max_new_tokens or is_eos(t, eos_token_id):
+        if len(out) == max_new_tokens or int(t) in eos_list(eos_token_id):
             return True
     return False
 
@@ -1074,9 +1051,8 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
 
 
 def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record_logits=False):
-    """Argmax decoding: the baseline, and the reference greedy speculation must equal.
-    record_logits=True returns (tokens, logits (new tokens, V)): each decode step's row, to
-    hold a verify row against."""
+    """Argmax decoding: the baseline greedy speculation must equal. record_logits=True also
+    returns each decode step's logits (new tokens, V), to hold a verify row against."""
     return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0,
                                    eos_token_id, record_logits)
 
@@ -1187,10 +1163,9 @@ class SpecResult(NamedTuple):
 
 
 class RoundState(NamedTuple):
-    """Where a sequence's next round starts. The target's cache holds n tokens; the
-    drafter's holds all but the last m, whose features arrived with the last verify (the
-    prompt's with the prefill) and are encoded at the start of the round, as the official
-    code does."""
+    """Where a sequence's next round starts. The target's cache holds n tokens, the
+    drafter's all but the last m, whose features came with the last verify (or the prefill)
+    and are encoded at the start of the round, as the official code does."""
     n: int                   # tokens in the target's cache (the accepted prefix)
     root: int                # the target's last token: the next tree's root
     features: torch.Tensor   # (1, m, 3*D_t) target features of the last m cached tokens
@@ -1260,10 +1235,9 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
                          record_logits=False, preset="official"):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
     budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
-    has exactly the distribution of sample_generate. `tree` is the TreeShape (tree top-k,
-    depth, total tokens); top_k is the *sampling* top-k; `preset` names the conventions
-    followed ("official", "sglang", "vllm" or a Preset); `scheme` "tree" (the official
-    tree) or "chain" (drafts sampled from the drafter, Part II)."""
+    has exactly the distribution of sample_generate. `tree`: the TreeShape; top_k: the
+    *sampling* top-k; `preset`: whose conventions ("official", "sglang", "vllm" or a Preset);
+    `scheme`: "tree" (the official tree) or "chain" (drafts sampled from the drafter)."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
                     scheme, preset, eos_token_id, record_logits)
     T, shape = input_ids.shape[1], run.shape
@@ -1289,7 +1263,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
 # The drafter is trained on the target's own replies, with features and logits computed
 # online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
 # its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
-# its own (imperfect) hidden states. (The optimizer loop around this loss: section 16.)
+# its own (imperfect) hidden states. (The optimizer loop around this loss: section 17.)
 
 
 class Example(NamedTuple):
@@ -1445,16 +1419,9 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2)
 
 
-def write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def atomic_write(path, write):
-    """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written file
-    under the real name, and the next write to NAME replaces a killed run's NAME.tmp. The
-    file gets the umask's mode, as open() gives (safetensors writes 0600, which would hide
-    drafters and golden traces from the other users of a shared machine)."""
+    """Write to NAME.tmp, then rename: an interrupted run never leaves a half-written NAME.
+    The file gets the umask's mode (safetensors writes 0600, hiding it from other users)."""
     tmp = f"{path}.tmp"
     try:
         write(tmp)
@@ -1516,9 +1483,8 @@ def print0(*args, **kwargs):
 
 
 def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
-    """Sample a chain of drafts from the drafter's own warped distribution q, one uniform
-    per draft (inverse CDF). Returns the chain as a Tree, q over the target vocab (k, V)
-    and the uniforms used."""
+    """Sample a chain of drafts from the drafter's own warped q, one uniform per draft
+    (inverse CDF) -> the chain as a Tree, q over the target vocab (k, V), the uniforms."""
     device, V = h_last.device, draft.cfg.vocab_size
     coins, tokens, q_rows = Recorder(uniforms), [], []
     in_target = draft.to_target_ids(torch.arange(draft.cfg.draft_vocab_size, device=device))
@@ -1542,11 +1508,10 @@ def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
 
 
 def accept_chain(logits, drafts, q, uniforms, sampling):
-    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a chain
-    of k drafts sampled from q (k, V). Draws after the k drafting uniforms: for each draft
-    i one uniform u, accept iff u * q_i(x) < p_i(x); on the first rejection one uniform
-    for the token from norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus
-    from p_k."""
+    """Standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) of k drafts
+    sampled from q (k, V). After the drafting uniforms: per draft one uniform u, accept iff
+    u * q_i(x) < p_i(x); at the first rejection one uniform for the token from
+    norm(max(0, p_i - q_i)); if all pass, one uniform for the bonus from p_k."""
     coins, k = Recorder(uniforms), len(drafts)
     for i, x in enumerate(drafts.tolist()):
         p = warped_probs(logits[i], sampling)
@@ -1591,12 +1556,10 @@ def probs(logits):
 
 
 def cdf_pick(r, coin):
-    """SGLang's final draw: the first id whose cumulative sum exceeds coin * sum(r), among
-    ids with r > 0 (else the last id with r > 0, else V - 1). The running sum is taken in
-    float64 and each prefix rounded to fp32, on every device: torch's CPU cumsum of fp32
-    does exactly that internally while CUDA's accumulates in fp32, so an implicit fp32
-    cumsum picks a different token on CPU and GPU when a coin lands within an ulp of a
-    boundary. (SGLang's kernel scans in fp32: such a coin can differ there too.)"""
+    """SGLang's final draw: the first id with r > 0 whose cumulative sum exceeds coin *
+    sum(r) (else the last id with r > 0, else V - 1). The sum runs in float64, each prefix
+    rounded to fp32, as torch's CPU fp32 cumsum does but CUDA's does not: a coin within an
+    ulp of a boundary would pick another token on CPU and GPU (and can in SGLang's kernel)."""
     cdf = r.double().cumsum(-1).float()
     hit = ((cdf > coin * cdf[-1]) & (r > 0)).nonzero()
     live = (r > 0).nonzero()
@@ -1606,16 +1569,12 @@ def cdf_pick(r, coin):
 def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshold_acc=1.0,
                       kids=None):
     """SGLang's tree_speculative_sampling_target_only, in fp32. p (N, V): the warped
-    target distribution at every node; coins (N,): one per tree node, used by the nodes
-    that become parents (the root first); final_coin: one per request.
-    At the current node, children in ascending node index add their (unnormalised) p to a
-    running sum; a child is accepted when coin <= sum / threshold_acc or p >= threshold_single,
-    and its own coin carries on. One coin is thus an inverse-CDF draw over the children
-    (lossless at the default thresholds 1, 1; lower ones accept more and are lossy). The
-    bonus: at the last accepted node, final_coin * sum(r) through the CDF of r, r = p with
-    the rejected children's p removed (p itself after a full-depth path). `kids` (each
-    node's children in the order tried) defaults to ascending node index, as SGLang builds
-    its trees."""
+    target distribution at every node; coins (N,): one per node, read at the nodes that
+    become parents. At a node, its children (`kids`, default ascending node index, as
+    SGLang builds trees) add their unnormalised p to a running sum; a child is accepted when
+    coin <= sum / threshold_acc or p >= threshold_single: one coin is an inverse-CDF draw
+    over the children (lossless at thresholds 1, 1). The bonus: final_coin through the CDF
+    of r = p at the last accepted node minus the rejected children's p."""
     kids, ta = kids or children_of(tree.parents), max(threshold_acc, 1e-9)
     node, path, depth = 0, [0], tree.retrieve_indices.shape[1] - 1
     rejected = torch.zeros_like(p[0])
@@ -1647,11 +1606,10 @@ def sglang_verify(logits, tree, randomness, sampling, preset):
 
 
 def accept_onehot(p, drafts, uniforms, exponentials, bonus):
-    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i (its target
-    distribution p[i]) is accepted iff p[i](x) >= uniforms[i] (float64); at the first
-    rejection the recovered token is argmax(r * (1 / E)) with r = p[i] with x zeroed and E
-    one Exp(1) vector per request (an exponential race: a sample of r / sum r); after the
-    last draft, the bonus (drawn before verification by the plain sampler)."""
+    """vLLM's rejection sampler for argmax drafts (q one-hot), in fp32: draft i is accepted
+    iff p[i](x) >= uniforms[i] (float64); at the first rejection the token is argmax(r / E),
+    r = p[i] with x zeroed, E an Exp(1) vector (an exponential race: a sample of r / sum r);
+    after the last draft, the bonus (drawn before verification by the plain sampler)."""
     for i, x in enumerate(drafts.tolist()):
         if float(p[i, x]) >= float(uniforms[i]):
             continue
@@ -1686,12 +1644,10 @@ PRESETS.update(  # the table of Part I gains the engines' presets
 # ----------------------------------------------------------------------------------------
 # 12. variant: a batch of prompts, verified in one forward      (a learner can skip this)
 #
-# As the engines batch: each sequence drafts its own tree and keeps its own state and
-# random numbers; one target forward verifies all B trees (per-row positions and masks over
-# per-row cache lengths); each row then settles exactly as above and stops on its own.
-# The forward writes every row's nodes at one slot range, after the longest row's prefix
-# (a row's mask hides the slots between its own prefix and its nodes); each row's nodes
-# then move to its own slots, so a row settles as a batch-1 sequence does.
+# As the engines batch: each sequence drafts its own tree with its own state and random
+# numbers; one target forward verifies all B trees (per-row positions and masks), writing
+# every row's nodes after the longest prefix; they then move to the row's own slots, so each
+# row settles as a batch-1 sequence does, and stops on its own.
 
 
 def row_cache(cache, b):
@@ -1701,10 +1657,9 @@ def row_cache(cache, b):
 
 @torch.inference_mode()
 def verify_trees(target, cache, ns, trees, aux_layers):
-    """verify_tree for B sequences in one forward. Row b's N_b nodes sit at positions
-    n_b + depth and are written at slots s.., s = the longest prefix, then moved to its own
-    slots n_b..; trees are padded to the widest with nodes that see only the prefix and
-    themselves. -> per row (logits (N_b, V), aux (N_b, 3*D))."""
+    """verify_tree for B sequences in one forward -> per row (logits (N_b, V), aux
+    (N_b, 3*D)). Trees are padded to the widest with nodes that see only the prefix and
+    themselves; all are written after the longest prefix, then moved to their own slots."""
     B, N, s, device = len(trees), max(len(t.tokens) for t in trees), max(ns), cache[0].device
     tokens = torch.zeros(B, N, dtype=torch.long)                                # (B, N)
     positions = torch.tensor(ns)[:, None].repeat(1, N)                          # (B, N)
@@ -1727,9 +1682,8 @@ def verify_trees(target, cache, ns, trees, aux_layers):
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
                                top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
                                scheme="tree", record_logits=False, preset="official"):
-    """speculative_generate of B prompts (each (1, T_b), lengths may differ), verified
-    together. Row b draws its random numbers from its own generator, seeded seed + b; its
-    rounds' `comm` is the whole batched round's. -> one SpecResult per prompt."""
+    """speculative_generate of B prompts (1, T_b) verified together -> a SpecResult each.
+    Row b's generator is seeded seed + b; its rounds' `comm` is the whole batched round's."""
     run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
                     scheme, preset, eos_token_id, record_logits)
     B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
@@ -1770,13 +1724,11 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
 # 13. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
 #
 # model_type deepseek_v3, kimi_k2, kimi_k25: multi-head latent attention (MLA) and a
-# sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM
-# computes them. They plug into the same Block where the dense model chooses its attention
-# and MLP (DeepSeekTarget below); everything else (cache commit, verify, drafting,
-# training) is unchanged. TP is the same thin layer: q_b/q_proj and kv_b column-parallel
-# by head, o_proj row-parallel; each expert and the shared experts sharded along their
-# width; routed + shared summed before one all_reduce, so a layer still has 2 all-reduces
-# (SGLang's layout; the official DeepSeek code has 3).
+# sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM.
+# They plug into the Block where the dense model chooses its attention and MLP; all else is
+# unchanged. TP: q_b/q_proj and kv_b column-parallel by head, o_proj row-parallel, experts
+# sharded along their width, routed + shared summed before one all_reduce: 2 all-reduces
+# per layer (SGLang's layout; the official DeepSeek code has 3).
 
 
 @dataclass
@@ -1809,16 +1761,14 @@ class MoEConfig:
 
 class LatentCache(NamedTuple):
     """The MLA cache, as production engines keep it: per token and layer the normalised
-    latent and the rotated shared rope key, not per-head K/V. Attention re-expands the
-    latent with kv_b_proj, so r + dr values per token replace 2*H*hs."""
+    latent and the rotated shared rope key (r + dr values), not per-head K/V (2*H*hs)."""
     latent: torch.Tensor  # (L, B, 1, S, r)
     k_pe: torch.Tensor    # (L, B, 1, S, dr)
 
 
 def deinterleave(x):
-    """(.., dr) with rope pairs at (2i, 2i+1) -> evens then odds, so that rotate-half
-    rotates exactly those pairs. DeepSeek's weights pair dims this way; transformers also
-    keeps q_pe and k_pe in this permuted layout, which leaves q.k unchanged."""
+    """(.., dr) with rope pairs at (2i, 2i+1), as DeepSeek's weights pair them -> evens then
+    odds, so rotate-half rotates those pairs (q.k is unchanged by the permutation)."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                       # (.., dr)
 
 
@@ -1870,10 +1820,9 @@ class MLAttention(nn.Module):
 
 
 class Router(nn.Module):
-    """DeepSeek-V3 routing, in fp32 whatever the model dtype (near-tied experts flip in
-    bf16): sigmoid scores; the correction bias only *selects*; a token may use the experts
-    of its topk_group best groups (a group scores the sum of its top-2 biased scores); the
-    weights are the unbiased sigmoids of the chosen k, renormalised, times the scaling."""
+    """DeepSeek-V3 routing in fp32 (near-tied experts flip in bf16): sigmoid scores; the
+    correction bias only *selects*, among the experts of the topk_group best groups (a group
+    scores its top-2 biased scores); weights: the chosen k's sigmoids, renormalised, scaled."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -1924,8 +1873,7 @@ class MoE(nn.Module):
 
 
 class DeepSeekTarget(Target):
-    """The target with MLA in every layer, MoE from layer first_dense on, and the latent
-    cache; the latent is replicated on every rank (it is not split by head)."""
+    """MLA in every layer, MoE from layer first_dense on, and the (replicated) latent cache."""
 
     def attention(self, layer):
         return MLAttention(self.cfg, self.tp)
@@ -1945,29 +1893,23 @@ class DeepSeekTarget(Target):
 # ----------------------------------------------------------------------------------------
 # 14. variant: exact in low precision                            (a learner can skip this)
 #
-# Greedy speculation equals greedy decoding when every verify row produces the bits of the
-# decode step at its position (section 7). In bf16 / fp16 the plain path breaks this in two
-# places, and make_exact serves a target so that neither happens:
-#   1) a matmul rounds a row differently when it is alone: torch's bf16 CPU kernel takes
-#      another path for one row than for N (measured on SmolLM2's down projection: 334 of
-#      4,050 rows differ). So every linear (attention, MLP, every expert and the shared
-#      experts, the lm_head) runs a one-row product as two identical rows: a decode step
-#      then takes the kernel of a verify, which rounds a row alike whatever the number of
-#      rows (the tests and exact-probe check it). The router's product stays fp32, where
-#      the CPU kernel rounds a row differently once 4 rows share a call (exact-probe, a
-#      deepseek_v3 config on an AVX2 EPYC: 30 of 36 rows), so it runs row by row;
-#   2) fused attention gives a query other bits when masked keys sit beside its own. So
-#      each query row attends alone, in fp32, over exactly the keys its mask shows, gathered
-#      in slot order into a fresh tensor: the call its decode step makes, whatever the
-#      other rows of a tree or of a batch see. The prefill (every key new) attends in one
-#      call over fresh fp32 copies: one call, the same in every decoder that shares it.
-#      MLA expands its latent cache with kv_b_proj (a row-invariant linear, 1) and attends
-#      per row the same way.
-# Under tensor parallelism the partial sums must meet in one order too: W = 2 is a single
-# addition (order-free); for W >= 3 a ring all-reduce orders the sum by message chunks, and
-# a verify's message is longer than a decode step's, so the exact path sums the gathered
-# partials in rank order. The drafter is left as it is: its rounding decides only which
-# drafts are verified, never which tokens are emitted.
+# Greedy speculation equals greedy decoding when every verify row produces the bits of its
+# decode step (section 7). In bf16 / fp16 the plain path breaks this in two places, and
+# make_exact serves a target so that neither happens:
+#   1) a matmul rounds a row differently when it is alone (torch's bf16 CPU kernel: 334 of
+#      4,050 rows of SmolLM2's down projection). So every linear runs a one-row product as
+#      two identical rows: a decode step takes a verify's kernel, which rounds a row alike
+#      whatever the row count. The router's fp32 product rounds a row differently once 4
+#      rows share a call (exact-probe, AVX2 EPYC: 30 of 36 rows), so it runs row by row;
+#   2) fused attention gives a query other bits when masked keys sit beside its own. So each
+#      query row attends alone, in fp32, over exactly the keys its mask shows, gathered in
+#      slot order into a fresh tensor: the call its decode step makes. The prefill (every key
+#      new) attends in one call over fresh fp32 copies. MLA expands its latent with kv_b_proj
+#      (a row-invariant linear) and attends per row the same way.
+# Under TP at W >= 3 a ring all-reduce orders the sum by message chunks, and a verify's
+# message is longer than a decode step's, so the exact path sums the gathered partials in
+# rank order (W = 2 is one addition). The drafter is left as it is: its rounding decides
+# only which drafts are verified, never which tokens are emitted.
 
 
 class RowInvariantLinear(nn.Module):
@@ -1990,25 +1932,21 @@ def rows_linear(x, weight, bias=None):
 
 
 def each_row_linear(x, weight):
-    """F.linear of x (N, D), each row in its own (paired) call: bits that cannot depend on
-    how many rows came together."""
+    """F.linear of x (N, D), each row in its own (paired) call, whatever the row count."""
     return torch.cat([rows_linear(row[None], weight) for row in x]) if len(x) else x @ weight.T
 
 
 def fp32_copy(x):
-    """A fresh contiguous fp32 tensor: a kernel then sees the same layout whatever the cache
-    slab (its length, its batch) the values were read from."""
+    """A fresh contiguous fp32 copy: the same layout whatever cache slab it was read from."""
     return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
 
 def attend_rows(q, k, v, bias, scale=None):
-    """The exact path's attention core (Attention.attend, MLAttention.attend), in fp32:
-    after a prefill, each query row of q (B, H, T, hs) alone over the slots of k, v
-    (B, Hkv, S, .) its bias (T, S) or (B, 1, T, S) shows, in slot order. A sequence's rows
-    all see the same cached slots (its prefix) and then their own new ones (a decode step:
-    itself; a tree node: its branch), so the prefix is copied once into a time-major fp32
-    buffer and each row's branch written after it: every row, decode step or verify, reads
-    buffer[:n], the same call with the same strides."""
+    """The exact path's attention core, in fp32: after a prefill, each query row of q
+    (B, H, T, hs) alone over the slots of k, v (B, Hkv, S, .) its bias shows, in order.
+    A sequence's rows share their cached slots (the prefix), copied once into a time-major
+    buffer; each row's branch is written after it, so every row, decode step or verify,
+    reads buffer[:n]: the same call with the same strides."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     if T == S:   # the prefill: every key is new, one call over fresh copies
@@ -2043,9 +1981,8 @@ def time_major(x, slots, length):
 
 
 def sum_in_rank_order(x):
-    """all_reduce in place with a fixed order: every rank gathers the W partials and adds
-    them ((x0 + x1) + x2) + ..., so a row's sum has the same bits in a decode step and in a
-    verify (whatever the message size) and on every rank."""
+    """all_reduce in place in a fixed order, ((x0 + x1) + x2) + ...: a row's sum has the
+    same bits in a decode step and in a verify, and on every rank."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     total = parts[0]
@@ -2059,9 +1996,8 @@ EXACT_WEIGHTED = (nn.Linear, RowInvariantLinear, nn.Embedding, RMSNorm, Router) 
 
 
 def make_exact(target):
-    """Serve `target` on the exact path, in place -> the same target: every verify row
-    produces the bits of its own decode step (greedy_generate, speculative_generate and
-    speculative_generate_batch all run what it serves). Applying it twice changes nothing."""
+    """Serve `target` on the exact path, in place (idempotent) -> the same target: every
+    verify row produces the bits of its own decode step."""
     if not isinstance(target, Target):
         fail(f"make_exact serves a target (a Target), got {type(target).__name__}; the "
              f"drafter stays as it is (its rounding only decides which drafts are verified)")
@@ -2090,9 +2026,8 @@ def make_exact(target):
 
 
 def rope_inv_freq(hf_config):
-    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them.
-    The scaled types (llama3, yarn, linear, dynamic, ...) come from transformers' own table,
-    so we never re-derive a scaling rule; only the unscaled default is written here."""
+    """RoPE inverse frequencies and cos/sin scale, exactly as transformers computes them:
+    scaled types from its own table (no scaling rule re-derived), the default written here."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     params = hf_config.rope_parameters
     rope_type = params.get("rope_type", "default")
@@ -2194,8 +2129,7 @@ def text_config(raw):
 
 
 def validated(make_config, what):
-    """A transformers config, with its own validation of the fields (a chained, multi-line
-    exception) turned into our one-line error naming the file."""
+    """A transformers config, its (chained, multi-line) validation error made one line."""
     try:
         return make_config()
     except Exception as e:  # ValueError, TypeError, huggingface_hub's validation error
@@ -2204,9 +2138,8 @@ def validated(make_config, what):
 
 
 def read_target_config(path):
-    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs).
-    kimi_k2 and kimi_k25 dirs are read as the DeepseekV3Config they are, so no remote code
-    runs (transformers' AutoConfig does not know kimi_k2)."""
+    """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs);
+    kimi_k2 and kimi_k25 are read as the DeepseekV3Config they are (no remote code runs)."""
     from transformers import AutoConfig, DeepseekV3Config
     family = read_config_json(path).get("model_type")
     if family not in SUPPORTED_FAMILIES:
@@ -2224,25 +2157,18 @@ def read_target_config(path):
         {k: v for k, v in text.items() if k not in drop}), f"{path}/config.json (DeepSeek-V3)"))
 
 
-class BinWeights(NamedTuple):
-    state: dict
-
-    def keys(self):
-        return self.state.keys()
-
-    def get_slice(self, name):
-        return self.state[name]
+class BinWeights(dict):
+    """A .bin file's state dict, read through safetensors' get_slice."""
+    get_slice = dict.__getitem__
 
 
 def open_weights(file):
-    """A lazy handle with .keys() and .get_slice(name) (safetensors reads from disk on
-    demand; .bin files are memory-mapped). Unreadable files are a clear error."""
+    """A lazy handle with .keys() and .get_slice(name) (.bin files are memory-mapped)."""
     try:
         if file.endswith(".safetensors"):
             from safetensors import safe_open
             return safe_open(file, framework="pt")
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        return BinWeights(state)
+        return BinWeights(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
     except Exception as e:  # safetensors/pickle raise many types; all mean "corrupt"
         fail(f"cannot read weight file {file!r} ({why(e)}); "
              f"the file is corrupt or truncated, re-download or re-save it")
@@ -2267,11 +2193,9 @@ def slice_bounds(n, rank, world):
 
 
 class Checkpoint:
-    """The weights of a model dir. Tensors are read one by one (files open on first use),
-    and each rank reads only its own slice. `prefix` selects a wrapped text model (Kimi-K2.5:
-    "language_model."); other keys are listed in `outside`. With `fp8_block` (rows, cols),
-    weights stored as float8 with a `weight_scale_inv` per block are dequantised on read,
-    from this rank's slice of both."""
+    """The weights of a model dir, read tensor by tensor, each rank only its slice. `prefix`
+    selects a wrapped text model (Kimi-K2.5: "language_model."; other keys: `outside`).
+    With `fp8_block` (rows, cols), float8 weights are dequantised on read (_scale_inv)."""
 
     def __init__(self, path, prefix="", fp8_block=None):
         self.path, self.prefix, self.fp8_block, self.handles = path, prefix, fp8_block, {}
@@ -2328,10 +2252,8 @@ class Checkpoint:
 
 def load_state(module, ckpt, rank, world, skip=lambda name: False, tied=False):
     """Strict key-for-key load of a Checkpoint into `module`, each rank reading only its
-    slice (shard_dim). Missing or unexpected keys and wrong shapes are errors that name the
-    key. `skip` names keys the caller fills itself (loaded from neither side). Tolerated
-    extras: old HF rotary buffers, and lm_head.weight of a tied model (ignored, as
-    transformers)."""
+    slice (shard_dim). `skip` names keys the caller fills itself. Tolerated extras: old HF
+    rotary buffers, and a tied model's lm_head.weight (ignored, as transformers does)."""
     params = dict(module.named_parameters(remove_duplicate=False))
     params.update(dict(module.named_buffers()))
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
@@ -2368,9 +2290,8 @@ def parse_dtype(name):
 
 
 def target_checkpoint(path):
-    """The Checkpoint of a target dir: the text model's key prefix (Kimi-K2.5 keeps it under
-    language_model.) and its quantisation (FP8 blocks are dequantised on load; anything
-    else is refused)."""
+    """The Checkpoint of a target dir: its text model's key prefix (Kimi-K2.5: language_model.)
+    and quantisation (FP8 blocks are dequantised on load; anything else is refused)."""
     raw = read_config_json(path)
     quant = text_config(raw).get("quantization_config") or raw.get("quantization_config")
     block = None
@@ -2386,9 +2307,8 @@ def target_checkpoint(path):
 
 
 def report_weight_bytes(target, path, dtype, world, device):
-    """Rank 0 says what each rank will hold before anything is allocated (for real
-    checkpoints: from 1 GiB per rank, or on GPUs and under torchrun), and a GPU that cannot
-    hold it is refused now rather than by an out-of-memory error mid-load."""
+    """Before anything is allocated, rank 0 says what each rank will hold (real checkpoints),
+    and a GPU that cannot hold it is refused now, not by an out-of-memory error mid-load."""
     params = list(target.parameters()) + list(target.buffers())
     size = sum(p.numel() * (4 if p.dtype == torch.float32 else dtype.itemsize) for p in params)
     if size >= 2**30 or world > 1 or device.type == "cuda":
@@ -2402,14 +2322,12 @@ def report_weight_bytes(target, path, dtype, world, device):
 
 
 def in_model_dtype(target, dtype):
-    """The model cast to `dtype`, except the MoE routers, which stay fp32 (transformers
-    keeps gate.weight and e_score_correction_bias in fp32 as well)."""
+    """The model cast to `dtype`, except the MoE routers, which stay fp32 (as transformers)."""
     target.to(dtype)
     for module in target.modules():
         if isinstance(module, Router):
             module.float()
     return target
-
 
 
 def divisors(n):
@@ -2483,24 +2401,30 @@ def aux_layer_ids(raw):
     return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
 
 
-def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
-    """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against the
-    target it will run with. Its aux-layer ids are read in `aux_convention`. With
-    `weight_keys` (a checkpoint's), a drafter whose draft vocab is the whole target vocab and
-    whose weights carry no d2t/t2d has the identity map, as the official loader reads it."""
+def draft_llama_config(raw, where):
+    """A drafter's config.json, as transformers' LlamaConfig, with the draft RoPE base."""
     from transformers import LlamaConfig
-    raw = path_or_dict if isinstance(path_or_dict, dict) else read_json(
-        os.path.join(path_or_dict, "config.json"))
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in DRAFT_ARCHITECTURES:
         fail(f"draft architectures={raw.get('architectures')} is not an EAGLE-3 Llama drafter; "
              f"expected one of {DRAFT_ARCHITECTURES}")
-    where = ("the drafter config" if isinstance(path_or_dict, dict) else
-             os.path.join(path_or_dict, "config.json"))
     c = validated(lambda: LlamaConfig.from_dict(
         {k: v for k, v in raw.items() if k != "architectures"}), where)
     if "rope_theta" not in raw and "rope_parameters" not in raw:
         c.rope_parameters = {"rope_type": "default", "rope_theta": DRAFT_ROPE_BASE}
+    return c
+
+
+def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
+    """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against its
+    target; aux-layer ids read in `aux_convention`. Given `weight_keys`, a full-vocab drafter
+    without d2t/t2d weights has the identity map, as the official loader reads it."""
+    if isinstance(path_or_dict, dict):
+        raw, where = path_or_dict, "the drafter config"
+    else:
+        where = os.path.join(path_or_dict, "config.json")
+        raw = read_json(where)
+    c = draft_llama_config(raw, where)
     if c.vocab_size != target_cfg.vocab_size:
         fail(f"draft vocab_size={c.vocab_size} != target vocab_size={target_cfg.vocab_size}: "
              f"this drafter was trained for another target")
@@ -2558,8 +2482,7 @@ def new_draft(cfg, target, own_embedding=False, dtype=None):
 
 
 def init_weights(module, seed, std=0.02, skip=lambda name: False):
-    """Fresh weights from a seeded CPU generator (identical on every rank, then copied to
-    the device): vectors (norms) 1, matrices N(0, std)."""
+    """Fresh weights from a seeded CPU generator (alike on every rank): norms 1, N(0, std)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -2576,9 +2499,8 @@ def init_draft(draft, seed, std=0.02):
 
 def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=False):
     """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in.
-    head_from_target: its lm_head starts as the target's own rows of the draft vocab (as
-    vLLM's speculators start it): the drafter's normed hidden state lives in the target's
-    hidden space, so its first guesses are the target's readout, not noise."""
+    head_from_target: its lm_head starts as the target's rows of the draft vocab (as vLLM's
+    speculators do): its hidden state lives in the target's space, so it starts informed."""
     draft = init_draft(new_draft(cfg, target, dtype=dtype), seed)
     with torch.no_grad():
         if vocab_map is not None:
@@ -2593,8 +2515,7 @@ def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=
 
 def load_draft(path, target, dtype=None, aux_convention="specforge"):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
-    Strict: every key present, nothing extra, right shapes, a valid d2t/t2d. Its aux-layer
-    ids are read in `aux_convention` (AUX_CONVENTIONS)."""
+    Strict (keys, shapes, d2t/t2d); its aux-layer ids are read in `aux_convention`."""
     ckpt = Checkpoint(path)
     cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys(),
                             aux_convention=aux_convention)
@@ -2677,21 +2598,18 @@ class TTTInputs(NamedTuple):
 
 
 def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
-    """The target's side of the whole batch from `inputs(examples, aux_layers)` -> TTTInputs
-    (a live forward of the frozen target, tensor-parallel, every rank seeing it all; or
-    captured features), then the TTT loss on this rank's slice of the rows, normalised by
-    the *global* B*T so the all-reduced gradient is the gradient of the global loss. The
-    drafter reads the target features of its aux layers (or of `aux_layers`)."""
+    """The target's side of the whole batch (TTTInputs from `inputs`: a live, tensor-parallel
+    forward, or captured features; at the drafter's aux layers unless `aux_layers`), then
+    the TTT loss on this rank's rows, normalised by the *global* B*T so the all-reduced
+    gradient is the gradient of the global loss."""
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
-    B = len(x.input_ids)
-    rows = slice(rank * B // world, (rank + 1) * B // world)
+    rows = slice(*slice_bounds(len(x.input_ids), rank, world))
     return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
                     x.target_logits[rows], steps, denominator=x.input_ids.numel())
 
 
 def new_optimizer(draft, cfg):
-    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (now requiring
-    grad; everything else frozen)."""
+    """AdamW(0.9, 0.95), no weight decay, over the trainable parameters (all else frozen)."""
     params = trainable(draft)
     draft.train().requires_grad_(False)
     for p in params:
@@ -2700,10 +2618,8 @@ def new_optimizer(draft, cfg):
 
 
 def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
-    """One data-parallel optimizer step of TTT on the global batch `examples`: loss on this
-    rank's rows, gradients summed over the ranks of `dp` (one all_reduce each), clip 0.5,
-    warmup + cosine learning rate, AdamW; the forward under bf16 autocast when cfg.bf16.
-    Returns the TTTResult."""
+    """One data-parallel AdamW step of TTT on the global batch `examples` -> TTTResult: loss
+    on this rank's rows, gradients summed over `dp`; the forward under autocast if cfg.bf16."""
     params = [p for group in opt.param_groups for p in group["params"]]
     with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
         result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
@@ -2722,9 +2638,8 @@ PROGRESS_LOG_SECONDS = 30  # stderr is a file: one progress line this often, not
 
 
 class Progress:
-    """A progress line on rank 0: redrawn in place on a terminal, one line every
-    PROGRESS_LOG_SECONDS when stderr goes to a log file (where redraws would pile up into
-    one endless line)."""
+    """A progress line on rank 0: redrawn in place on a terminal; in a log file, where redraws
+    would pile up into one endless line, one line every PROGRESS_LOG_SECONDS."""
 
     def __init__(self, label, total, start=0):
         self.label, self.total, self.last_line = label, total, -math.inf
@@ -2776,8 +2691,7 @@ def conversation(line, where):
 
 
 def read_conversations(path):
-    """JSONL with ShareGPT `conversations` ({from, value}) or OpenAI `messages` ({role,
-    content}) -> lists of {role, content}."""
+    """JSONL of ShareGPT `conversations` or OpenAI `messages` -> lists of {role, content}."""
     if not os.path.isfile(path):
         fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
     try:
@@ -2788,18 +2702,23 @@ def read_conversations(path):
         fail(f"--data {path!r} is not UTF-8 text ({e.reason} at byte {e.start})")
 
 
+def chat_ids(tokenizer, messages, add_generation_prompt=False):
+    """The chat-templated token ids (a list; newer transformers wrap them in an encoding)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def tokenize_conversation(tokenizer, messages):
     """Chat-template the conversation; reply_mask marks the tokens of assistant turns,
     found by rendering each prefix (the template must extend its prefixes, as real ones do)."""
-    def render(msgs, gen=False):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    tokens = render(messages)
+    tokens = chat_ids(tokenizer, messages)
     mask = [0] * len(tokens)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, upto = render(messages[:i], gen=True) if i else [], render(messages[:i + 1])
+        before = chat_ids(tokenizer, messages[:i], add_generation_prompt=True) if i else []
+        upto = chat_ids(tokenizer, messages[:i + 1])
         if upto[:len(before)] != before or tokens[:len(upto)] != upto:
             fail("the tokenizer's chat template does not extend its prefixes, so assistant "
                  "tokens cannot be located; use a template that renders turns in sequence")
@@ -2808,11 +2727,10 @@ def tokenize_conversation(tokenizer, messages):
 
 
 def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
-    """Batched greedy decoding of prompts of any lengths (lists of ids) -> lists of new
-    tokens, each cut after its first EOS. Prompts are left-padded, so every row writes the
-    same cache slot each step; a row's pads are masked out of every query (a pad query sees
-    only itself, so no softmax row is empty) and its positions count from its first real
-    token, so each row computes what it would alone."""
+    """Batched greedy decoding of prompts (lists of ids) -> lists of new tokens, each cut
+    after its first EOS. Left-padded, so every row writes the same cache slot each step;
+    pads are masked out (a pad query sees only itself) and positions count from a row's
+    first real token, so each row computes what it would alone."""
     device = target.lm_head.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     pads = torch.tensor([T - len(p) for p in prompts], device=device)                 # (B,)
@@ -2838,9 +2756,8 @@ def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
 
 @torch.inference_mode()
 def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256):
-    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies for lists
-    of prompt token ids through padded_greedy, batched over prompts of equal length (no
-    padding); cut after the first EOS (a batch stops once every row has produced one)."""
+    """The EAGLE-3 recipe: train on what the target itself says. Greedy replies to prompts
+    (lists of ids), batched by prompt length (no padding), each cut after its first EOS."""
     by_length = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
@@ -2854,23 +2771,30 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
     return replies
 
 
+TRAIN_STATE_FILE = "train_state.pt"   # in a training run's out dir, for --resume
+
+
 class TrainState(NamedTuple):
     step: int = 0          # optimizer steps done
     seconds: float = 0.0   # training time spent on them, over every resumed run
     curve: list = []       # curve_point per held-out evaluation so far
 
 
-def save_train_state(path, draft, opt, state):
-    """One file holds the drafter, the optimizer and the TrainState, written atomically, so
-    a resume never mixes weights, optimizer state and curve from different steps."""
+def save_checkpoint(out_dir, draft, opt, state):
+    """The drafter (save_draft), then train_state.pt: drafter, optimizer and TrainState in
+    one atomic file, so a resume never mixes steps; then a readable copy of the curve."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_draft(draft, out_dir)
     if is_rank0():
-        state = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
-        atomic_write(path, lambda f: torch.save(state, f))
+        full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
+        atomic_write(os.path.join(out_dir, TRAIN_STATE_FILE), lambda f: torch.save(full, f))
+        if state.curve:
+            atomic_write(os.path.join(out_dir, CURVE_FILE),
+                         lambda f: write_json(f, dict(points=state.curve)))
 
 
 def load_train_state(path, draft, opt):
-    """The TrainState to resume from: step 0 when no checkpoint was written yet (the run
-    was stopped before its first one); a truncated or foreign file is refused."""
+    """The TrainState to resume from (step 0 before the first checkpoint was written)."""
     if not os.path.exists(path):
         print0(f"--resume: no {path} yet, starting from step 0")
         return TrainState()
@@ -2907,8 +2831,7 @@ def check_train_config(cfg):
 
 
 def batch_indices(n, batch, step, seed):
-    """The examples of global step `step`: a fixed function of (seed, step), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen."""
+    """The examples of step `step`, a function of (seed, step): resuming sees the same ones."""
     per_epoch = max(1, n // batch)
     epoch, i = divmod(step, per_epoch)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -2930,9 +2853,8 @@ class ChainStats(NamedTuple):
 
 
 def replay_rounds(accepted, scored):
-    """Accept lengths of the rounds serving would run along each row: the first round
-    drafts the reply's second token (the prefill gives its first), each next round starts
-    after the previous one's bonus. accepted (B, T): drafts accepted by a chain at t."""
+    """Accept lengths of the rounds serving would run along each row (accepted (B, T): by a
+    chain at t): the first drafts the reply's second token, each next one follows a bonus."""
     lengths = []
     for row, live in zip(accepted.tolist(), scored.tolist()):
         starts = [t for t, x in enumerate(live) if x]
@@ -2944,14 +2866,11 @@ def replay_rounds(accepted, scored):
 
 
 def chain_stats(results):
-    """Greedy-chain acceptance from TTT results over a data set. A chain started at
-    position t drafts with TTT steps 0, 1, .. at t, each fed the data's next token: when the
-    data are the target's own greedy replies, that token is exactly the accepted draft, so
-    draft d is accepted iff steps 0..d-1 are all correct there. The expected accept length
-    of a chain of k drafts is 1 + sum_{d<=k} prod_{j<=d} rate_j (the bonus + the accepted
-    drafts), averaging over every start position. Served rounds do not start everywhere:
-    each starts after the previous round's bonus, more often inside hard spans when misses
-    cluster, so `replayed_tau` also walks each reply as serving does, round after round."""
+    """Greedy-chain acceptance from TTT results. On the target's own greedy replies, TTT
+    step d at t is fed exactly the accepted draft, so draft d is accepted iff steps 0..d-1
+    are all correct there: a chain of k drafts expects 1 + sum_{d<=k} prod_{j<=d} rate_j,
+    averaged over every start. Served rounds start after the previous round's bonus (more
+    often in hard spans when misses cluster), so `replayed_tau` walks the replies so."""
     steps = len(results[0].correct)
     hits, counts = torch.zeros(steps), torch.zeros(steps)
     tried, reached = torch.zeros(steps), torch.zeros(steps)
@@ -2993,19 +2912,17 @@ def curve_point(step, seconds, stats):
 
 
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
-    """Naive EAGLE-3 training: train_step (Part I) over seeded batches, data-parallel over
-    the W ranks, the target's side from `inputs` (live_inputs or captured_inputs).
-    Checkpoints go to out_dir (save_draft layout + train_state.pt for --resume) every
-    save_every steps; every held-out evaluation joins the curve (out_dir/curve.json) with
-    the training time so far (resumed runs add up). Returns the curve: a curve_point per
-    held-out evaluation."""
+    """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over the W ranks,
+    the target's side from `inputs` (live_inputs or captured_inputs); save_checkpoint every
+    save_every steps. -> the curve: a curve_point per held-out evaluation, with the training
+    time so far (resumed runs add up)."""
     rank, world = world_info()
     dp = new_group(world)
     check_train_config(cfg)
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
-    state_file = os.path.join(out_dir, "train_state.pt")
+    state_file = os.path.join(out_dir, TRAIN_STATE_FILE)
     start, seconds, curve = load_train_state(state_file, draft, opt) if resume else TrainState()
     bar, t0, curve = Progress("train draft", cfg.steps, start), time.time() - seconds, list(curve)
     for step in range(start, cfg.steps):
@@ -3024,21 +2941,15 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
             print0(f"  held-out greedy chain tau, 1..{cfg.ttt_steps} drafts: "
                    f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}")
         if (step + 1) % cfg.save_every == 0 or last:
-            os.makedirs(out_dir, exist_ok=True)
-            save_draft(draft, out_dir)
-            save_train_state(state_file, draft, opt, TrainState(step + 1, time.time() - t0, curve))
-            if is_rank0() and curve:   # a readable copy of the curve train_state.pt holds
-                atomic_write(os.path.join(out_dir, CURVE_FILE),
-                             lambda f: write_json(f, dict(points=curve)))
+            save_checkpoint(out_dir, draft, opt, TrainState(step + 1, time.time() - t0, curve))
     bar.done()
     draft.eval().requires_grad_(False)
     return curve
 
 
 def training_examples(tokenizer, data, max_len, limit=None, truncate=False):
-    """The conversations of a JSONL file (its first `limit`) that train and capture use:
-    chat-templated, with an assistant turn, at most max_len tokens (a longer one is dropped,
-    or with truncate cut to its first max_len tokens); in file order."""
+    """The conversations of a JSONL file (its first `limit`) with an assistant turn, as
+    Examples of at most max_len tokens (longer ones dropped, or with truncate cut)."""
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(data)[:limit]]
     if truncate:
         examples = [Example(ex.tokens[:max_len], ex.reply_mask[:max_len]) for ex in examples]
@@ -3077,50 +2988,49 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}" + AS
                  "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-def corpus_example(g, w):
-    """One (prompt, reply) pair drawn with the torch generator g from the word lists w.
-    Replies are a few sentences long, like a chat model's: mostly determined by the prompt,
-    with some words drawn at random."""
-    def pick(seq):
-        return seq[int(torch.randint(len(seq), (1,), generator=g))]
-    kind = int(torch.randint(8, (1,), generator=g))
-    numbers = w["numbers"]
-    if kind == 0:
-        country = pick(list(w["capitals"]))
-        city = w["capitals"][country]
-        return (f"What is the capital of {country}?",
-                f"The capital of {country} is {city}. Many people in {country} live in {city}, "
-                f"and visitors to {country} often start their trip in {city}.")
+# the lookup tasks: kind -> (word list, prompt, reply); {k} is the key drawn, {v} its value
+LOOKUP_TASKS = {
+    0: ("capitals", "What is the capital of {k}?",
+        "The capital of {k} is {v}. Many people in {k} live in {v}, and visitors to {k} often "
+        "start their trip in {v}."),
+    3: ("colors", "What color is the {k}?",
+        "The {k} is {v}. Most people would say that the color of the {k} is {v}."),
+    4: ("opposites", "What is the opposite of {k}?",
+        "The opposite of {k} is {v}. Something that is not {k} is {v}."),
+}
+
+
+def number_example(g, numbers, kind):
+    """Counting (kind 1) or adding (kind 2), the numbers spelled out."""
     if kind == 1:
         a = int(torch.randint(0, 12, (1,), generator=g))
         b = a + int(torch.randint(3, 9, (1,), generator=g))
         return (f"Count from {numbers[a]} to {numbers[b]}.",
                 f"Sure, counting from {numbers[a]} to {numbers[b]}: "
-                f"{', '.join(numbers[a:b + 1])}. "
-                f"That is {numbers[b - a + 1]} numbers.")
-    if kind == 2:
-        a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
-        x, y, z = numbers[a], numbers[b], numbers[a + b]
-        return (f"What is {numbers[a]} plus {numbers[b]}?",
-                f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, "
-                f"you have {z} apples.")
-    if kind == 3:
-        thing = pick(list(w["colors"]))
-        color = w["colors"][thing]
-        return (f"What color is the {thing}?",
-                f"The {thing} is {color}. Most people would say that the color of the "
-                f"{thing} is {color}.")
-    if kind == 4:
-        word = pick(list(w["opposites"]))
-        opposite = w["opposites"][word]
-        return (f"What is the opposite of {word}?",
-                f"The opposite of {word} is {opposite}. Something that is not {word} "
-                f"is {opposite}.")
+                f"{', '.join(numbers[a:b + 1])}. That is {numbers[b - a + 1]} numbers.")
+    a, b = (int(x) for x in torch.randint(0, 11, (2,), generator=g))
+    x, y, z = numbers[a], numbers[b], numbers[a + b]
+    return (f"What is {x} plus {y}?",
+            f"{x} plus {y} is {z}. If you have {x} apples and get {y} more, you have {z} apples.")
+
+
+def corpus_example(g, w):
+    """One (prompt, reply) pair drawn with the torch generator g from the word lists w: a
+    few sentences, mostly determined by the prompt, with some words drawn at random."""
+    def pick(seq):
+        return seq[int(torch.randint(len(seq), (1,), generator=g))]
+    kind = int(torch.randint(8, (1,), generator=g))
+    if kind in LOOKUP_TASKS:
+        table, prompt, reply = LOOKUP_TASKS[kind]
+        k = pick(list(w[table]))
+        return prompt.format(k=k, v=w[table][k]), reply.format(k=k, v=w[table][k])
+    if kind in (1, 2):
+        return number_example(g, w["numbers"], kind)
     if kind == 5:
         word = pick(w["words"])
         return (f"Spell the word {word}.",
                 f"The word {word} is spelled {' '.join(word.upper())}. It has "
-                f"{numbers[len(word)]} letters.")
+                f"{w['numbers'][len(word)]} letters.")
     if kind == 6:
         words = " ".join(pick(w["words"] + w["animals"]) for _ in range(3))
         return f"Repeat after me: {words}.", f"{words}. {words}. {words}."
@@ -3145,8 +3055,7 @@ def chat_text(prompt, reply=None):
 
 
 def train_tokenizer(texts, vocab_size):
-    """Byte-level BPE trained with the `tokenizers` library, wrapped as a transformers
-    tokenizer with the chat template, so it saves and loads like a real one."""
+    """Byte-level BPE (`tokenizers`) as a transformers tokenizer with the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -3167,13 +3076,12 @@ class Pretrain(NamedTuple):
     conversations: int = 40000  # synthetic conversations in the pretraining corpus
     row_len: int = 128          # tokens per packed training row
     batch: int = 16
-    steps: int = 240            # the tiny target; the assistant LM takes ASSISTANT_LM_STEPS
+    steps: int = 240            # the tiny target (the workbench's assistant LM takes fewer)
     lr: float = 3e-3
     warmup: int = 30
 
 
 PRETRAIN = Pretrain()
-ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
 
 
 def pack_rows(token_lists, row_len):
@@ -3214,8 +3122,7 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
 
 
 def save_target(target, hf_config, tokenizer, path):
-    """A real HF model dir: config.json, model.safetensors, tokenizer files; loadable by
-    transformers' AutoModelForCausalLM / AutoTokenizer and by load_target."""
+    """A real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
@@ -3225,8 +3132,7 @@ def save_target(target, hf_config, tokenizer, path):
 
 
 def build_lm(path, hf_config, tokenizer, texts, steps, seed):
-    """The one pretraining pipeline of the tiny models: random init, pack the tokenised
-    corpus into rows, next-token training, save as an HF model dir."""
+    """Pretrain a tiny LM: random init, packed corpus rows, next-token loss, saved HF dir."""
     lm = init_weights(Target(target_config(hf_config)), seed)
     rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN.row_len)
     pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
@@ -3251,16 +3157,6 @@ def build_tiny_target(path, seed=0):
     print0(f"built tiny target in {time.time() - t0:.0f}s: {path}")
 
 
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained here on the same
-    corpus and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM_LAYERS
-    build_lm(path, config, AutoTokenizer.from_pretrained(target_dir), pretraining_texts(seed),
-             ASSISTANT_LM_STEPS, seed)
-
-
 # ----------------------------------------------------------------------------------------
 # 19. golden traces: exact per-round records other implementations can be tested against
 #
@@ -3277,8 +3173,7 @@ SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may dif
 
 
 def golden_rows(t, name, x):
-    """Store (rows, V) scores in full for small vocabularies, else their top-20 values and
-    ids plus a float64 row checksum."""
+    """(rows, V) scores in full for small vocabularies, else top-20 values, ids, checksum."""
     if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
         t[name] = x
     else:
@@ -3288,10 +3183,9 @@ def golden_rows(t, name, x):
 
 
 def sglang_tree(tree):
-    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them for one
-    request: retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next
-    sibling (ascending node index; -1 for none). The rest of SGLang's tree is the Tree's own:
-    draft_tokens = tokens, positions = seq_len + positions, retrive_index = b * N + node."""
+    """A Tree's linked lists as SGLang's build_tree_kernel_efficient returns them (-1: none):
+    retrive_next_token[p] = p's first child, retrive_next_sibling[c] = c's next sibling.
+    The rest of SGLang's tree is the Tree's own (positions offset, retrive_index b*N + node)."""
     N = len(tree.tokens)
     first, sibling = torch.full((N,), -1), torch.full((N,), -1)
     for parent, kids in enumerate(children_of(tree.parents)):
@@ -3302,9 +3196,8 @@ def sglang_tree(tree):
 
 
 def golden_tensors(input_ids, result, preset=PRESETS["official"]):
-    """One sequence's trace: the prompt, the output and, per round, the tree (ours and the
-    engine's layout), the target logits at its nodes, the accepted path, the bonus and the
-    random numbers used, in the preset's layout."""
+    """One sequence's trace: prompt, output and per round the tree (also in the engine's
+    layout), the target logits at its nodes, path, bonus and random numbers used."""
     t = dict(input_ids=input_ids[0].cpu(), tokens=result.tokens.cpu(),
              accept_lengths=torch.tensor(result.accept_lengths, dtype=torch.long),
              first_uniforms=torch.tensor(result.first_uniforms, dtype=torch.float64))
@@ -3330,8 +3223,7 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
 
 
 def golden_batch_tensors(prompts, results, preset):
-    """A batch's trace: each sequence's tensors, named rowBB.<field> (batch size 1 keeps
-    the plain names of version 1)."""
+    """A batch's trace: each sequence's tensors as rowBB.<field> (plain names for one)."""
     if len(results) == 1:
         return golden_tensors(prompts[0], results[0], preset)
     return {f"row{b:02d}.{k}": v for b, (ids, r) in enumerate(zip(prompts, results))
@@ -3374,9 +3266,8 @@ def golden_where(name):
 
 
 def first_divergence(expected, actual):
-    """The first field (in row and round order) where two traces differ, as a readable
-    line, or None. Logits and draft probabilities compare within SCORES_ATOL (fp32
-    round-off); everything else, random numbers included, exactly."""
+    """The first field (in row and round order) where two traces differ, as a line, or
+    None. Scores compare within SCORES_ATOL; everything else, coins included, exactly."""
     for name in sorted(set(expected) | set(actual)):
         where = golden_where(name)
         if name not in expected or name not in actual:
@@ -3393,17 +3284,11 @@ def first_divergence(expected, actual):
     return None
 
 
-def golden_prompts(cfg):
-    """The prompts a golden config records: input_ids (one) or prompts (a batch)."""
-    return cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]
-
-
 PRESET_NUMBERS = ("draft_pos_offset", "threshold_single", "threshold_acc")
 
 
 def preset_record(preset):
-    """A preset as a golden header records it: its name (which fixes its functions) and
-    its numbers."""
+    """A preset as a golden header records it: its name (fixing its functions), numbers."""
     return dict(name=preset.name, **{k: getattr(preset, k) for k in PRESET_NUMBERS})
 
 
@@ -3422,7 +3307,8 @@ def golden_run(cfg):
     draft = load_draft(cfg["draft"], target,
                        aux_convention=cfg.get("aux_convention", "specforge"))
     device = target.lm_head.weight.device
-    prompts = [torch.tensor([ids], device=device) for ids in golden_prompts(cfg)]
+    rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
+    prompts = [torch.tensor([ids], device=device) for ids in rows]
     results = speculative_generate_batch(
         target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
@@ -3433,7 +3319,6 @@ def golden_run(cfg):
 
 # ----------------------------------------------------------------------------------------
 # 20. the main job: the whole method on a laptop CPU, nothing downloaded
-
 
 
 class DecodeStats(NamedTuple):
@@ -3448,8 +3333,7 @@ class DecodeStats(NamedTuple):
 
 
 def best_time(run, repeats):
-    """(result, fastest wall time) of `repeats` calls: the minimum filters out machine noise
-    and is applied to every contender alike."""
+    """(result, fastest wall time) of `repeats` calls: the minimum filters out noise."""
     best, result = math.inf, None
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -3547,20 +3431,18 @@ def tiny_draft_config(target, draft_vocab_size):
     return read_draft_config(raw, target.cfg)
 
 
-def train_tiny_draft(target, tokenizer, out_dir, cfg=TrainConfig(), resume=False):
-    """Target replies -> vocab map -> TTT training; returns the drafter and held-out acc."""
-    train = replies_as_examples(target, tokenizer, demo_prompts(DEMO.train_prompts,
-                                                                DEMO.train_offset),
-                                DEMO.reply_tokens)
-    held_out = replies_as_examples(target, tokenizer, demo_prompts(DEMO.eval_prompts,
-                                                                   DEMO.eval_offset),
-                                   DEMO.reply_tokens)
-    vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
-                                    DEMO.draft_vocab)
+def train_tiny_draft(target, tokenizer, out_dir):
+    """Target replies -> vocab map -> TTT training -> the drafter and its held-out accuracy."""
+    def replies(n, offset):
+        return replies_as_examples(target, tokenizer, demo_prompts(n, offset), DEMO.reply_tokens)
+    train = replies(DEMO.train_prompts, DEMO.train_offset)
+    held_out = replies(DEMO.eval_prompts, DEMO.eval_offset)
+    counts = count_reply_tokens(train, target.cfg.vocab_size)
+    vocab_map = build_vocab_mapping(counts, DEMO.draft_vocab)
     draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
                         vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
-                        cfg, out_dir, resume)
+                        TrainConfig(), out_dir)
     return draft, curve[-1]["step_accuracy"]
 
 
@@ -3576,8 +3458,7 @@ def ensure_tiny_models():
 
 
 def main_demo(exact=False):
-    """The tiny end-to-end run: build/reuse the target, train the drafter, decode (on the
-    exact path with exact=True), report."""
+    """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
     from transformers import AutoTokenizer
     t0 = time.time()
     target_dir, draft_dir = tiny_paths()
@@ -3617,14 +3498,12 @@ def main_demo(exact=False):
 # 21. command line: the main job, generate, golden, train
 
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "tiktoken.model", "vocab.json")
 
 
 def load_tokenizer(path, args):
-    """The tokenizer of a model dir. Tokenizers that ship their own code (Kimi's tiktoken
-    one) run it only with --trust-remote-code."""
+    """The tokenizer of a model dir (its own code, like Kimi's, only with --trust-remote-code)."""
     from transformers import AutoTokenizer
     trust = getattr(args, "trust_remote_code", False)
     if not os.path.isdir(path):
@@ -3642,12 +3521,8 @@ def load_tokenizer(path, args):
 
 
 def encode_prompt(tokenizer, text, chat, device):
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(text).input_ids
+    ids = (chat_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+           if chat else tokenizer(text).input_ids)
     return torch.tensor([ids], device=device)
 
 
@@ -3688,9 +3563,8 @@ def preset_of(args):
 
 
 def reported_tau(result, preset):
-    """The accept length as the preset's engine reports it: mean(accepted + 1) per round as
-    decided, drafts after an EOS included (official; vLLM's 1 + accepted / drafts), or the
-    tokens each round actually emitted (SGLang)."""
+    """The accept length as the preset's engine reports it: mean(accepted + 1) as decided
+    (official, vLLM), or the tokens each round actually emitted (SGLang)."""
     if not result.rounds:
         return 0.0
     if preset.tau_emitted:
@@ -3842,8 +3716,8 @@ def check_examples(examples, where, max_len):
 
 
 def train_command(args, target, inputs, examples):
-    """train once the data and target are read: hold out 1/50, build the vocab map (or keep
-    --init-draft's), run TTT with checkpoints and resume, print the last curve point."""
+    """train, once data and target are read: hold out 1/50, map the vocab (or keep
+    --init-draft's), run TTT, print the last curve point."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -3879,11 +3753,9 @@ AUX_CONVENTION_FLAG = dict(
          "when the first id is 1), sglang-legacy (+1 always)")
 
 
-# --exact (make_exact) is opt-in. In fp32, the CPU default, the plain path already keeps
-# greedy speculation equal to greedy decoding, and fp32 outputs and golden traces stay
-# as they were. In bf16 / fp16 it is what makes them equal, proven on CPUs by the tests; on
-# a GPU the matmul kernels are chosen by row count, so run the probe there first. And it
-# costs: one attention call per verify row and layer.
+# --exact (make_exact) is opt-in: in fp32 the plain path already keeps greedy speculation
+# equal to greedy decoding (and fp32 goldens stay as they were); in bf16 / fp16 make_exact
+# does (on a GPU run the probe first), at one attention call per verify row and layer.
 EXACT_FLAG = dict(action="store_true", help="serve the target on the exact path (make_exact): "
                   "every verify row rounds as its decode step, so greedy speculation equals "
                   "greedy decoding in bf16 / fp16 too")
@@ -3930,10 +3802,14 @@ def flag_groups():
 
 
 def add_commands(sub):
-    """The reference's commands: generate, golden, train -> {name: its parser}, so that
-    the workbench can add to them."""
-    models, tree, sampling = flag_groups()
-    g = sub.add_parser("generate", parents=[models, tree, sampling],
+    """generate, golden, train -> {name: its parser}, for the workbench to add to."""
+    shared = list(flag_groups())   # models, tree, sampling
+    return dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
+                train=add_train(sub))
+
+
+def add_generate(sub, shared):
+    g = sub.add_parser("generate", parents=shared,
                        help="speculative decoding: a target and an EAGLE-3 drafter")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -3943,7 +3819,11 @@ def add_commands(sub):
                    help="print the all-reduces and broadcasts of each round (TP)")
     g.add_argument("--exact", **EXACT_FLAG)
     g.set_defaults(run=cmd_generate)
-    gd = sub.add_parser("golden", parents=[models, tree, sampling],
+    return g
+
+
+def add_golden(sub, shared):
+    gd = sub.add_parser("golden", parents=shared,
                         help="write (--out) or re-check (--check) a golden trace")
     gd.add_argument("--out")
     gd.add_argument("--check")
@@ -3955,6 +3835,10 @@ def add_commands(sub):
     gd.add_argument("--eos-token-id", type=int)
     gd.add_argument("--exact", **EXACT_FLAG)   # recorded in the trace's header
     gd.set_defaults(run=cmd_golden)
+    return gd
+
+
+def add_train(sub):
     t = sub.add_parser("train", parents=[remote_code_flag()],
                        help="train an EAGLE-3 drafter for a target on chat data")
     t.add_argument("--target", required=True)
@@ -3976,7 +3860,7 @@ def add_commands(sub):
     t.add_argument("--autocast", choices=("none", "bf16"), default="none",
                    help="bf16: the forward's matmuls in bf16, the drafter's weights in fp32")
     t.set_defaults(run=cmd_train)
-    return dict(generate=g, golden=gd, train=t)
+    return t
 
 
 POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len",
@@ -4009,9 +3893,8 @@ def check_output(out, is_file):
 
 
 def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
-    """Every path a command reads exists, is of the right kind and is readable, and --out
-    can be written: before anything loads, so a typo is one line naming the flag (never a
-    hub lookup answering for a local path, never a traceback after minutes of work)."""
+    """Every path a command reads exists, is of its kind and readable, and --out can be
+    written: checked before anything loads, so a typo is one line naming the flag."""
     for name, kind in path_flags.items():
         path = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
@@ -4046,8 +3929,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(*extensions, description="EAGLE-3 reference: with no command, run the tiny "
                  "end-to-end demo (train a drafter, decode, report).", default=None):
-    """The reference's parser; each extension(sub, commands) may add commands or flags
-    (the workbench does)."""
+    """The reference's parser; each extension(sub, commands) may add commands or flags."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
     commands = add_commands(sub)

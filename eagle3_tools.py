@@ -42,7 +42,7 @@ from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
     accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time, broadcast0,
-    broadcast_acceptance, build_assistant_lm, build_vocab_mapping,
+    broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
     evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
@@ -51,7 +51,7 @@ from eagle3_ref import (
     parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
     read_target_config, remote_code_flag, save_draft, speculative_generate,
     target_checkpoint, tokenize_conversation, training_examples, tree_shape, verify_tree,
-    why, world_info, write_json, write_text)
+    why, world_info, write_json)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1223,6 +1223,19 @@ def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
 BENCH_PROMPT = "Write a short story about a robot who learns to paint."
 
 
+ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
+
+
+def build_assistant_lm(target_dir, path, seed=0):
+    """A small draft LM for transformers' assisted generation, trained on the same corpus
+    and tokenizer as the tiny target (the fair classic speculative baseline)."""
+    from transformers import AutoConfig, AutoTokenizer
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = ASSISTANT_LM_LAYERS
+    E.build_lm(path, config, AutoTokenizer.from_pretrained(target_dir),
+               E.pretraining_texts(seed), ASSISTANT_LM_STEPS, seed)
+
+
 def bench_prompts(args, target_dir):
     """(prompt texts, chat template on?, assistant LM dir or None) of a bench run: a prompts
     file (chat), --prompt texts, or the tiny demo's held-out prompts and small LM."""
@@ -1510,6 +1523,11 @@ def sharegpt_sets(path):
         row = dict(id=conversation, prompt=prompt, reply=reply)
         (held if zlib.crc32(conversation.encode()) % HELD_OUT_EVERY == 0 else train).append(row)
     return train, held, dict(records=len(records), kept=len(seen))
+
+
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def write_jsonl(path, rows):
