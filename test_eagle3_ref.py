@@ -367,12 +367,12 @@ def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
 # ----------------------------------------------------------------------------------------
 # tensor parallelism: torchrun --nproc_per_node=2 (gloo) equals one process
 
-def run_workers(worker, job, root, timeout=600):
-    """`worker(job, rank)` of this file on 2 torchrun ranks (gloo) -> each rank's result."""
+def run_workers(worker, job, root, timeout=600, world=2):
+    """`worker(job, rank)` of this file on `world` torchrun ranks (gloo) -> each rank's result."""
     torch.save(job, root / "job.pt")
-    proc = finish(cli(worker.__name__, root, world=2, script=__file__), timeout=timeout)[0]
+    proc = finish(cli(worker.__name__, root, world=world, script=__file__), timeout=timeout)[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(root / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(root / f"rank{r}.pt") for r in range(world)]
 
 
 TP_TARGETS = ("llama", "qwen2", "qwen3")         # GQA; sharded biases; q/k norms, head_dim 24
@@ -1180,10 +1180,10 @@ def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
 PROMPT = torch.tensor([[1, 4, 2]])
 N_TOKENS = 3                           # generated tokens whose joint law is enumerated
-TRIALS = 20_000                        # Monte Carlo runs per chi-square test
+TRIALS = 8_000                         # Monte Carlo runs per chi-square test (broken: p < 1e-20)
 ALPHA = 1e-3                           # chi-square significance level
 MIN_EXPECTED = 5                       # cells expecting fewer are merged (chi-square rule)
-REPLAY_SEEDS = 60                      # full speculative_generate calls per replay test
+REPLAY_SEEDS = 30                      # full speculative_generate calls per replay test
 REPLAY_TOKENS = 6                      # tokens per replayed call (several rounds)
 SLOTS = 64                             # cache room beyond the prefix: any tree here fits
 T1 = E.Sampling(temperature=1.0)
@@ -3552,7 +3552,7 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 @pytest.fixture(scope="module")
 def golden_checks(golden_traces, golden_models):
     """`golden --check` on both untouched traces, on one with a flipped tree token, and on
-    one whose header claims version 2 -- four processes, two at a time."""
+    one whose header claims version 2."""
     root = golden_models["root"]
     header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
     meta = {"eagle3_golden": json.dumps(header)}
@@ -3567,8 +3567,7 @@ def golden_checks(golden_traces, golden_models):
     files = {kind: golden_trace(golden_traces, kind)["file"] for kind in GOLDEN_RUNS}
     files.update(flipped=str(root / "flipped.safetensors"),
                  version2=str(root / "version2.safetensors"))
-    procs = [cli("golden", "--check", f) for f in files.values()]
-    return dict(zip(files, finish(*procs)), old=old, new=new)
+    return dict({k: cli_here("golden", "--check", f) for k, f in files.items()}, old=old, new=new)
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -3621,8 +3620,7 @@ def batch_golden(golden_models):
     flipped[name][2] = (old + 1) % GOLDEN_VOCAB
     save_file(flipped, str(root / "batch-flipped.safetensors"),
               metadata={"eagle3_golden": json.dumps(header)})
-    check = finish(cli("golden", "--check", root / "batch-flipped.safetensors"),
-                          cli("golden", "--check", file))
+    check = [cli_here("golden", "--check", f) for f in (root / "batch-flipped.safetensors", file)]
     return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
 
 
@@ -4230,16 +4228,6 @@ def finish_worker():
     os._exit(0)
 
 
-WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker)}
-
-if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
-    name, root = sys.argv[1:3]
-    rank = E.init_distributed().rank
-    result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
-    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
-    finish_worker()
-
-
 # ========================================================================================
 # exact in low precision (make_exact): in bf16, each verify row gets its decode step's bits
 # ========================================================================================
@@ -4248,26 +4236,35 @@ if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR
 # bf16 path is the negative control: it must part somewhere, or the checks prove nothing.
 
 EXACT_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "ds-v3", "kimi"]
-EXACT_PROMPTS = 8         # random prompts per family (lengths 3..10)
+EXACT_PROMPTS = 4         # random prompts per family (lengths 3..10)
 EXACT_NEW = 20            # tokens decoded per prompt
 EXACT_SHAPES = [(2, 3, 8), (1, 4, 6), (3, 2, 10)]   # trees, and a chain (tree top-k 1)
 
 
-def memorized_prompts(seed=0):
+def memorized_prompts():
     """The prompts whose greedy text bf16_pair's drafter learns."""
-    return [random_prompt(700 + seed + j, 6) for j in range(3)]
+    return [random_prompt(700 + j, 6) for j in range(3)]
 
 
-def bf16_pair(zoo, name, seed=0):
-    """A ZOO target served in bf16 twice, plainly and on the exact path, with one drafter
-    sharpened (in fp32, from the checkpoint: no state other tests left in the zoo's
-    models) on the target's greedy text of memorized_prompts, so acceptance goes deep."""
-    target32 = E.load_target(zoo.dir(name))
-    texts = [torch.cat([p[0], E.greedy_generate(target32, p, 24)]) for p in memorized_prompts(seed)]
-    draft = sharpen(tiny_draft(target32, seed), target32, torch.stack(texts))
-    plain = E.load_target(zoo.dir(name), dtype=torch.bfloat16)
-    exact = E.make_exact(E.load_target(zoo.dir(name), dtype=torch.bfloat16))
-    return plain, exact, copy_draft(draft, plain), copy_draft(draft, exact)
+@pytest.fixture(scope="module")
+def bf16_pair(zoo):
+    """name -> a ZOO target served in bf16 twice, plainly and on the exact path, with one
+    drafter sharpened (in fp32, from the checkpoint: no state other tests left in the zoo's
+    models) on the target's greedy text of memorized_prompts, so acceptance goes deep. The
+    drafter is sharpened once per family; the targets are new on every call, so a test may
+    plant a fault in them."""
+    drafts = {}
+
+    def pair(name):
+        if name not in drafts:
+            target32 = E.load_target(zoo.dir(name))
+            texts = [torch.cat([p[0], E.greedy_generate(target32, p, 24)])
+                     for p in memorized_prompts()]
+            drafts[name] = sharpen(tiny_draft(target32, 0), target32, torch.stack(texts))
+        plain = E.load_target(zoo.dir(name), dtype=torch.bfloat16)
+        exact = E.make_exact(E.load_target(zoo.dir(name), dtype=torch.bfloat16))
+        return plain, exact, copy_draft(drafts[name], plain), copy_draft(drafts[name], exact)
+    return pair
 
 
 def copy_draft(draft, target):
@@ -4325,13 +4322,13 @@ def partings(target, draft, prompts):
 
 
 @pytest.fixture(scope="module")
-def exact_partings(zoo):
+def exact_partings(bf16_pair):
     """Per family, every prompt, tree shape and preset in bf16 on the exact path: the cases
     where greedy speculation parted from the same target's greedy decoding -> {family:
     dict(exact=[case], deepest=accept length)}."""
     found = {}
     for f, name in enumerate(EXACT_FAMILIES):
-        _, exact, _, exact_draft = bf16_pair(zoo, name)
+        _, exact, _, exact_draft = bf16_pair(name)
         prompts = exact_prompts(f) + memorized_prompts()[:1]
         parted, deepest = partings(exact, exact_draft, prompts)
         found[name] = dict(exact=parted, deepest=deepest)
@@ -4365,26 +4362,26 @@ class RowCountRounding(torch.nn.Module):
         return y if y[..., 0].numel() == 1 else torch.round(y / self.step) * self.step
 
 
-def test_a_row_dependent_operation_makes_the_same_runs_part(zoo):
+def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
     # The negative control of the test above. Whether plain bf16 parts depends on the CPU's
     # bf16 kernels (an AVX2 EPYC parted in 52 of 162 of these runs; a CPU whose kernels round
     # a row alike at every M parts in none), so the control plants the fault instead: the
     # exact target's lm_head rounds multi-row calls coarsely, and the same harness must see
     # speculation part from greedy decoding. The exact path's bitwise verify rows are
     # checked against the plain path's on every machine in the next test.
-    _, exact, _, exact_draft = bf16_pair(zoo, "llama")
+    _, exact, _, exact_draft = bf16_pair("llama")
     prompts = exact_prompts(0) + memorized_prompts()[:1]    # llama's: 0 partings above
     exact.lm_head = RowCountRounding(exact.lm_head, step=1.0)
     parted, _ = partings(exact, exact_draft, prompts)
     assert len(parted) > 0
 
 
-def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
+def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_pair):
     # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
     # probabilities acceptance draws against -- equal, bit for bit, those of the decode
     # step at that position along the output. The control: the same check sees the rows
     # of a target with a planted row-dependent lm_head differ.
-    plain, exact, plain_draft, exact_draft = bf16_pair(zoo, "llama")
+    plain, exact, plain_draft, exact_draft = bf16_pair("llama")
     planted = E.make_exact(plain)
     planted.lm_head = RowCountRounding(planted.lm_head, step=1.0)
     sampling = E.Sampling(0.8, 0, 0.95, E.OFFICIAL_ORDER)
@@ -4410,7 +4407,7 @@ def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
     assert differ["planted"] > 0, "the planted row-dependent lm_head went unseen"
 
 
-def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo):
+def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf16_pair):
     # The same prompt alone and at a random slot of a batch of 4 prompts of other lengths
     # (a dense target and an MLA + MoE one): bitwise the same tokens and the same verify
     # logits every round, and every row of the batch equals its own greedy decoding. The
@@ -4419,7 +4416,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo
     needle = random_prompt(77, 7)
     logits_differ = 0
     for name in ("llama", "ds-v3"):
-        plain, exact, plain_draft, exact_draft = bf16_pair(zoo, name)
+        plain, exact, plain_draft, exact_draft = bf16_pair(name)
         for trial in range(2):
             others = [random_prompt(80 + 3 * trial + k, int(torch.randint(3, 12, (), generator=g)))
                       for k in range(3)]
@@ -4505,7 +4502,7 @@ EXACT_TP_DS = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_
                    intermediate_size=96)
 
 
-def exact_tp_worker(job):
+def exact_tp_worker(job, rank):
     """On every rank: each target in bf16 on the exact path, sharded over W ranks; greedy
     decoding and speculation of each prompt."""
     results = {}
@@ -4519,16 +4516,6 @@ def exact_tp_worker(job):
               for shape in EXACT_SHAPES[:2]])
             for ids in job["prompts"]])
     return results
-
-
-EXACT_TP_SCRIPT = """import os, sys, torch
-import test_eagle3_ref as R
-root = sys.argv[1]
-rank = R.E.init_distributed().rank
-torch.save(R.exact_tp_worker(torch.load(os.path.join(root, "job.pt"))),
-           os.path.join(root, f"rank{rank}.pt"))
-R.finish_worker()
-"""
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -4546,12 +4533,9 @@ def test_exact_bf16_under_torchrun_greedy_speculation_equals_greedy_decoding(tmp
         E.save_draft(sharpen(tiny_draft(target, world), target, text[None]),
                      tmp_path / f"{family}-draft")
         models[family] = (str(tmp_path / family), str(tmp_path / f"{family}-draft"))
-    prompts = [random_prompt(40 + world + k, 4 + k) for k in range(3)]
-    torch.save(dict(models=models, prompts=prompts), tmp_path / "job.pt")
-    (tmp_path / "worker.py").write_text(EXACT_TP_SCRIPT)
-    proc = finish(cli(tmp_path, world=world, script=tmp_path / "worker.py"), timeout=1200)[0]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    prompts = [random_prompt(40 + world + k, 4 + k) for k in range(2)]
+    ranks = run_workers(exact_tp_worker, dict(models=models, prompts=prompts), tmp_path,
+                        timeout=1200, world=world)
     for family in models:
         assert all(r[family] == ranks[0][family] for r in ranks), family  # every rank alike
         assert ranks[0][family]["ordered"] == (world > 2)
@@ -4619,3 +4603,14 @@ def test_exact_is_a_switch_of_generate_golden_and_the_main_job_off_by_default():
     for argv in (["generate", "--prompt", "hi"], ["golden"], []):
         assert parser.parse_args(argv).exact is False
         assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
+
+
+WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker,
+                                        exact_tp_worker)}
+
+if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
+    name, root = sys.argv[1:3]
+    rank = E.init_distributed().rank
+    result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
+    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    finish_worker()
