@@ -59,22 +59,15 @@ from test_eagle3_scaffold import (
 
 
 @pytest.mark.parametrize("name", TARGETS)
-def test_target_logits_equal_transformers(zoo, name):
+def test_target_logits_and_aux_features_equal_transformers(zoo, name):
+    # the aux features are the residuals entering layers 2, L//2 and L-3
     ids = random_prompt(1, length=40)
-    ref_logits, _ = hf_forward(zoo.hf(name), ids)
-    logits, _ = zoo.target(name)(ids)
-    assert logits.shape == (1, 40, VOCAB)
+    ref_logits, hidden_states = hf_forward(zoo.hf(name), ids)
+    logits, aux = zoo.target(name)(ids)
+    assert logits.shape == (1, 40, VOCAB) and aux.shape == (1, 40, 3 * HIDDEN)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
-
-
-@pytest.mark.parametrize("name", TARGETS)
-def test_aux_features_are_residuals_entering_layers_2_mid_and_L_minus_3(zoo, name):
-    ids = random_prompt(2, length=20)
-    _, hidden_states = hf_forward(zoo.hf(name), ids)
-    _, aux = zoo.target(name)(ids)
     L = LAYERS
     expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
-    assert aux.shape == (1, 20, 3 * HIDDEN)
     assert_close(aux[0], expected)
 
 
@@ -3289,15 +3282,16 @@ def golden_args(models, out, kind):
 
 @pytest.fixture(scope="module")
 def golden_traces(golden_models):
-    """Each kind written twice at world size 1 (two processes) and once at world size 2.
-    -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
+    """Each kind written twice at world size 1 (a process, then in this one) and once at
+    world size 2. -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
     root = golden_models["root"]
     runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
             for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
-    procs = {}
-    for key in [k for k in runs if k[1] != "w2"]:  # four single processes, two cores
-        procs[key] = cli(*golden_args(golden_models, runs[key], key[0]))
-    finished = dict(zip(procs, finish(*procs.values())))
+    procs = {key: cli(*golden_args(golden_models, runs[key], key[0]))
+             for key in runs if key[1] == "w1a"}
+    finished = {key: cli_here(*golden_args(golden_models, runs[key], key[0]))
+                for key in runs if key[1] == "w1b"}
+    finished.update(zip(procs, finish(*procs.values())))
     for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
         key = (kind, "w2")
         finished[key] = finish(cli(*golden_args(golden_models, runs[key], kind),
@@ -3374,11 +3368,14 @@ def test_golden_header_records_format_version_config_world_size_and_versions(gol
 # a golden trace is what it claims to be
 
 
-def test_golden_greedy_tokens_equal_transformers_greedy_decoding(golden_traces, golden_models):
+def test_golden_greedy_tokens_equal_transformers_greedy_decoding_and_use_no_uniforms(
+        golden_traces, golden_models):
     t = golden_trace(golden_traces, "greedy")["tensors"]
     expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
     assert t["input_ids"].tolist() == GOLDEN_PROMPT
     assert t["tokens"].tolist() == expected.tolist()
+    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
+    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -3456,12 +3453,6 @@ def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, go
                 expected = hf(ids).logits[0, -1]
             diff = float((logits[i] - expected).abs().max())
             assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
-
-
-def test_golden_greedy_trace_records_no_uniforms(golden_traces):
-    t = golden_trace(golden_traces, "greedy")["tensors"]
-    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
-    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
 
 
 def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_traces):

@@ -106,13 +106,22 @@ def captured(train_chat_target, tmp_path_factory):
                            examples=examples, root=root)
 
 
+def captured_sample(root, i):
+    return torch.load(os.path.join(root, "rows_0-2000", f"data_{i}.ckpt"), weights_only=True)
+
+
+def same_sample(out, captured, i):
+    """Sample i under `out` holds the tensors of the fixture's capture, bit for bit."""
+    a, b = captured_sample(out, i), captured_sample(captured.dir, i)
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
                                                                         captured):
     c, examples = train_chat_target, captured.examples
     assert len(examples) == 18
     for i, ex in enumerate(examples):
-        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        sample = torch.load(file, weights_only=True)
+        sample = captured_sample(captured.dir, i)
         assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
         T = len(ex.tokens)
         assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
@@ -157,10 +166,7 @@ def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(trai
     assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
         f"data_{i}.ckpt" for i in range(18))
     for i in range(18):
-        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                       weights_only=True)
-        assert all(torch.equal(a[k], b[k]) for k in a), i
+        assert same_sample(out, captured, i), i
     assert len(T.captured_examples(str(out))) == 18
 
 
@@ -172,10 +178,7 @@ def test_capture_limit_takes_the_first_conversations_and_a_larger_one_keeps_them
     assert files() == [f"data_{i}.ckpt" for i in range(5)]
     assert json.load(open(out / "capture.json"))["samples"] == 5
     for i in range(5):   # the same samples as an unlimited capture's first five
-        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                       weights_only=True)
-        assert all(torch.equal(a[k], b[k]) for k in a), i
+        assert same_sample(out, captured, i), i
     before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns for f in files()}
     code = cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out,
                     "--limit", "9")
@@ -196,9 +199,7 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     info = json.load(open(out / "capture.json"))
     assert (info["samples"], info["long"], info["max_len"]) == (len(full), "truncated", max_len)
     for i, ex in enumerate(full):   # a causal target's features of a prefix: the full run's rows
-        cut = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        whole = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                           weights_only=True)
+        cut, whole = captured_sample(out, i), captured_sample(captured.dir, i)
         n = min(len(ex.tokens), max_len)
         assert cut["input_ids"].tolist() == ex.tokens[:n]
         assert cut["loss_mask"].tolist() == ex.reply_mask[:n]
@@ -829,13 +830,10 @@ def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
     # the real clock, tiny sweeps: what it prints agrees with its JSON and adds up
     config = json.load(open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")))
     target = cost_config_dir(tmp_path, dict(config, vocab_size=1344), "tiny_demo")
-    here = os.path.dirname(os.path.abspath(E.__file__))
-    proc = subprocess.run(
-        [sys.executable, T.__file__, "cost-plan", "--config", str(target), "--draft-config",
-         os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size", "512",
-         "--sweep", "1", "--context", "32", "--warmup", "1", "--repeats", "1", "--layers", "12"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    proc = cli_here("cost-plan", "--config", target, "--draft-config",
+                    os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size",
+                    512, "--sweep", 1, "--context", 32, "--warmup", 1, "--repeats", 1,
+                    "--layers", 12)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     plan = json.loads(lines[-1])
