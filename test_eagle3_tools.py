@@ -395,13 +395,12 @@ def vocab_tools(tmp_path_factory):
     chat_data(data1, pair_chats(pairs1))
     chat_data(data2, pair_chats(pairs2))
     d1, t1, t2 = str(root / "draft1"), str(root / "target1"), str(root / "target2")
-    procs = [cli("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
-                        "--data", data1),
-             cli("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
-                        "--data", data2),
-             cli("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
-                        "--out", root / "draft2", "--draft-tokenizer", t1)]
-    same, other, remap = finish(*procs)
+    same = cli_here("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
+                    "--data", data1)
+    other = cli_here("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
+                     "--data", data2)
+    remap = cli_here("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
+                     "--out", root / "draft2", "--draft-tokenizer", t1)
     return dict(tok1=tok1, tok2=tok2, kept=kept, pairs1=pairs1, pairs2=pairs2, draft1=d1,
                 draft2=str(root / "draft2"), target1=t1, target2=t2, same=same, other=other,
                 remap=remap)
@@ -454,12 +453,10 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
     counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
     other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
     kept = vocab_tools["kept"].tolist()
-    proc = finish(cli("vocab-check", "--draft", vocab_tools["draft1"], "--target",
-                                    vocab_tools["target1"], "--draft-tokenizer",
-                                    vocab_tools["target1"], "--against-data",
-                                    tmp_path / "other.jsonl"))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = cli_here("vocab-check", "--draft", vocab_tools["draft1"], "--target",
+                    vocab_tools["target1"], "--draft-tokenizer", vocab_tools["target1"],
+                    "--against-data", tmp_path / "other.jsonl")
+    report = last_json(proc)
     assert report["positional"] == sum(a == b for a, b in zip(kept, other))
     assert report["overlap"] == len(set(kept) & set(other))
     assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
@@ -470,12 +467,10 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
 def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
         vocab_tools):
     tok1, tok2 = vocab_tools["tok1"], vocab_tools["tok2"]
-    proc = finish(cli(
+    report = last_json(cli_here(
         "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
         "--draft-tokenizer", vocab_tools["target1"], "--against-draft", vocab_tools["draft2"],
-        "--against-tokenizer", vocab_tools["target2"]))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+        "--against-tokenizer", vocab_tools["target2"]))
     with safe_open(os.path.join(vocab_tools["draft2"], "model.safetensors"), framework="pt") as f:
         ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
     a = [tok1.convert_ids_to_tokens(i) for i in vocab_tools["kept"].tolist()]
