@@ -2679,8 +2679,8 @@ def train_cli_run(train_chat_target):
     chats = train_conversations()
     data = chat_data(c.root / "chats.jsonl", chats)
     out = c.root / "trained"
-    proc = run_cli("train", "--target", c.dir, "--data", data, "--out", out, "--epochs", 1,
-                   "--batch", 2, "--draft-vocab-size", 64, cwd=c.root)
+    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", out, "--epochs", 1,
+                    "--batch", 2, "--draft-vocab-size", 64)
     return SimpleNamespace(proc=proc, out=str(out), chats=chats)
 
 
@@ -2714,9 +2714,8 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     draft = tiny_draft(target, 5, kept, own_embedding=True)
     E.save_draft(draft, str(tmp_path / "init"))
     data = chat_data(tmp_path / "chats.jsonl")
-    proc = run_cli("train", "--target", c.dir, "--data", str(data), "--out",
-                      str(tmp_path / "out"), "--init-draft", str(tmp_path / "init"),
-                      "--epochs", "1", "--batch", "2", "--lr", "1e-2", cwd=tmp_path)
+    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", tmp_path / "out",
+                    "--init-draft", tmp_path / "init", "--epochs", 1, "--batch", 2, "--lr", 1e-2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = load_file(tmp_path / "init" / "model.safetensors")
     after = load_file(tmp_path / "out" / "model.safetensors")
@@ -3601,7 +3600,9 @@ def batch_golden(golden_models):
                 "--depth", 2, "--total-tokens", 8, "--preset", preset, "--temperature", 0.8,
                 "--seed", 7]
         files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
-        procs = finish(*[cli(*args, "--out", f) for f in files])
+        started = cli(*args, "--out", files[0])        # one run in a process of its own,
+        procs = [cli_here(*args, "--out", files[1])]    # one in this process meanwhile
+        procs = finish(started) + procs
         runs[preset] = [(f, p, golden_read(f) if os.path.isfile(f) else None)
                         for f, p in zip(files, procs)]
     file, _, (header, tensors) = runs["sglang"][0]
@@ -3663,9 +3664,9 @@ def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(b
 
 def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
     c = train_chat_target
-    proc = run_cli("generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
-                      "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12",
-                      "--tree-top-k", "2", "--depth", "2", "--total-tokens", "6", cwd=c.root)
+    proc = cli_here("generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
+                    "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", 12,
+                    "--tree-top-k", 2, "--depth", 2, "--total-tokens", 6)
     assert proc.returncode == 0, proc.stderr[-3000:]
     new = hf_greedy(c.hf, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12,
                     c.tok.eos_token_id).tolist()

@@ -25,20 +25,11 @@ import eagle3_tools as T
 import test_eagle3_scaffold as S
 from test_eagle3_scaffold import (
     TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, bad_inputs, chat_data, check_bad_input,
-    check_path_flag, cli_path_flags, edit_draft_dir, finish, hf_aux, hf_forward, last_json,
+    check_path_flag, cli_path_flags, edit_draft_dir, hf_aux, hf_forward, last_json,
     pair_chats, random_prompt, tiny_draft, tiny_model, train_chat_target, train_config,
-    train_generate_setup, train_top_ids, verify, zoo)
+    train_generate_setup, train_top_ids, zoo)
 
 torch.set_num_threads(1)
-
-
-def cli(*args, **kwargs):
-    """`python eagle3_tools.py ARGS`, started now (the reference's commands work there too)."""
-    return S.cli(*args, script=T.__file__, **kwargs)
-
-
-def run_cli(*args, **kwargs):
-    return S.finish(cli(*args, **kwargs))[0]
 
 
 def cli_here(*argv):
@@ -262,9 +253,8 @@ def test_offline_training_from_features_equals_online_training_step_for_step(
 
 def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     out = captured.root / "offline_draft"
-    proc = run_cli("train", "--target", train_chat_target.dir, "--features", captured.dir,
-                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64",
-                   cwd=captured.root)
+    proc = cli_here("train", "--target", train_chat_target.dir, "--features", captured.dir,
+                    "--out", out, "--batch", 2, "--draft-vocab-size", 64)
     assert proc.returncode == 0, proc.stderr[-3000:]
     draft = E.load_draft(str(out), captured.target)
     # the map: the 64 most frequent loss-masked tokens of the training split (all but the
@@ -567,8 +557,8 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
     data = chat_data(tmp_path / "chats.jsonl", chats)
-    proc = run_cli("draft-check", "--draft", tmp_path / "draft", "--target", c.dir, "--data", data,
-                   cwd=tmp_path)
+    proc = cli_here("draft-check", "--draft", tmp_path / "draft", "--target", c.dir,
+                    "--data", data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "WARNING: the conventions disagree" in proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -600,7 +590,7 @@ KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference fil
 
 
 def comm_plan_json(*args):
-    proc = run_cli("comm-plan", *args)
+    proc = cli_here("comm-plan", *args)
     return proc.stdout, last_json(proc)
 
 
@@ -1103,9 +1093,9 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
     # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
     # that memorised this reply gets drafts accepted
-    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
-                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
-                   "--max-new-tokens", 12)
+    proc = cli_here("bench", "--target", train_chat_target.dir, "--draft",
+                    train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                    "--max-new-tokens", 12)
     report = last_json(proc)
     rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
                            r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
