@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 import eagle3_ref as E
 from test_eagle3_scaffold import (
     ATOL, DS_TARGETS, DS_TINY, HIDDEN, LAYERS, REF_CLI, TARGETS, TINY, TRAIN_AUX, TRAIN_CHATS,
-    TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, chat_data,
+    TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, built_once, chat_data,
     check_bad_input, check_path_flag, children, cli, cli_env, cli_here, cli_path_flags,
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
     inverse_cdf, path_to, pick, random_prompt, random_tree, refused, run_cli, sent, sharpen,
@@ -376,16 +376,18 @@ TP_NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def tp_run(zoo, speculation, vocab6_checkpoint, tmp_path_factory):
     """One torchrun launch with 2 ranks; returns each rank's results."""
-    root = tmp_path_factory.mktemp("tp")
     prompt = random_prompt(21, length=10)
-    job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[],
-               vocab6=vocab6_checkpoint[0])
-    for name in TP_TARGETS:
-        draft_dir = str(root / f"draft-{name}")
-        E.save_draft(speculation[name].draft, draft_dir)
-        job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir,
-                                   spec_prompt=speculation[name].prompts["memorized"]))
-    return SimpleNamespace(prompt=prompt, ranks=run_workers(tp_worker, job, root))
+
+    def build(root):
+        job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[],
+                   vocab6=vocab6_checkpoint[0])
+        for name in TP_TARGETS:
+            draft_dir = str(root / f"draft-{name}")
+            E.save_draft(speculation[name].draft, draft_dir)
+            job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir,
+                                       spec_prompt=speculation[name].prompts["memorized"]))
+        return run_workers(tp_worker, job, root)
+    return SimpleNamespace(prompt=prompt, ranks=built_once(tmp_path_factory, "tp", build))
 
 
 COMM_TREE = (3, 2, 9)  # the tree whose verify forward the TP workers count
@@ -510,13 +512,15 @@ def test_tensor_parallel_batches_equal_single_process(speculation, tp_run, prese
 
 @pytest.fixture(scope="module")
 def ds_tp_run(zoo, ds_speculation, ds_fp8, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds_tp")
     job = dict(prompt=random_prompt(47, length=12), fp8=ds_fp8.dir, targets=[])
-    for name, s in ds_speculation.items():
-        E.save_draft(s.draft, str(root / f"draft-{name}"))
-        job["targets"].append(dict(name=name, dir=zoo.dir(name),
-                                   draft=str(root / f"draft-{name}"), spec_prompt=s.prompt))
-    return SimpleNamespace(job=job, ranks=run_workers(ds_tp_worker, job, root))
+
+    def build(root):
+        for name, s in ds_speculation.items():
+            E.save_draft(s.draft, str(root / f"draft-{name}"))
+            job["targets"].append(dict(name=name, dir=zoo.dir(name),
+                                       draft=str(root / f"draft-{name}"), spec_prompt=s.prompt))
+        return run_workers(ds_tp_worker, job, root)
+    return SimpleNamespace(job=job, ranks=built_once(tmp_path_factory, "ds_tp", build))
 
 
 def ds_tp_worker(job, rank):
@@ -3261,15 +3265,17 @@ def golden_models(tmp_path_factory):
     """A random 8-layer target (4 query / 2 kv heads: divisible by W = 2) saved as an HF
     dir, and a drafter over 18 of its 24 tokens, a few TTT steps sharpened on the target's
     greedy text so acceptance paths go several levels deep (SPEC §9)."""
-    root = tmp_path_factory.mktemp("golden_models")
-    hf = tiny_model(seed=0, vocab_size=GOLDEN_VOCAB, max_position_embeddings=256)
-    hf.save_pretrained(root / "target")
-    target = E.load_target(str(root / "target"))
-    draft = tiny_draft(target, 3, GOLDEN_KEPT)
-    text = torch.cat([torch.tensor(GOLDEN_PROMPT), hf_greedy(hf, GOLDEN_PROMPT, 40)])
-    sharpen(draft, target, text[None], steps=40)
-    E.save_draft(draft, str(root / "draft"))
-    return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
+    def build(root):
+        hf = tiny_model(seed=0, vocab_size=GOLDEN_VOCAB, max_position_embeddings=256)
+        hf.save_pretrained(root / "target")
+        target = E.load_target(str(root / "target"))
+        draft = tiny_draft(target, 3, GOLDEN_KEPT)
+        text = torch.cat([torch.tensor(GOLDEN_PROMPT), hf_greedy(hf, GOLDEN_PROMPT, 40)])
+        sharpen(draft, target, text[None], steps=40)
+        E.save_draft(draft, str(root / "draft"))
+        return dict(target=str(root / "target"), draft=str(root / "draft"))
+    models = built_once(tmp_path_factory, "golden_models", build)
+    return dict(models, hf=transformers.AutoModelForCausalLM.from_pretrained(models["target"]))
 
 
 def golden_args(models, out, kind):
@@ -3280,26 +3286,27 @@ def golden_args(models, out, kind):
 
 
 @pytest.fixture(scope="module")
-def golden_traces(golden_models):
+def golden_traces(golden_models, tmp_path_factory):
     """Each kind written twice at world size 1 (a process, then in this one) and once at
     world size 2. -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
-    root = golden_models["root"]
-    runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
-            for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
-    procs = {key: cli(*golden_args(golden_models, runs[key], key[0]))
-             for key in runs if key[1] == "w1a"}
-    finished = {key: cli_here(*golden_args(golden_models, runs[key], key[0]))
-                for key in runs if key[1] == "w1b"}
-    finished.update(zip(procs, finish(*procs.values())))
-    for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
-        key = (kind, "w2")
-        finished[key] = finish(cli(*golden_args(golden_models, runs[key], kind),
-                                                 world=2))[0]
+    def build(root):
+        runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
+                for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
+        procs = {key: cli(*golden_args(golden_models, runs[key], key[0]))
+                 for key in runs if key[1] == "w1a"}
+        finished = {key: cli_here(*golden_args(golden_models, runs[key], key[0]))
+                    for key in runs if key[1] == "w1b"}
+        finished.update(zip(procs, finish(*procs.values())))
+        for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
+            key = (kind, "w2")
+            finished[key] = finish(cli(*golden_args(golden_models, runs[key], kind),
+                                       world=2))[0]
+        return {key: (file, finished[key]) for key, file in runs.items()}
     traces = {kind: {} for kind in GOLDEN_RUNS}
-    for (kind, run), file in runs.items():  # a missing file fails only the tests that read it
+    built = built_once(tmp_path_factory, "golden_traces", build)
+    for (kind, run), (file, proc) in built.items():  # a missing file fails only its readers
         header, tensors = golden_read(file) if os.path.isfile(file) else (None, None)
-        traces[kind][run] = dict(file=file, header=header, tensors=tensors,
-                                 proc=finished[(kind, run)])
+        traces[kind][run] = dict(file=file, header=header, tensors=tensors, proc=proc)
     return traces
 
 
@@ -3540,10 +3547,10 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 
 
 @pytest.fixture(scope="module")
-def golden_checks(golden_traces, golden_models):
+def golden_checks(golden_traces, tmp_path_factory):
     """`golden --check` on both untouched traces, on one with a flipped tree token, and on
     one whose header claims version 2."""
-    root = golden_models["root"]
+    root = tmp_path_factory.mktemp("golden_checks")
     header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
     meta = {"eagle3_golden": json.dumps(header)}
     old = int(tensors["round0002.tree_tokens"][3])
@@ -3590,30 +3597,35 @@ BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
 
 
 @pytest.fixture(scope="module")
-def batch_golden(golden_models):
+def batch_golden(golden_models, tmp_path_factory):
     """A batch of 3 prompts under each engine preset, sampled (their random numbers in the
     file), written twice; then the SGLang one re-checked after flipping row 1's token."""
-    root, runs = golden_models["root"], {}
-    for preset in ("sglang", "vllm"):
-        args = ["golden", "--target", golden_models["target"], "--draft", golden_models["draft"],
-                "--prompt-ids", BATCH_GOLDEN_PROMPTS, "--max-new-tokens", 16, "--tree-top-k", 3,
-                "--depth", 2, "--total-tokens", 8, "--preset", preset, "--temperature", 0.8,
-                "--seed", 7]
-        files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
-        started = cli(*args, "--out", files[0])        # one run in a process of its own,
-        procs = [cli_here(*args, "--out", files[1])]    # one in this process meanwhile
-        procs = finish(started) + procs
-        runs[preset] = [(f, p, golden_read(f) if os.path.isfile(f) else None)
-                        for f, p in zip(files, procs)]
-    file, _, (header, tensors) = runs["sglang"][0]
-    name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
-    flipped = dict(tensors, **{name: tensors[name].clone()})
-    old = int(flipped[name][2])
-    flipped[name][2] = (old + 1) % GOLDEN_VOCAB
-    save_file(flipped, str(root / "batch-flipped.safetensors"),
-              metadata={"eagle3_golden": json.dumps(header)})
-    check = [cli_here("golden", "--check", f) for f in (root / "batch-flipped.safetensors", file)]
-    return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+    def build(root):
+        runs = {}
+        for preset in ("sglang", "vllm"):
+            args = ["golden", "--target", golden_models["target"], "--draft",
+                    golden_models["draft"], "--prompt-ids", BATCH_GOLDEN_PROMPTS,
+                    "--max-new-tokens", 16, "--tree-top-k", 3, "--depth", 2, "--total-tokens", 8,
+                    "--preset", preset, "--temperature", 0.8, "--seed", 7]
+            files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
+            started = cli(*args, "--out", files[0])        # one run in a process of its own,
+            procs = [cli_here(*args, "--out", files[1])]    # one in this process meanwhile
+            runs[preset] = list(zip(files, finish(started) + procs))
+        file = runs["sglang"][0][0]
+        header, tensors = golden_read(file)
+        name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
+        flipped = dict(tensors, **{name: tensors[name].clone()})
+        old = int(flipped[name][2])
+        flipped[name][2] = (old + 1) % GOLDEN_VOCAB
+        save_file(flipped, str(root / "batch-flipped.safetensors"),
+                  metadata={"eagle3_golden": json.dumps(header)})
+        check = [cli_here("golden", "--check", f)
+                 for f in (root / "batch-flipped.safetensors", file)]
+        return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+    built = built_once(tmp_path_factory, "batch_golden", build)
+    runs = {preset: [(f, p, golden_read(f) if os.path.isfile(f) else None) for f, p in pairs]
+            for preset, pairs in built.runs.items()}
+    return SimpleNamespace(**dict(vars(built), runs=runs))
 
 
 @pytest.mark.parametrize("preset", ["sglang", "vllm"])
@@ -4071,12 +4083,14 @@ def fuzz_w2(request, tmp_path_factory):
     first = request.config.getoption("fuzz_first_seed")
     cases = [fuzz_case(s) for s in range(first, first + request.config.getoption("fuzz_cases"))]
     cases = [c for c in cases if c.world == 2]
-    root = tmp_path_factory.mktemp("fuzz_w2")
-    for case in cases:
-        fuzz_build(case, str(root / str(case.seed)))
-    job = [(case.seed, str(root / str(case.seed))) for case in cases]
-    ranks = run_workers(fuzz_worker, job, root, timeout=3600)
-    return {seed: [ranks[0][seed], ranks[1][seed]] for seed in ranks[0]}
+
+    def build(root):
+        for case in cases:
+            fuzz_build(case, str(root / str(case.seed)))
+        job = [(case.seed, str(root / str(case.seed))) for case in cases]
+        ranks = run_workers(fuzz_worker, job, root, timeout=3600)
+        return {seed: [ranks[0][seed], ranks[1][seed]] for seed in ranks[0]}
+    return built_once(tmp_path_factory, "fuzz_w2", build)
 
 
 def fuzz_worker(job, rank):
@@ -4314,17 +4328,19 @@ def partings(target, draft, prompts):
 
 
 @pytest.fixture(scope="module")
-def exact_partings(bf16_pair):
+def exact_partings(bf16_pair, tmp_path_factory):
     """Per family, every prompt, tree shape and preset in bf16 on the exact path: the cases
     where greedy speculation parted from the same target's greedy decoding -> {family:
     dict(exact=[case], deepest=accept length)}."""
-    found = {}
-    for f, name in enumerate(EXACT_FAMILIES):
-        _, exact, _, exact_draft = bf16_pair(name)
-        prompts = exact_prompts(f) + memorized_prompts()[:1]
-        parted, deepest = partings(exact, exact_draft, prompts)
-        found[name] = dict(exact=parted, deepest=deepest)
-    return found
+    def build(root):
+        found = {}
+        for f, name in enumerate(EXACT_FAMILIES):
+            _, exact, _, exact_draft = bf16_pair(name)
+            prompts = exact_prompts(f) + memorized_prompts()[:1]
+            parted, deepest = partings(exact, exact_draft, prompts)
+            found[name] = dict(exact=parted, deepest=deepest)
+        return found
+    return built_once(tmp_path_factory, "exact_partings", build)
 
 
 @pytest.mark.parametrize("name", EXACT_FAMILIES)

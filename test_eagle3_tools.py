@@ -917,12 +917,9 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
     assert all(layer.self_attn.attend is E.attend_rows for layer in inv.model.layers)
     logits = verified(inv)
     for node in range(len(parents)):
-        path = [node]
-        while parents[path[0]] >= 0:
-            path.insert(0, parents[path[0]])
         cache = inv.new_cache(n + 8)
         inv(prompt, cache=cache, aux_layers=())
-        for depth, i in enumerate(path):
+        for depth, i in enumerate(S.path_to(parents, node)):
             step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
         assert torch.equal(step[0, -1], logits[node]), node
     draft = E.load_draft(train_generate_setup.draft_dir, inv)
