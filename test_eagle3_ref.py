@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 import eagle3_ref as E
 from test_eagle3_scaffold import (
     ATOL, DS_TARGETS, DS_TINY, HIDDEN, LAYERS, REF_CLI, TARGETS, TINY, TRAIN_AUX, TRAIN_CHATS,
-    TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, chat_data,
+    TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, built_once, chat_data,
     check_bad_input, check_path_flag, children, cli, cli_env, cli_here, cli_path_flags,
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
     inverse_cdf, path_to, pick, random_prompt, random_tree, refused, run_cli, sent, sharpen,
@@ -59,22 +59,15 @@ from test_eagle3_scaffold import (
 
 
 @pytest.mark.parametrize("name", TARGETS)
-def test_target_logits_equal_transformers(zoo, name):
+def test_target_logits_and_aux_features_equal_transformers(zoo, name):
+    # the aux features are the residuals entering layers 2, L//2 and L-3
     ids = random_prompt(1, length=40)
-    ref_logits, _ = hf_forward(zoo.hf(name), ids)
-    logits, _ = zoo.target(name)(ids)
-    assert logits.shape == (1, 40, VOCAB)
+    ref_logits, hidden_states = hf_forward(zoo.hf(name), ids)
+    logits, aux = zoo.target(name)(ids)
+    assert logits.shape == (1, 40, VOCAB) and aux.shape == (1, 40, 3 * HIDDEN)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
-
-
-@pytest.mark.parametrize("name", TARGETS)
-def test_aux_features_are_residuals_entering_layers_2_mid_and_L_minus_3(zoo, name):
-    ids = random_prompt(2, length=20)
-    _, hidden_states = hf_forward(zoo.hf(name), ids)
-    _, aux = zoo.target(name)(ids)
     L = LAYERS
     expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
-    assert aux.shape == (1, 20, 3 * HIDDEN)
     assert_close(aux[0], expected)
 
 
@@ -367,12 +360,12 @@ def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
 # ----------------------------------------------------------------------------------------
 # tensor parallelism: torchrun --nproc_per_node=2 (gloo) equals one process
 
-def run_workers(worker, job, root, timeout=600):
-    """`worker(job, rank)` of this file on 2 torchrun ranks (gloo) -> each rank's result."""
+def run_workers(worker, job, root, timeout=600, world=2):
+    """`worker(job, rank)` of this file on `world` torchrun ranks (gloo) -> each rank's result."""
     torch.save(job, root / "job.pt")
-    proc = finish(cli(worker.__name__, root, world=2, script=__file__), timeout=timeout)[0]
+    proc = finish(cli(worker.__name__, root, world=world, script=__file__), timeout=timeout)[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(root / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(root / f"rank{r}.pt") for r in range(world)]
 
 
 TP_TARGETS = ("llama", "qwen2", "qwen3")         # GQA; sharded biases; q/k norms, head_dim 24
@@ -383,16 +376,18 @@ TP_NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def tp_run(zoo, speculation, vocab6_checkpoint, tmp_path_factory):
     """One torchrun launch with 2 ranks; returns each rank's results."""
-    root = tmp_path_factory.mktemp("tp")
     prompt = random_prompt(21, length=10)
-    job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[],
-               vocab6=vocab6_checkpoint[0])
-    for name in TP_TARGETS:
-        draft_dir = str(root / f"draft-{name}")
-        E.save_draft(speculation[name].draft, draft_dir)
-        job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir,
-                                   spec_prompt=speculation[name].prompts["memorized"]))
-    return SimpleNamespace(prompt=prompt, ranks=run_workers(tp_worker, job, root))
+
+    def build(root):
+        job = dict(prompt=prompt, new_tokens=TP_NEW_TOKENS, shapes=TP_SHAPES, targets=[],
+                   vocab6=vocab6_checkpoint[0])
+        for name in TP_TARGETS:
+            draft_dir = str(root / f"draft-{name}")
+            E.save_draft(speculation[name].draft, draft_dir)
+            job["targets"].append(dict(name=name, dir=zoo.dir(name), draft=draft_dir,
+                                       spec_prompt=speculation[name].prompts["memorized"]))
+        return run_workers(tp_worker, job, root)
+    return SimpleNamespace(prompt=prompt, ranks=built_once(tmp_path_factory, "tp", build))
 
 
 COMM_TREE = (3, 2, 9)  # the tree whose verify forward the TP workers count
@@ -517,13 +512,15 @@ def test_tensor_parallel_batches_equal_single_process(speculation, tp_run, prese
 
 @pytest.fixture(scope="module")
 def ds_tp_run(zoo, ds_speculation, ds_fp8, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds_tp")
     job = dict(prompt=random_prompt(47, length=12), fp8=ds_fp8.dir, targets=[])
-    for name, s in ds_speculation.items():
-        E.save_draft(s.draft, str(root / f"draft-{name}"))
-        job["targets"].append(dict(name=name, dir=zoo.dir(name),
-                                   draft=str(root / f"draft-{name}"), spec_prompt=s.prompt))
-    return SimpleNamespace(job=job, ranks=run_workers(ds_tp_worker, job, root))
+
+    def build(root):
+        for name, s in ds_speculation.items():
+            E.save_draft(s.draft, str(root / f"draft-{name}"))
+            job["targets"].append(dict(name=name, dir=zoo.dir(name),
+                                       draft=str(root / f"draft-{name}"), spec_prompt=s.prompt))
+        return run_workers(ds_tp_worker, job, root)
+    return SimpleNamespace(job=job, ranks=built_once(tmp_path_factory, "ds_tp", build))
 
 
 def ds_tp_worker(job, rank):
@@ -1180,10 +1177,10 @@ def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
 PROMPT = torch.tensor([[1, 4, 2]])
 N_TOKENS = 3                           # generated tokens whose joint law is enumerated
-TRIALS = 20_000                        # Monte Carlo runs per chi-square test
+TRIALS = 8_000                         # Monte Carlo runs per chi-square test (broken: p < 1e-20)
 ALPHA = 1e-3                           # chi-square significance level
 MIN_EXPECTED = 5                       # cells expecting fewer are merged (chi-square rule)
-REPLAY_SEEDS = 60                      # full speculative_generate calls per replay test
+REPLAY_SEEDS = 30                      # full speculative_generate calls per replay test
 REPLAY_TOKENS = 6                      # tokens per replayed call (several rounds)
 SLOTS = 64                             # cache room beyond the prefix: any tree here fits
 T1 = E.Sampling(temperature=1.0)
@@ -2686,8 +2683,8 @@ def train_cli_run(train_chat_target):
     chats = train_conversations()
     data = chat_data(c.root / "chats.jsonl", chats)
     out = c.root / "trained"
-    proc = run_cli("train", "--target", c.dir, "--data", data, "--out", out, "--epochs", 1,
-                   "--batch", 2, "--draft-vocab-size", 64, cwd=c.root)
+    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", out, "--epochs", 1,
+                    "--batch", 2, "--draft-vocab-size", 64)
     return SimpleNamespace(proc=proc, out=str(out), chats=chats)
 
 
@@ -2721,9 +2718,8 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     draft = tiny_draft(target, 5, kept, own_embedding=True)
     E.save_draft(draft, str(tmp_path / "init"))
     data = chat_data(tmp_path / "chats.jsonl")
-    proc = run_cli("train", "--target", c.dir, "--data", str(data), "--out",
-                      str(tmp_path / "out"), "--init-draft", str(tmp_path / "init"),
-                      "--epochs", "1", "--batch", "2", "--lr", "1e-2", cwd=tmp_path)
+    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", tmp_path / "out",
+                    "--init-draft", tmp_path / "init", "--epochs", 1, "--batch", 2, "--lr", 1e-2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = load_file(tmp_path / "init" / "model.safetensors")
     after = load_file(tmp_path / "out" / "model.safetensors")
@@ -3086,8 +3082,8 @@ def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
         kills.append((write, state, name))
         assert torch.load(out / "train_state.pt", weights_only=True)["step"] == step, kills
         E.load_draft(str(out), target)               # the drafter under its names is whole
-    proc = run_cli(*argv + ["--resume"], cwd=tmp_path)
-    assert proc.returncode == 0, (kills, proc.stderr[-3000:])
+    proc = cli_here(*argv, "--resume")                 # the last resume runs to the end
+    assert proc.returncode in (0, None), (kills, proc.stderr[-3000:])
     straight, resumed = (load_file(os.path.join(d, "model.safetensors"))
                          for d in (train_cli_run.out, out))
     assert sorted(straight) == sorted(resumed)
@@ -3116,12 +3112,12 @@ def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_mod
         line = refused(cli_here("golden", "--check", trace))
         assert "does not exist" in line
     # a complete trace, then a rewrite killed mid-way: the complete one is still there
-    proc = run_cli(*golden_args(golden_models, trace, "sampled"), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli_here(*golden_args(golden_models, trace, "sampled"))
+    assert proc.returncode in (0, None), proc.stderr[-3000:]
     before = open(trace, "rb").read()
     run_killed(golden_args(golden_models, trace, "greedy"), tmp_path, 1, "cut", 70)
     assert open(trace, "rb").read() == before
-    check = run_cli("golden", "--check", trace, cwd=tmp_path)
+    check = cli_here("golden", "--check", trace)
     assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
 
 
@@ -3269,15 +3265,17 @@ def golden_models(tmp_path_factory):
     """A random 8-layer target (4 query / 2 kv heads: divisible by W = 2) saved as an HF
     dir, and a drafter over 18 of its 24 tokens, a few TTT steps sharpened on the target's
     greedy text so acceptance paths go several levels deep (SPEC §9)."""
-    root = tmp_path_factory.mktemp("golden_models")
-    hf = tiny_model(seed=0, vocab_size=GOLDEN_VOCAB, max_position_embeddings=256)
-    hf.save_pretrained(root / "target")
-    target = E.load_target(str(root / "target"))
-    draft = tiny_draft(target, 3, GOLDEN_KEPT)
-    text = torch.cat([torch.tensor(GOLDEN_PROMPT), hf_greedy(hf, GOLDEN_PROMPT, 40)])
-    sharpen(draft, target, text[None], steps=40)
-    E.save_draft(draft, str(root / "draft"))
-    return dict(hf=hf, target=str(root / "target"), draft=str(root / "draft"), root=root)
+    def build(root):
+        hf = tiny_model(seed=0, vocab_size=GOLDEN_VOCAB, max_position_embeddings=256)
+        hf.save_pretrained(root / "target")
+        target = E.load_target(str(root / "target"))
+        draft = tiny_draft(target, 3, GOLDEN_KEPT)
+        text = torch.cat([torch.tensor(GOLDEN_PROMPT), hf_greedy(hf, GOLDEN_PROMPT, 40)])
+        sharpen(draft, target, text[None], steps=40)
+        E.save_draft(draft, str(root / "draft"))
+        return dict(target=str(root / "target"), draft=str(root / "draft"))
+    models = built_once(tmp_path_factory, "golden_models", build)
+    return dict(models, hf=transformers.AutoModelForCausalLM.from_pretrained(models["target"]))
 
 
 def golden_args(models, out, kind):
@@ -3288,25 +3286,27 @@ def golden_args(models, out, kind):
 
 
 @pytest.fixture(scope="module")
-def golden_traces(golden_models):
-    """Each kind written twice at world size 1 (two processes) and once at world size 2.
-    -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
-    root = golden_models["root"]
-    runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
-            for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
-    procs = {}
-    for key in [k for k in runs if k[1] != "w2"]:  # four single processes, two cores
-        procs[key] = cli(*golden_args(golden_models, runs[key], key[0]))
-    finished = dict(zip(procs, finish(*procs.values())))
-    for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
-        key = (kind, "w2")
-        finished[key] = finish(cli(*golden_args(golden_models, runs[key], kind),
-                                                 world=2))[0]
+def golden_traces(golden_models, tmp_path_factory):
+    """Each kind written twice at world size 1 (a process, then in this one) and once at
+    world size 2. -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
+    def build(root):
+        runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
+                for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
+        procs = {key: cli(*golden_args(golden_models, runs[key], key[0]))
+                 for key in runs if key[1] == "w1a"}
+        finished = {key: cli_here(*golden_args(golden_models, runs[key], key[0]))
+                    for key in runs if key[1] == "w1b"}
+        finished.update(zip(procs, finish(*procs.values())))
+        for kind in GOLDEN_RUNS:                        # each torchrun launch takes both cores
+            key = (kind, "w2")
+            finished[key] = finish(cli(*golden_args(golden_models, runs[key], kind),
+                                       world=2))[0]
+        return {key: (file, finished[key]) for key, file in runs.items()}
     traces = {kind: {} for kind in GOLDEN_RUNS}
-    for (kind, run), file in runs.items():  # a missing file fails only the tests that read it
+    built = built_once(tmp_path_factory, "golden_traces", build)
+    for (kind, run), (file, proc) in built.items():  # a missing file fails only its readers
         header, tensors = golden_read(file) if os.path.isfile(file) else (None, None)
-        traces[kind][run] = dict(file=file, header=header, tensors=tensors,
-                                 proc=finished[(kind, run)])
+        traces[kind][run] = dict(file=file, header=header, tensors=tensors, proc=proc)
     return traces
 
 
@@ -3374,11 +3374,14 @@ def test_golden_header_records_format_version_config_world_size_and_versions(gol
 # a golden trace is what it claims to be
 
 
-def test_golden_greedy_tokens_equal_transformers_greedy_decoding(golden_traces, golden_models):
+def test_golden_greedy_tokens_equal_transformers_greedy_decoding_and_use_no_uniforms(
+        golden_traces, golden_models):
     t = golden_trace(golden_traces, "greedy")["tensors"]
     expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
     assert t["input_ids"].tolist() == GOLDEN_PROMPT
     assert t["tokens"].tolist() == expected.tolist()
+    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
+    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -3456,12 +3459,6 @@ def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, go
                 expected = hf(ids).logits[0, -1]
             diff = float((logits[i] - expected).abs().max())
             assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
-
-
-def test_golden_greedy_trace_records_no_uniforms(golden_traces):
-    t = golden_trace(golden_traces, "greedy")["tensors"]
-    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
-    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
 
 
 def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_traces):
@@ -3550,10 +3547,10 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 
 
 @pytest.fixture(scope="module")
-def golden_checks(golden_traces, golden_models):
+def golden_checks(golden_traces, tmp_path_factory):
     """`golden --check` on both untouched traces, on one with a flipped tree token, and on
-    one whose header claims version 2 -- four processes, two at a time."""
-    root = golden_models["root"]
+    one whose header claims version 2."""
+    root = tmp_path_factory.mktemp("golden_checks")
     header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
     meta = {"eagle3_golden": json.dumps(header)}
     old = int(tensors["round0002.tree_tokens"][3])
@@ -3567,8 +3564,7 @@ def golden_checks(golden_traces, golden_models):
     files = {kind: golden_trace(golden_traces, kind)["file"] for kind in GOLDEN_RUNS}
     files.update(flipped=str(root / "flipped.safetensors"),
                  version2=str(root / "version2.safetensors"))
-    procs = [cli("golden", "--check", f) for f in files.values()]
-    return dict(zip(files, finish(*procs)), old=old, new=new)
+    return dict({k: cli_here("golden", "--check", f) for k, f in files.items()}, old=old, new=new)
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -3601,29 +3597,35 @@ BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
 
 
 @pytest.fixture(scope="module")
-def batch_golden(golden_models):
+def batch_golden(golden_models, tmp_path_factory):
     """A batch of 3 prompts under each engine preset, sampled (their random numbers in the
     file), written twice; then the SGLang one re-checked after flipping row 1's token."""
-    root, runs = golden_models["root"], {}
-    for preset in ("sglang", "vllm"):
-        args = ["golden", "--target", golden_models["target"], "--draft", golden_models["draft"],
-                "--prompt-ids", BATCH_GOLDEN_PROMPTS, "--max-new-tokens", 16, "--tree-top-k", 3,
-                "--depth", 2, "--total-tokens", 8, "--preset", preset, "--temperature", 0.8,
-                "--seed", 7]
-        files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
-        procs = finish(*[cli(*args, "--out", f) for f in files])
-        runs[preset] = [(f, p, golden_read(f) if os.path.isfile(f) else None)
-                        for f, p in zip(files, procs)]
-    file, _, (header, tensors) = runs["sglang"][0]
-    name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
-    flipped = dict(tensors, **{name: tensors[name].clone()})
-    old = int(flipped[name][2])
-    flipped[name][2] = (old + 1) % GOLDEN_VOCAB
-    save_file(flipped, str(root / "batch-flipped.safetensors"),
-              metadata={"eagle3_golden": json.dumps(header)})
-    check = finish(cli("golden", "--check", root / "batch-flipped.safetensors"),
-                          cli("golden", "--check", file))
-    return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+    def build(root):
+        runs = {}
+        for preset in ("sglang", "vllm"):
+            args = ["golden", "--target", golden_models["target"], "--draft",
+                    golden_models["draft"], "--prompt-ids", BATCH_GOLDEN_PROMPTS,
+                    "--max-new-tokens", 16, "--tree-top-k", 3, "--depth", 2, "--total-tokens", 8,
+                    "--preset", preset, "--temperature", 0.8, "--seed", 7]
+            files = [str(root / f"batch-{preset}-{i}.safetensors") for i in range(2)]
+            started = cli(*args, "--out", files[0])        # one run in a process of its own,
+            procs = [cli_here(*args, "--out", files[1])]    # one in this process meanwhile
+            runs[preset] = list(zip(files, finish(started) + procs))
+        file = runs["sglang"][0][0]
+        header, tensors = golden_read(file)
+        name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
+        flipped = dict(tensors, **{name: tensors[name].clone()})
+        old = int(flipped[name][2])
+        flipped[name][2] = (old + 1) % GOLDEN_VOCAB
+        save_file(flipped, str(root / "batch-flipped.safetensors"),
+                  metadata={"eagle3_golden": json.dumps(header)})
+        check = [cli_here("golden", "--check", f)
+                 for f in (root / "batch-flipped.safetensors", file)]
+        return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+    built = built_once(tmp_path_factory, "batch_golden", build)
+    runs = {preset: [(f, p, golden_read(f) if os.path.isfile(f) else None) for f, p in pairs]
+            for preset, pairs in built.runs.items()}
+    return SimpleNamespace(**dict(vars(built), runs=runs))
 
 
 @pytest.mark.parametrize("preset", ["sglang", "vllm"])
@@ -3674,9 +3676,9 @@ def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(b
 
 def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
     c = train_chat_target
-    proc = run_cli("generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
-                      "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12",
-                      "--tree-top-k", "2", "--depth", "2", "--total-tokens", "6", cwd=c.root)
+    proc = cli_here("generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
+                    "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", 12,
+                    "--tree-top-k", 2, "--depth", 2, "--total-tokens", 6)
     assert proc.returncode == 0, proc.stderr[-3000:]
     new = hf_greedy(c.hf, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12,
                     c.tok.eos_token_id).tolist()
@@ -4081,12 +4083,14 @@ def fuzz_w2(request, tmp_path_factory):
     first = request.config.getoption("fuzz_first_seed")
     cases = [fuzz_case(s) for s in range(first, first + request.config.getoption("fuzz_cases"))]
     cases = [c for c in cases if c.world == 2]
-    root = tmp_path_factory.mktemp("fuzz_w2")
-    for case in cases:
-        fuzz_build(case, str(root / str(case.seed)))
-    job = [(case.seed, str(root / str(case.seed))) for case in cases]
-    ranks = run_workers(fuzz_worker, job, root, timeout=3600)
-    return {seed: [ranks[0][seed], ranks[1][seed]] for seed in ranks[0]}
+
+    def build(root):
+        for case in cases:
+            fuzz_build(case, str(root / str(case.seed)))
+        job = [(case.seed, str(root / str(case.seed))) for case in cases]
+        ranks = run_workers(fuzz_worker, job, root, timeout=3600)
+        return {seed: [ranks[0][seed], ranks[1][seed]] for seed in ranks[0]}
+    return built_once(tmp_path_factory, "fuzz_w2", build)
 
 
 def fuzz_worker(job, rank):
@@ -4230,113 +4234,6 @@ def finish_worker():
     os._exit(0)
 
 
-WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker)}
-
-if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
-    name, root = sys.argv[1:3]
-    rank = E.init_distributed().rank
-    result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
-    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
-    finish_worker()
-
-
-# ----------------------------------------------------------------------------------------
-# small defects, each pinned
-
-
-def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
-    # DeepSeek's checkpoints pair rope dims at (2i, 2i+1) (rope_interleave: true, the
-    # default); a config with false pairs the halves, and transformers then skips the
-    # de-interleave. Same weights, both flags: each equals transformers, and they differ.
-    ids = random_prompt(5)
-    logits = {}
-    for interleave in (True, False):
-        hf = tiny_model("deepseek_v3", 3, 0.2, **DS_ROPE_CASE, rope_interleave=interleave)
-        hf.save_pretrained(tmp_path / str(interleave))
-        assert_routing_is_robust(hf, ids)
-        logits[interleave] = E.load_target(str(tmp_path / str(interleave)))(ids)[0]
-        assert_close(logits[interleave], hf_forward(hf, ids)[0], f"rope_interleave={interleave}")
-    assert float((logits[True] - logits[False]).abs().max()) > 1e-2
-
-
-DS_ROPE_CASE = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                    v_head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                    n_group=1, topk_group=1, first_k_dense_replace=4, moe_intermediate_size=16)
-
-
-@pytest.mark.parametrize("preset", ["official", "sglang", "vllm"])
-def test_batch_of_8_and_9_token_prompts_on_a_short_chain_equals_each_prompt_alone(speculation,
-                                                                                   preset):
-    # The 9-token row drafts deep and finishes first, often committing past its budget in its
-    # last round; it then rides along in the batched verify, padded to the widest tree, so
-    # the cache must hold that too (it once wrote past the end: "expanded size 3 vs 4").
-    s = speculation["llama"]
-    memorized = torch.cat([s.prompts["memorized"], s.reference["memorized"][None, :1]], 1)
-    prompts = [s.prompts["fresh"], memorized]
-    assert [p.shape[1] for p in prompts] == [8, 9]
-    for max_new in (28, 29, 30, 31):
-        batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
-                                             tree=E.TreeShape(1, 2, 4), preset=preset)
-        for ids, r in zip(prompts, batch):
-            assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
-        assert len(batch[1].rounds) < len(batch[0].rounds)   # the long row finished first
-        assert max(batch[1].accept_lengths) >= 3             # its drafts were accepted
-
-
-def test_cdf_pick_sums_in_float64_and_rounds_each_prefix_to_fp32():
-    # The reference: a Python float (double) running sum, each prefix rounded to fp32, and
-    # fp32 coin * total. Coins sit on the boundaries where a plain fp32 running sum (CUDA's
-    # cumsum) would pick another token.
-    r = torch.rand(3000, generator=torch.Generator().manual_seed(0))
-    r[r < 0.2] = 0
-    exact, fp32, acc, acc32 = [], [], 0.0, np.float32(0)
-    for x in r.tolist():
-        acc, acc32 = acc + x, np.float32(acc32 + np.float32(x))
-        exact.append(np.float32(acc))
-        fp32.append(acc32)
-
-    def pick(prefix, coin):
-        bound = np.float32(coin) * prefix[-1]
-        return next(i for i, (c, x) in enumerate(zip(prefix, r.tolist())) if c > bound and x > 0)
-
-    differ = [i for i in range(len(r)) if exact[i] != fp32[i] and r[i] > 0]
-    assert differ, "no boundary where the two sums differ"
-    checked = 0
-    for i in differ[::50]:
-        coin = np.float32(exact[i] / exact[-1])
-        for c in (np.nextafter(coin, np.float32(0)), coin, np.nextafter(coin, np.float32(1))):
-            got = E.cdf_pick(r, torch.tensor(c))
-            assert got == pick(exact, c), (i, c)
-            checked += got != pick(fp32, c)
-    assert checked, "no coin separates the float64 sum from a plain fp32 one"
-
-
-def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
-    path = tmp_path / "train_state.pt"
-    (tmp_path / "train_state.pt.tmp").write_bytes(b"cut sh")  # what a SIGKILL mid-write leaves
-    E.atomic_write(str(path), lambda f: torch.save({"step": 3}, f))
-    assert torch.load(path) == {"step": 3}
-    assert sorted(os.listdir(tmp_path)) == ["train_state.pt"]
-
-
-def test_written_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
-    from safetensors.torch import save_file
-    old = os.umask(0o027)
-    try:
-        path = tmp_path / "model.safetensors"
-        E.atomic_write(str(path), lambda f: save_file({"w": torch.ones(2)}, f))
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640   # what open() would give
-    finally:
-        os.umask(old)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] and sys.argv[1] in WORKERS:
-        WORKERS[sys.argv[1]](*sys.argv[2:4])
-        finish_worker()
-    sys.exit(f"usage: torchrun --nproc_per_node=2 {sys.argv[0]} {{{','.join(WORKERS)}}} ARGS")
-
-
 # ========================================================================================
 # exact in low precision (make_exact): in bf16, each verify row gets its decode step's bits
 # ========================================================================================
@@ -4345,26 +4242,35 @@ if __name__ == "__main__":
 # bf16 path is the negative control: it must part somewhere, or the checks prove nothing.
 
 EXACT_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "ds-v3", "kimi"]
-EXACT_PROMPTS = 8         # random prompts per family (lengths 3..10)
+EXACT_PROMPTS = 4         # random prompts per family (lengths 3..10)
 EXACT_NEW = 20            # tokens decoded per prompt
 EXACT_SHAPES = [(2, 3, 8), (1, 4, 6), (3, 2, 10)]   # trees, and a chain (tree top-k 1)
 
 
-def memorized_prompts(seed=0):
+def memorized_prompts():
     """The prompts whose greedy text bf16_pair's drafter learns."""
-    return [random_prompt(700 + seed + j, 6) for j in range(3)]
+    return [random_prompt(700 + j, 6) for j in range(3)]
 
 
-def bf16_pair(zoo, name, seed=0):
-    """A ZOO target served in bf16 twice, plainly and on the exact path, with one drafter
-    sharpened (in fp32, from the checkpoint: no state other tests left in the zoo's
-    models) on the target's greedy text of memorized_prompts, so acceptance goes deep."""
-    target32 = E.load_target(zoo.dir(name))
-    texts = [torch.cat([p[0], E.greedy_generate(target32, p, 24)]) for p in memorized_prompts(seed)]
-    draft = sharpen(tiny_draft(target32, seed), target32, torch.stack(texts))
-    plain = E.load_target(zoo.dir(name), dtype=torch.bfloat16)
-    exact = E.make_exact(E.load_target(zoo.dir(name), dtype=torch.bfloat16))
-    return plain, exact, copy_draft(draft, plain), copy_draft(draft, exact)
+@pytest.fixture(scope="module")
+def bf16_pair(zoo):
+    """name -> a ZOO target served in bf16 twice, plainly and on the exact path, with one
+    drafter sharpened (in fp32, from the checkpoint: no state other tests left in the zoo's
+    models) on the target's greedy text of memorized_prompts, so acceptance goes deep. The
+    drafter is sharpened once per family; the targets are new on every call, so a test may
+    plant a fault in them."""
+    drafts = {}
+
+    def pair(name):
+        if name not in drafts:
+            target32 = E.load_target(zoo.dir(name))
+            texts = [torch.cat([p[0], E.greedy_generate(target32, p, 24)])
+                     for p in memorized_prompts()]
+            drafts[name] = sharpen(tiny_draft(target32, 0), target32, torch.stack(texts))
+        plain = E.load_target(zoo.dir(name), dtype=torch.bfloat16)
+        exact = E.make_exact(E.load_target(zoo.dir(name), dtype=torch.bfloat16))
+        return plain, exact, copy_draft(drafts[name], plain), copy_draft(drafts[name], exact)
+    return pair
 
 
 def copy_draft(draft, target):
@@ -4422,17 +4328,19 @@ def partings(target, draft, prompts):
 
 
 @pytest.fixture(scope="module")
-def exact_partings(zoo):
+def exact_partings(bf16_pair, tmp_path_factory):
     """Per family, every prompt, tree shape and preset in bf16 on the exact path: the cases
     where greedy speculation parted from the same target's greedy decoding -> {family:
     dict(exact=[case], deepest=accept length)}."""
-    found = {}
-    for f, name in enumerate(EXACT_FAMILIES):
-        _, exact, _, exact_draft = bf16_pair(zoo, name)
-        prompts = exact_prompts(f) + memorized_prompts()[:1]
-        parted, deepest = partings(exact, exact_draft, prompts)
-        found[name] = dict(exact=parted, deepest=deepest)
-    return found
+    def build(root):
+        found = {}
+        for f, name in enumerate(EXACT_FAMILIES):
+            _, exact, _, exact_draft = bf16_pair(name)
+            prompts = exact_prompts(f) + memorized_prompts()[:1]
+            parted, deepest = partings(exact, exact_draft, prompts)
+            found[name] = dict(exact=parted, deepest=deepest)
+        return found
+    return built_once(tmp_path_factory, "exact_partings", build)
 
 
 @pytest.mark.parametrize("name", EXACT_FAMILIES)
@@ -4462,26 +4370,26 @@ class RowCountRounding(torch.nn.Module):
         return y if y[..., 0].numel() == 1 else torch.round(y / self.step) * self.step
 
 
-def test_a_row_dependent_operation_makes_the_same_runs_part(zoo):
+def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
     # The negative control of the test above. Whether plain bf16 parts depends on the CPU's
     # bf16 kernels (an AVX2 EPYC parted in 52 of 162 of these runs; a CPU whose kernels round
     # a row alike at every M parts in none), so the control plants the fault instead: the
     # exact target's lm_head rounds multi-row calls coarsely, and the same harness must see
     # speculation part from greedy decoding. The exact path's bitwise verify rows are
     # checked against the plain path's on every machine in the next test.
-    _, exact, _, exact_draft = bf16_pair(zoo, "llama")
+    _, exact, _, exact_draft = bf16_pair("llama")
     prompts = exact_prompts(0) + memorized_prompts()[:1]    # llama's: 0 partings above
     exact.lm_head = RowCountRounding(exact.lm_head, step=1.0)
     parted, _ = partings(exact, exact_draft, prompts)
     assert len(parted) > 0
 
 
-def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
+def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_pair):
     # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
     # probabilities acceptance draws against -- equal, bit for bit, those of the decode
     # step at that position along the output. The control: the same check sees the rows
     # of a target with a planted row-dependent lm_head differ.
-    plain, exact, plain_draft, exact_draft = bf16_pair(zoo, "llama")
+    plain, exact, plain_draft, exact_draft = bf16_pair("llama")
     planted = E.make_exact(plain)
     planted.lm_head = RowCountRounding(planted.lm_head, step=1.0)
     sampling = E.Sampling(0.8, 0, 0.95, E.OFFICIAL_ORDER)
@@ -4507,7 +4415,7 @@ def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(zoo):
     assert differ["planted"] > 0, "the planted row-dependent lm_head went unseen"
 
 
-def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo):
+def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf16_pair):
     # The same prompt alone and at a random slot of a batch of 4 prompts of other lengths
     # (a dense target and an MLA + MoE one): bitwise the same tokens and the same verify
     # logits every round, and every row of the batch equals its own greedy decoding. The
@@ -4516,7 +4424,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(zoo
     needle = random_prompt(77, 7)
     logits_differ = 0
     for name in ("llama", "ds-v3"):
-        plain, exact, plain_draft, exact_draft = bf16_pair(zoo, name)
+        plain, exact, plain_draft, exact_draft = bf16_pair(name)
         for trial in range(2):
             others = [random_prompt(80 + 3 * trial + k, int(torch.randint(3, 12, (), generator=g)))
                       for k in range(3)]
@@ -4602,7 +4510,7 @@ EXACT_TP_DS = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_
                    intermediate_size=96)
 
 
-def exact_tp_worker(job):
+def exact_tp_worker(job, rank):
     """On every rank: each target in bf16 on the exact path, sharded over W ranks; greedy
     decoding and speculation of each prompt."""
     results = {}
@@ -4616,16 +4524,6 @@ def exact_tp_worker(job):
               for shape in EXACT_SHAPES[:2]])
             for ids in job["prompts"]])
     return results
-
-
-EXACT_TP_SCRIPT = """import os, sys, torch
-import test_eagle3_ref as R
-root = sys.argv[1]
-rank = R.E.init_distributed().rank
-torch.save(R.exact_tp_worker(torch.load(os.path.join(root, "job.pt"))),
-           os.path.join(root, f"rank{rank}.pt"))
-R.finish_worker()
-"""
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -4643,12 +4541,9 @@ def test_exact_bf16_under_torchrun_greedy_speculation_equals_greedy_decoding(tmp
         E.save_draft(sharpen(tiny_draft(target, world), target, text[None]),
                      tmp_path / f"{family}-draft")
         models[family] = (str(tmp_path / family), str(tmp_path / f"{family}-draft"))
-    prompts = [random_prompt(40 + world + k, 4 + k) for k in range(3)]
-    torch.save(dict(models=models, prompts=prompts), tmp_path / "job.pt")
-    (tmp_path / "worker.py").write_text(EXACT_TP_SCRIPT)
-    proc = finish(cli(tmp_path, world=world, script=tmp_path / "worker.py"), timeout=1200)[0]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    prompts = [random_prompt(40 + world + k, 4 + k) for k in range(2)]
+    ranks = run_workers(exact_tp_worker, dict(models=models, prompts=prompts), tmp_path,
+                        timeout=1200, world=world)
     for family in models:
         assert all(r[family] == ranks[0][family] for r in ranks), family  # every rank alike
         assert ranks[0][family]["ordered"] == (world > 2)
@@ -4716,3 +4611,14 @@ def test_exact_is_a_switch_of_generate_golden_and_the_main_job_off_by_default():
     for argv in (["generate", "--prompt", "hi"], ["golden"], []):
         assert parser.parse_args(argv).exact is False
         assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
+
+
+WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker,
+                                        exact_tp_worker)}
+
+if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
+    name, root = sys.argv[1:3]
+    rank = E.init_distributed().rank
+    result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
+    torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    finish_worker()

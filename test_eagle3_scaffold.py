@@ -4,6 +4,7 @@ the method's inner steps called one at a time, and transformers as the reference
 and helpers only, no tests: a test file imports what it uses by name (a module-scoped
 fixture imported into a test module is built once for that module)."""
 import argparse
+import fcntl
 import io
 import json
 import os
@@ -141,6 +142,21 @@ class Zoo:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     return Zoo(tmp_path_factory.mktemp("targets"))
+
+
+def built_once(tmp_path_factory, name, build):
+    """build(root) -> a result, made once per session. Under pytest-xdist each worker builds
+    its own module fixtures, so the first worker to ask builds this one in a folder both
+    workers see and saves the result; the other waits for it and loads it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    root = tmp_path_factory.getbasetemp().parent / name     # this session's, both workers'
+    with open(f"{root}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "built.pt").exists():
+            root.mkdir(exist_ok=True)
+            torch.save(build(root), root / "built.pt")
+    return torch.load(root / "built.pt", weights_only=False)
 
 
 def random_prompt(seed, length=12):

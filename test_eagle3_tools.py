@@ -25,20 +25,11 @@ import eagle3_tools as T
 import test_eagle3_scaffold as S
 from test_eagle3_scaffold import (
     TRAIN_AUX, TRAIN_GEN_PROMPT, assert_close, bad_inputs, chat_data, check_bad_input,
-    check_path_flag, cli_path_flags, edit_draft_dir, finish, hf_aux, hf_forward, last_json,
+    check_path_flag, cli_path_flags, edit_draft_dir, hf_aux, hf_forward, last_json,
     pair_chats, random_prompt, tiny_draft, tiny_model, train_chat_target, train_config,
-    train_generate_setup, train_top_ids, verify, zoo)
+    train_generate_setup, train_top_ids, zoo)
 
 torch.set_num_threads(1)
-
-
-def cli(*args, **kwargs):
-    """`python eagle3_tools.py ARGS`, started now (the reference's commands work there too)."""
-    return S.cli(*args, script=T.__file__, **kwargs)
-
-
-def run_cli(*args, **kwargs):
-    return S.finish(cli(*args, **kwargs))[0]
 
 
 def cli_here(*argv):
@@ -106,13 +97,22 @@ def captured(train_chat_target, tmp_path_factory):
                            examples=examples, root=root)
 
 
+def captured_sample(root, i):
+    return torch.load(os.path.join(root, "rows_0-2000", f"data_{i}.ckpt"), weights_only=True)
+
+
+def same_sample(out, captured, i):
+    """Sample i under `out` holds the tensors of the fixture's capture, bit for bit."""
+    a, b = captured_sample(out, i), captured_sample(captured.dir, i)
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
                                                                         captured):
     c, examples = train_chat_target, captured.examples
     assert len(examples) == 18
     for i, ex in enumerate(examples):
-        file = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        sample = torch.load(file, weights_only=True)
+        sample = captured_sample(captured.dir, i)
         assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
         T = len(ex.tokens)
         assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
@@ -157,10 +157,7 @@ def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(trai
     assert sorted(f for f in files if f.endswith(".ckpt")) == sorted(
         f"data_{i}.ckpt" for i in range(18))
     for i in range(18):
-        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                       weights_only=True)
-        assert all(torch.equal(a[k], b[k]) for k in a), i
+        assert same_sample(out, captured, i), i
     assert len(T.captured_examples(str(out))) == 18
 
 
@@ -172,10 +169,7 @@ def test_capture_limit_takes_the_first_conversations_and_a_larger_one_keeps_them
     assert files() == [f"data_{i}.ckpt" for i in range(5)]
     assert json.load(open(out / "capture.json"))["samples"] == 5
     for i in range(5):   # the same samples as an unlimited capture's first five
-        a = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        b = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                       weights_only=True)
-        assert all(torch.equal(a[k], b[k]) for k in a), i
+        assert same_sample(out, captured, i), i
     before = {f: os.stat(out / "rows_0-2000" / f).st_mtime_ns for f in files()}
     code = cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out,
                     "--limit", "9")
@@ -196,9 +190,7 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     info = json.load(open(out / "capture.json"))
     assert (info["samples"], info["long"], info["max_len"]) == (len(full), "truncated", max_len)
     for i, ex in enumerate(full):   # a causal target's features of a prefix: the full run's rows
-        cut = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        whole = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                           weights_only=True)
+        cut, whole = captured_sample(out, i), captured_sample(captured.dir, i)
         n = min(len(ex.tokens), max_len)
         assert cut["input_ids"].tolist() == ex.tokens[:n]
         assert cut["loss_mask"].tolist() == ex.reply_mask[:n]
@@ -261,9 +253,8 @@ def test_offline_training_from_features_equals_online_training_step_for_step(
 
 def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     out = captured.root / "offline_draft"
-    proc = run_cli("train", "--target", train_chat_target.dir, "--features", captured.dir,
-                      "--out", str(out), "--batch", "2", "--draft-vocab-size", "64",
-                   cwd=captured.root)
+    proc = cli_here("train", "--target", train_chat_target.dir, "--features", captured.dir,
+                    "--out", out, "--batch", 2, "--draft-vocab-size", 64)
     assert proc.returncode == 0, proc.stderr[-3000:]
     draft = E.load_draft(str(out), captured.target)
     # the map: the 64 most frequent loss-masked tokens of the training split (all but the
@@ -394,13 +385,12 @@ def vocab_tools(tmp_path_factory):
     chat_data(data1, pair_chats(pairs1))
     chat_data(data2, pair_chats(pairs2))
     d1, t1, t2 = str(root / "draft1"), str(root / "target1"), str(root / "target2")
-    procs = [cli("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
-                        "--data", data1),
-             cli("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
-                        "--data", data2),
-             cli("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
-                        "--out", root / "draft2", "--draft-tokenizer", t1)]
-    same, other, remap = finish(*procs)
+    same = cli_here("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
+                    "--data", data1)
+    other = cli_here("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
+                     "--data", data2)
+    remap = cli_here("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
+                     "--out", root / "draft2", "--draft-tokenizer", t1)
     return dict(tok1=tok1, tok2=tok2, kept=kept, pairs1=pairs1, pairs2=pairs2, draft1=d1,
                 draft2=str(root / "draft2"), target1=t1, target2=t2, same=same, other=other,
                 remap=remap)
@@ -453,12 +443,10 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
     counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
     other = train_top_ids([counts[v] for v in range(len(tok1))], 96)   # held-out split as train
     kept = vocab_tools["kept"].tolist()
-    proc = finish(cli("vocab-check", "--draft", vocab_tools["draft1"], "--target",
-                                    vocab_tools["target1"], "--draft-tokenizer",
-                                    vocab_tools["target1"], "--against-data",
-                                    tmp_path / "other.jsonl"))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = cli_here("vocab-check", "--draft", vocab_tools["draft1"], "--target",
+                    vocab_tools["target1"], "--draft-tokenizer", vocab_tools["target1"],
+                    "--against-data", tmp_path / "other.jsonl")
+    report = last_json(proc)
     assert report["positional"] == sum(a == b for a, b in zip(kept, other))
     assert report["overlap"] == len(set(kept) & set(other))
     assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
@@ -469,12 +457,10 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
 def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
         vocab_tools):
     tok1, tok2 = vocab_tools["tok1"], vocab_tools["tok2"]
-    proc = finish(cli(
+    report = last_json(cli_here(
         "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
         "--draft-tokenizer", vocab_tools["target1"], "--against-draft", vocab_tools["draft2"],
-        "--against-tokenizer", vocab_tools["target2"]))[0]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+        "--against-tokenizer", vocab_tools["target2"]))
     with safe_open(os.path.join(vocab_tools["draft2"], "model.safetensors"), framework="pt") as f:
         ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
     a = [tok1.convert_ids_to_tokens(i) for i in vocab_tools["kept"].tolist()]
@@ -571,8 +557,8 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
     data = chat_data(tmp_path / "chats.jsonl", chats)
-    proc = run_cli("draft-check", "--draft", tmp_path / "draft", "--target", c.dir, "--data", data,
-                   cwd=tmp_path)
+    proc = cli_here("draft-check", "--draft", tmp_path / "draft", "--target", c.dir,
+                    "--data", data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "WARNING: the conventions disagree" in proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -604,7 +590,7 @@ KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference fil
 
 
 def comm_plan_json(*args):
-    proc = run_cli("comm-plan", *args)
+    proc = cli_here("comm-plan", *args)
     return proc.stdout, last_json(proc)
 
 
@@ -829,13 +815,10 @@ def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
     # the real clock, tiny sweeps: what it prints agrees with its JSON and adds up
     config = json.load(open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")))
     target = cost_config_dir(tmp_path, dict(config, vocab_size=1344), "tiny_demo")
-    here = os.path.dirname(os.path.abspath(E.__file__))
-    proc = subprocess.run(
-        [sys.executable, T.__file__, "cost-plan", "--config", str(target), "--draft-config",
-         os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size", "512",
-         "--sweep", "1", "--context", "32", "--warmup", "1", "--repeats", "1", "--layers", "12"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+    proc = cli_here("cost-plan", "--config", target, "--draft-config",
+                    os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size",
+                    512, "--sweep", 1, "--context", 32, "--warmup", 1, "--repeats", 1,
+                    "--layers", 12)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     plan = json.loads(lines[-1])
@@ -934,12 +917,9 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
     assert all(layer.self_attn.attend is E.attend_rows for layer in inv.model.layers)
     logits = verified(inv)
     for node in range(len(parents)):
-        path = [node]
-        while parents[path[0]] >= 0:
-            path.insert(0, parents[path[0]])
         cache = inv.new_cache(n + 8)
         inv(prompt, cache=cache, aux_layers=())
-        for depth, i in enumerate(path):
+        for depth, i in enumerate(S.path_to(parents, node)):
             step, _ = inv(tree.tokens[i].view(1, 1), cache=cache, start=n + depth, aux_layers=())
         assert torch.equal(step[0, -1], logits[node]), node
     draft = E.load_draft(train_generate_setup.draft_dir, inv)
@@ -1110,9 +1090,9 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
     # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
     # that memorised this reply gets drafts accepted
-    proc = run_cli("bench", "--target", train_chat_target.dir, "--draft",
-                   train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
-                   "--max-new-tokens", 12)
+    proc = cli_here("bench", "--target", train_chat_target.dir, "--draft",
+                    train_generate_setup.draft_dir, "--prompt", TRAIN_GEN_PROMPT, "--chat",
+                    "--max-new-tokens", 12)
     report = last_json(proc)
     rows = dict(re.findall(r"^(ours: greedy_generate|transformers generate|ours: EAGLE-3 "
                            r"speculative) +[\d.]+ +([\d.]+) +[\d.]+$", proc.stdout, re.M))
