@@ -1349,27 +1349,31 @@ def ttt_teacher(draft, target_logits):
 
 
 def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
-             decay=TTT_DECAY, denominator=None):
+             decay=TTT_DECAY, denominator=None, until_fail=False):
     """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
     (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
     token x[t+1+k] and predicts x[t+2+k]. loss_k is summed over the vocab and divided by
     all B*T positions (masked ones included, as the official code and SpecForge do);
-    `denominator` overrides B*T for data-parallel shards of a global batch."""
+    `denominator` overrides B*T for data-parallel shards of a global batch.
+    until_fail (ours, not the official loss): step k at t keeps its loss only while steps
+    0..k-1 at t drafted the teacher's argmax: the chain a greedy round accepts, up to and
+    including its first miss (accept-until-fail, Spec-AUF, arXiv 2607.01893)."""
     B, T = input_ids.shape
     p, in_vocab = ttt_teacher(draft, target_logits)
     p_top, ids, mask = p.argmax(-1), shift_left(input_ids), loss_mask.float()
     positions = torch.arange(T, device=input_ids.device)
     h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []                # (B, T, D)
-    losses, correct, scored = [], [], []
+    losses, correct, scored, alive = [], [], [], torch.ones_like(mask)
     for step in range(steps):  # the teacher, its argmax and the masks shift once per step
         q, k, v = draft.project(h, ids, positions + step)
         past.append((k, v))
         h = draft.finish(h, ttt_attention(q, past))
         log_q = torch.log_softmax(draft.logits(h).float(), -1)           # (B, T, Vd)
-        position_mask = in_vocab * mask
+        position_mask = in_vocab * mask * (alive if until_fail else 1)
         losses.append(-(position_mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
-        correct.append(((log_q.argmax(-1) == p_top) & (position_mask > 0)).detach())
+        correct.append(((log_q.argmax(-1) == p_top) & (in_vocab * mask > 0)).detach())
         scored.append(mask > 0)
+        alive = alive * correct[-1]
         ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
         in_vocab, mask = shift_left(in_vocab), shift_left(mask)
     loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
@@ -2530,14 +2534,15 @@ def load_draft(path, target, dtype=None, aux_convention="specforge"):
     return draft.eval().requires_grad_(False)
 
 
-def save_draft(draft, path):
-    """Official/SpecForge layout: config.json + model.safetensors (no frozen embedding)."""
+def save_draft(draft, path, state=None):
+    """Official/SpecForge layout: config.json + model.safetensors (no frozen embedding);
+    `state` (a state_dict of `draft`) instead of its current weights."""
     from safetensors.torch import save_file
     if not is_rank0():
         return
     os.makedirs(path, exist_ok=True)
     cfg = draft.cfg
-    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
+    state = {k: v.detach().contiguous().cpu() for k, v in (state or draft.state_dict()).items()
              if draft.owns(k)}
     raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], vocab_size=cfg.vocab_size,
                eagle_config=dict(cfg.raw.get("eagle_config") or {}, use_aux_hidden_state=True,
@@ -2597,7 +2602,8 @@ class TTTInputs(NamedTuple):
     aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
 
 
-def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
+def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None,
+              until_fail=False):
     """The target's side of the whole batch (TTTInputs from `inputs`: a live, tensor-parallel
     forward, or captured features; at the drafter's aux layers unless `aux_layers`), then
     the TTT loss on this rank's rows, normalised by the *global* B*T so the all-reduced
@@ -2605,7 +2611,8 @@ def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_lay
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
     rows = slice(*slice_bounds(len(x.input_ids), rank, world))
     return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
-                    x.target_logits[rows], steps, denominator=x.input_ids.numel())
+                    x.target_logits[rows], steps, denominator=x.input_ids.numel(),
+                    until_fail=until_fail)
 
 
 def new_optimizer(draft, cfg):
@@ -2622,7 +2629,8 @@ def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
     on this rank's rows, gradients summed over `dp`; the forward under autocast if cfg.bf16."""
     params = [p for group in opt.param_groups for p in group["params"]]
     with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
-        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
+        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps,
+                           until_fail=cfg.until_fail)
     result.loss.backward()
     for p in params:  # data parallel: sum the shards' gradients
         all_reduce(p.grad, dp)
@@ -2778,13 +2786,15 @@ class TrainState(NamedTuple):
     step: int = 0          # optimizer steps done
     seconds: float = 0.0   # training time spent on them, over every resumed run
     curve: list = []       # curve_point per held-out evaluation so far
+    best: dict = None      # the drafter's state at the best held-out tau_sim (None: latest)
 
 
 def save_checkpoint(out_dir, draft, opt, state):
-    """The drafter (save_draft), then train_state.pt: drafter, optimizer and TrainState in
-    one atomic file, so a resume never mixes steps; then a readable copy of the curve."""
+    """The best drafter so far (save_draft), then train_state.pt: the latest drafter,
+    optimizer and TrainState in one atomic file, so a resume never mixes steps; then a
+    readable copy of the curve."""
     os.makedirs(out_dir, exist_ok=True)
-    save_draft(draft, out_dir)
+    save_draft(draft, out_dir, state.best)
     if is_rank0():
         full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
         atomic_write(os.path.join(out_dir, TRAIN_STATE_FILE), lambda f: torch.save(full, f))
@@ -2803,7 +2813,7 @@ def load_train_state(path, draft, opt):
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
         return TrainState(int(state["step"]), float(state.get("seconds", 0.0)),
-                          list(state.get("curve", [])))
+                          list(state.get("curve", [])), state.get("best"))
     except Exception as e:  # unpickling, missing entries and shape mismatches alike
         fail(f"cannot resume from {path!r} ({why(e)}); the checkpoint "
              f"is truncated, corrupt or not ours: delete it to start over")
@@ -2820,6 +2830,7 @@ class TrainConfig(NamedTuple):
     seed: int = 0
     bf16: bool = False       # mixed precision: the forward's matmuls in bf16 under autocast
                              # (AMX on recent Xeons: ~8x fp32), weights and optimizer in fp32
+    until_fail: bool = False # ttt_loss's accept-until-fail truncation (ours, not official)
 
 
 def check_train_config(cfg):
@@ -2911,11 +2922,23 @@ def curve_point(step, seconds, stats):
                 chain_tau=[round(t, 4) for t in stats.replayed_tau])
 
 
+def tau_sim(point):
+    """A curve point's held-out tau_sim: greedy chains of every TTT step's drafts replayed
+    along the held-out replies (ChainStats.replayed_tau). Checkpoints are chosen by it, not
+    by accuracy or loss, which keep improving after the accept length has peaked."""
+    return point["chain_tau"][-1]
+
+
+def best_point(curve):
+    return max(curve, key=tau_sim, default=None)
+
+
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over the W ranks,
-    the target's side from `inputs` (live_inputs or captured_inputs); save_checkpoint every
-    save_every steps. -> the curve: a curve_point per held-out evaluation, with the training
-    time so far (resumed runs add up)."""
+    the target's side from `inputs` (live_inputs or captured_inputs). Every eval_every steps
+    the held-out tau_sim; every save_every steps save_checkpoint: out_dir's drafter is the
+    best so far by tau_sim (the latest without held-out data), and so is `draft` at the end.
+    -> the curve: a curve_point per held-out evaluation, with the training time so far."""
     rank, world = world_info()
     dp = new_group(world)
     check_train_config(cfg)
@@ -2923,7 +2946,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
     state_file = os.path.join(out_dir, TRAIN_STATE_FILE)
-    start, seconds, curve = load_train_state(state_file, draft, opt) if resume else TrainState()
+    start, seconds, curve, best = (load_train_state(state_file, draft, opt) if resume
+                                   else TrainState())
     bar, t0, curve = Progress("train draft", cfg.steps, start), time.time() - seconds, list(curve)
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
@@ -2935,14 +2959,21 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
             stats = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps)
             curve.append(curve_point(step + 1, time.time() - t0, stats))
+            improved = best_point(curve) is curve[-1]
+            if improved:
+                best = {k: v.detach().clone() for k, v in draft.state_dict().items()}
             bar.done()
             print0(f"  held-out draft accuracy per TTT step: "
                    f"{' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
-            print0(f"  held-out greedy chain tau, 1..{cfg.ttt_steps} drafts: "
-                   f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}")
+            print0(f"  held-out tau_sim (greedy chains), 1..{cfg.ttt_steps} drafts: "
+                   f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}"
+                   + ("  (best so far: kept)" if improved else ""))
         if (step + 1) % cfg.save_every == 0 or last:
-            save_checkpoint(out_dir, draft, opt, TrainState(step + 1, time.time() - t0, curve))
+            save_checkpoint(out_dir, draft, opt,
+                            TrainState(step + 1, time.time() - t0, curve, best))
     bar.done()
+    if best is not None:
+        draft.load_state_dict(best)
     draft.eval().requires_grad_(False)
     return curve
 
@@ -3432,7 +3463,7 @@ def tiny_draft_config(target, draft_vocab_size):
 
 
 def train_tiny_draft(target, tokenizer, out_dir):
-    """Target replies -> vocab map -> TTT training -> the drafter and its held-out accuracy."""
+    """Target replies -> vocab map -> TTT training -> the best drafter's held-out accuracy."""
     def replies(n, offset):
         return replies_as_examples(target, tokenizer, demo_prompts(n, offset), DEMO.reply_tokens)
     train = replies(DEMO.train_prompts, DEMO.train_offset)
@@ -3443,7 +3474,7 @@ def train_tiny_draft(target, tokenizer, out_dir):
                         vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
                         TrainConfig(), out_dir)
-    return draft, curve[-1]["step_accuracy"]
+    return draft, best_point(curve)["step_accuracy"]
 
 
 def ensure_tiny_models():
@@ -3728,13 +3759,14 @@ def train_command(args, target, inputs, examples):
         draft = fresh_draft(draft_config_for(target, args.draft_vocab_size), target, args.seed,
                             vocab_map, dtype=torch.float32,
                             head_from_target=args.lm_head_init == "target")
-    steps = max(1, args.epochs * len(train) // args.batch)
+    steps = args.steps or max(1, args.epochs * len(train) // args.batch)
+    every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
-                      ttt_steps=args.ttt_steps, eval_every=max(1, steps // 10),
-                      save_every=max(1, steps // 10), seed=args.seed,
-                      bf16=args.autocast == "bf16")
+                      ttt_steps=args.ttt_steps, eval_every=every, save_every=every,
+                      seed=args.seed, bf16=args.autocast == "bf16",
+                      until_fail=args.loss == "until-fail")
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
-    print0(json.dumps(dict(curve[-1], steps=steps)))
+    print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
 
 
 def cmd_train(args):
@@ -3845,6 +3877,12 @@ def add_train(sub):
     t.add_argument("--data", help="JSONL: ShareGPT conversations or messages")
     t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
     t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--steps", type=int, help="optimizer steps instead of --epochs: the learning "
+                   "rate anneals over them, so a short budget still ends annealed")
+    t.add_argument("--eval-every", type=int, help="steps between held-out evaluations (each "
+                   "keeps the drafter if its tau_sim is the best so far; default steps/10)")
+    t.add_argument("--loss", choices=("official", "until-fail"), default="official",
+                   help="until-fail: each chain's loss stops after its first wrong draft (ours)")
     t.add_argument("--batch", type=int, default=8)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--draft-vocab-size", type=int, default=32000)
@@ -3863,8 +3901,8 @@ def add_train(sub):
     return t
 
 
-POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "lr", "ttt_steps", "max_len",
-                  "draft_vocab_size", "tree_top_k", "depth", "total_tokens")
+POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "steps", "eval_every", "lr", "ttt_steps",
+                  "max_len", "draft_vocab_size", "tree_top_k", "depth", "total_tokens")
 PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
     target="dir", draft="dir", init_draft="dir", data="file", check="file")
 FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; others a dir

@@ -2515,6 +2515,44 @@ def test_ttt_loss_equals_the_stepwise_reference(train_target):
     assert [float(x) for x in result.counts] == counts
 
 
+def test_until_fail_loss_keeps_each_chain_up_to_its_first_wrong_draft(train_target):
+    # accept-until-fail written out per position on reference_drafter: step k at t counts
+    # while steps 0..k-1 at t drafted the teacher's argmax. The teacher is planted so chains
+    # break at different steps: logits row r peaks at the drafter's own step r % 3 choice.
+    target = train_target.target
+    draft = train_randomize(tiny_draft(target, 3, train_target.kept, std=0.02), seed=4)
+    g = torch.Generator().manual_seed(6)
+    B, T, steps = 2, 9, 3
+    ids = torch.randint(0, TRAIN_VOCAB, (B, T), generator=g)
+    loss_mask = (torch.rand(B, T, generator=g) < 0.8).float()
+    aux = torch.randn(B, T, 3 * 32, generator=g)
+    log_qs = [log_q for _, log_q in reference_drafter(draft, aux, ids, steps, H=4, Hkv=2, hs=8)]
+    logits = torch.randn(B, T, TRAIN_VOCAB, generator=g)
+    kept = sorted(train_target.kept)
+    for r in range(T):
+        k = r % steps
+        if r - 1 - k >= 0:
+            for b in range(B):
+                logits[b, r, kept[int(log_qs[k][b, r - 1 - k].argmax())]] += 20.0
+    expected = [0.0] * steps
+    for b, t in itertools.product(range(B), range(T)):
+        for k in range(steps):
+            teacher = shift_left(logits.float(), 1 + k)[b, t]
+            if not shift_left(loss_mask, k)[b, t] or teacher.argmax() not in kept:
+                break
+            p = torch.softmax(teacher[kept], -1)
+            expected[k] += float(-(p * log_qs[k][b, t]).sum()) / (B * T)
+            if int(log_qs[k][b, t].argmax()) != int(p.argmax()):
+                break
+    with torch.no_grad():
+        cut = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=steps, until_fail=True)
+        full = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=steps)
+    actual = [float(x) for x in cut.losses]
+    assert max(abs(a - e) for a, e in zip(actual, expected)) <= 1e-5, (actual, expected)
+    assert 0 < actual[2] < float(full.losses[2]) and actual[0] == float(full.losses[0])
+    assert [float(x) for x in cut.hits] == [float(x) for x in full.hits]
+
+
 # ----------------------------------------------------------------------------------------
 # the training loop: steps, data parallelism, resume
 
@@ -2642,6 +2680,27 @@ def train_interrupt_after(monkeypatch, n_steps):
     monkeypatch.setattr(E, "ttt_batch", ttt_batch)
 
 
+def test_training_keeps_the_drafter_with_the_best_held_out_tau(train_target, tmp_path):
+    # lr 0.1 overshoots: held-out tau_sim peaks at step 1 of 8. The drafter saved under its
+    # names (and left in memory) is the step-1 one; train_state.pt resumes from the latest.
+    t = train_target
+    draft = tiny_draft(t.target, 21, t.kept, std=0.02)
+    curve = train_draft(t.target, draft, t.examples[2:], t.examples[:2],
+                        train_config(steps=8, eval_every=1, save_every=1, lr=0.1),
+                        str(tmp_path), TRAIN_PAD)
+    best = E.best_point(curve)
+    assert best["step"] == 1 and E.tau_sim(curve[-1]) < E.tau_sim(best), curve
+
+    def held_out_tau(d):
+        stats = E.evaluate_draft(E.live_inputs(t.target, TRAIN_PAD), d, t.examples[:2], 3)
+        return round(stats.replayed_tau[-1], 4)
+    saved = E.load_draft(str(tmp_path), t.target, dtype=torch.float32)
+    latest = tiny_draft(t.target, 0, t.kept, std=0.02)
+    latest.load_state_dict(torch.load(tmp_path / E.TRAIN_STATE_FILE, weights_only=True)["draft"])
+    assert held_out_tau(saved) == held_out_tau(draft) == E.tau_sim(best)
+    assert held_out_tau(latest) == E.tau_sim(curve[-1])
+
+
 def test_resumed_training_equals_uninterrupted_training(train_target, tmp_path, monkeypatch):
     t = train_target
     cfg = train_config(steps=4, save_every=2)
@@ -2704,6 +2763,25 @@ def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train
     assert draft.cfg.draft_vocab_size == 64 and draft.lm_head.weight.shape == (64, 32)
     assert draft.t2d.nonzero().flatten().tolist() == expected
     assert (torch.arange(64) + draft.d2t).tolist() == expected
+
+
+def test_train_cli_steps_budget_and_until_fail_loss(train_chat_target, train_cli_run,
+                                                    tmp_path, monkeypatch):
+    # --steps replaces --epochs (the schedule anneals over it), --eval-every sets the
+    # evaluations, --loss until-fail reaches the TrainConfig; the report names the best point
+    c, seen = train_chat_target, []
+    real = E.train_draft
+    monkeypatch.setattr(E, "train_draft", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    proc = cli_here("train", "--target", c.dir, "--data", c.root / "chats.jsonl", "--out",
+                    tmp_path, "--steps", 3, "--eval-every", 1, "--batch", 2,
+                    "--draft-vocab-size", 64, "--loss", "until-fail")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen[0].steps == 3 and seen[0].eval_every == 1 and seen[0].until_fail
+    curve = json.loads((tmp_path / "curve.json").read_text())["points"]
+    assert report["steps"] == 3 and [p["step"] for p in curve] == [1, 2, 3]
+    assert report["best"] == max(curve, key=lambda p: p["chain_tau"][-1])
+    assert report["last"] == curve[-1]
 
 
 def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_target, tmp_path):
