@@ -533,9 +533,9 @@ class Draft(nn.Module):
 
 
 class TreeShape(NamedTuple):
-    top_k: int = TOP_K
-    depth: int = DEPTH
-    total_tokens: int = TOTAL_TOKENS
+    top_k: int = TOP_K                # K: nodes kept per level, children drafted per node
+    depth: int = DEPTH                # expansion passes: drafts reach depth + 1 below the root
+    total_tokens: int = TOTAL_TOKENS  # nodes the target verifies, the root included
 
 
 class Tree(NamedTuple):
@@ -3810,7 +3810,8 @@ def flag_groups():
                                         "(default: fp32 on CPU, bf16 on CUDA)")
     tree = argparse.ArgumentParser(add_help=False)
     tree.add_argument("--tree-top-k", type=int, default=TOP_K, help="the draft tree's top-k")
-    tree.add_argument("--depth", type=int, default=DEPTH)
+    tree.add_argument("--depth", type=int, default=DEPTH,
+                      help="expansion passes: the deepest draft is depth + 1 below the root")
     tree.add_argument("--total-tokens", type=int, default=TOTAL_TOKENS)
     models.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     sampling = argparse.ArgumentParser(add_help=False)
