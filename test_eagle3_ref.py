@@ -1930,19 +1930,15 @@ PRESET_CASES = {  # name -> (Case, sampling)
 }
 
 
-def preset_accept(preset, generator):
-    """speculative_generate's acceptance for the preset, its random numbers drawn from
-    `generator` exactly as the real loop draws them (E.accept)."""
+def preset_accept(preset, generator, **overrides):
+    """The preset's acceptance (fields replaced by `overrides`), drawing from `generator` as the real loop does."""
     randomness = E.Randomness(generator, E.uniform_stream(generator))
-    chosen = E.PRESETS[preset]._replace(**PRESET_OVERRIDES.get(preset, {}))
+    chosen = E.PRESETS[preset]._replace(**overrides)
 
     def accept(logits, tree, uniforms, sampling):
         run = E.Run(E.TreeShape(), sampling, chosen, E.SCHEMES["tree"], record_logits=False)
         return E.accept(logits, E.Drafted(tree), run, randomness)[0]
     return accept
-
-
-PRESET_OVERRIDES = {}
 
 
 def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
@@ -1988,9 +1984,15 @@ def vllm_recovered_keeping_the_draft(preset, generator):
     return accept
 
 
+def sglang_lossy_threshold_acc(preset, generator):
+    """SGLang's own threshold_acc 0.5: accepts beyond p, so the distribution changes."""
+    return preset_accept(preset, generator, threshold_acc=0.5)
+
+
 @pytest.mark.parametrize("name, broken", [
     ("sglang-tree-2-2-5", sglang_residual_ignoring_rejections),
-    ("vllm-chain-3", vllm_recovered_keeping_the_draft)])
+    ("sglang-tree-2-2-5", sglang_lossy_threshold_acc),
+    ("vllm-chain-3", vllm_recovered_keeping_the_draft)], ids=lambda x: getattr(x, "__name__", x))
 def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_replay,
                                                        vocab6_exact_law):
     case, order = PRESET_CASES[name]
@@ -1998,16 +2000,6 @@ def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_repl
     samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset, make_accept=broken)
     p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
     assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
-
-
-def test_sglang_lossy_thresholds_change_the_distribution(vocab6_replay, vocab6_exact_law,
-                                                         monkeypatch):
-    case, order = PRESET_CASES["sglang-tree-2-2-5"]
-    sampling = T1_K4_P08[order]
-    monkeypatch.setitem(PRESET_OVERRIDES, "sglang", dict(threshold_acc=0.5))
-    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset)
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p < ALPHA, f"threshold_acc 0.5 left the distribution unchanged (p = {p:.2e})"
 
 
 @pytest.mark.parametrize("name", list(PRESET_CASES))
@@ -2038,25 +2030,21 @@ def test_each_preset_greedy_equals_plain_greedy(speculation, preset):
             assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
 
 
-def test_sglang_before_pr_25015_drafts_levels_one_position_late():
-    # level j's tokens are consumed at position n + j - 1 (official, SGLang since PR #25015),
-    # one later before it; the trees are the same (positions do not reach the scripted scores)
-    for offset in (0, 1):
-        drafter = MarkovDrafter(HAND_TABLE)
-        grow(drafter, None, 10, F.one_hot(torch.tensor([0]), 6).float(), torch.tensor(0),
-             E.TreeShape(2, 3, 8), "sglang", draft_pos_offset=offset)
-        assert [c["positions"] for c in drafter.calls] == [[10 + offset] * 2, [11 + offset] * 2,
-                                                           [12 + offset] * 2]
-
-
-def test_sglang_product_scores_grow_the_tree_official_log_probabilities_grow():
+def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_are_one_late():
     # SGLang multiplies fp32 probabilities where the official code adds log-probabilities:
-    # the same ranking (up to fp32 rounding), so the same tree from the same drafter
+    # the same ranking, so the same tree. Level j's tokens are consumed at position
+    # n + j - 1 (official, SGLang since PR #25015), one later before it.
     h_last, root = F.one_hot(torch.tensor([0]), 6).float(), torch.tensor(0)
     tree, official = (grow(MarkovDrafter(HAND_TABLE), None, 3, h_last, root,
                            E.TreeShape(2, 2, 6), preset) for preset in ("sglang", "official"))
     assert tree.tokens.tolist() == official.tokens.tolist()       # same order, other space
     assert tree.parents.tolist() == official.parents.tolist()
+    for offset in (0, 1):
+        drafter = MarkovDrafter(HAND_TABLE)
+        grow(drafter, None, 10, h_last, root, E.TreeShape(2, 3, 8), "sglang",
+             draft_pos_offset=offset)
+        assert [c["positions"] for c in drafter.calls] == [[10 + offset] * 2, [11 + offset] * 2,
+                                                           [12 + offset] * 2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -2225,25 +2213,25 @@ def sglang_test_run(accept):
     return predicts.tolist(), index.tolist(), num.tolist()
 
 
-def test_sglang_preset_reproduces_sglangs_greedy_verify_kernel_test():
-    got = sglang_test_run(lambda logits, tree, kids: E.accept_greedy(logits, tree))
-    assert got == ([3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],
-                   [[0, 3, 4, 5], [6, 10, 11, -1]], [3, 2])
-
-
 @pytest.mark.parametrize("ts, ta, predicts, index, num", [   # test_speculative_sampling.py
+    (None, None, [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5],
+                                                                [6, 10, 11, -1]], [3, 2]),
     (1, 1, [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5], [6, 10, 11, -1]],
      [3, 2]),
     (0, 0, [1, 2, 18, -1, -1, -1, 11, -1, -1, -1, 12, 18], [[0, 1, 2, -1], [6, 10, 11, -1]],
      [2, 2]),
 ])
-def test_sglang_preset_reproduces_sglangs_tree_sampling_kernel_test(ts, ta, predicts, index,
-                                                                    num):
-    # temperature 0.01 makes the fp32 probabilities exactly one-hot, so any coins give the
-    # test's outputs; its hand-written linked lists visit the root's children 4 before 1
+def test_sglang_preset_reproduces_sglangs_verify_and_tree_sampling_kernel_tests(ts, ta,
+                                                                               predicts, index,
+                                                                               num):
+    # ts None: the greedy verify kernel's test (test_eagle_utils.py). Otherwise temperature
+    # 0.01 makes the fp32 probabilities exactly one-hot, so any coins give the test's
+    # outputs; its hand-written linked lists visit the root's children 4 before 1.
     g = torch.Generator().manual_seed(0)
 
     def accept(logits, tree, kids):
+        if ts is None:
+            return E.accept_greedy(logits, tree)
         p = torch.softmax(logits / 0.01, -1)
         return E.accept_cumulative(p, tree, torch.rand(6, generator=g),
                                    torch.rand((), generator=g), ts, ta, kids=kids)
@@ -2903,19 +2891,16 @@ def test_bad_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n, 
         GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n)
 
 
-def test_unbuildable_tree_shape_is_refused(zoo, plain_draft):
+def test_unbuildable_tree_shape_and_top_k_over_the_draft_vocab_are_refused(zoo, plain_draft):
     # top_k=2, depth=1: a pool of 2 + 1*4 = 6 candidates, so at most 7 nodes with the root
     with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
         E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
                                tree=E.TreeShape(2, 1, 8))
-
-
-def test_top_k_larger_than_the_draft_vocab_is_refused(zoo):
     # a drafter with 6 draft tokens cannot offer 8 distinct children per node
-    target = zoo.target("llama")
-    draft = tiny_draft(target, seed=4, kept=torch.tensor([0, 3, 5, 7, 9, 11]))
+    draft = tiny_draft(zoo.target("llama"), seed=4, kept=torch.tensor([0, 3, 5, 7, 9, 11]))
     with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
-        E.speculative_generate(target, draft, random_prompt(0), 5, tree=E.TreeShape(8, 2, 10))
+        E.speculative_generate(zoo.target("llama"), draft, random_prompt(0), 5,
+                               tree=E.TreeShape(8, 2, 10))
     with pytest.raises(E.Eagle3Error, match=r"top_k=8"):
         E.draft_tree(draft, torch.zeros(1, 4, 3 * HIDDEN), random_prompt(0, length=5), 8, 2, 10)
 
@@ -2963,25 +2948,19 @@ def train_truncate(path):
         f.truncate(size // 2)
 
 
-def test_resume_from_truncated_train_state_is_refused(train_target, train_checkpoint, tmp_path):
-    t = train_target
-    out = str(tmp_path / "run")
-    shutil.copytree(train_checkpoint, out)
-    train_truncate(os.path.join(out, "train_state.pt"))
-    draft = tiny_draft(t.target, 52, t.kept, std=0.02)
-    with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
-        train_draft(t.target, draft, t.examples, [], train_config(steps=4), out, TRAIN_PAD,
-                      resume=True)
-
-
-def test_truncated_draft_safetensors_is_refused(train_target, train_checkpoint, tmp_path):
-    intact, broken = str(tmp_path / "intact"), str(tmp_path / "broken")
+def test_truncated_train_state_or_draft_safetensors_is_refused(train_target, train_checkpoint,
+                                                                tmp_path):
+    t, intact, broken = train_target, str(tmp_path / "intact"), str(tmp_path / "broken")
     shutil.copytree(train_checkpoint, intact)
     shutil.copytree(train_checkpoint, broken)
-    E.load_draft(intact, train_target.target)  # the untouched copy loads
+    E.load_draft(intact, t.target)  # the untouched copy loads
     train_truncate(os.path.join(broken, "model.safetensors"))
     with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
-        E.load_draft(broken, train_target.target)
+        E.load_draft(broken, t.target)
+    train_truncate(os.path.join(intact, "train_state.pt"))
+    with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
+        train_draft(t.target, tiny_draft(t.target, 52, t.kept, std=0.02), t.examples, [],
+                    train_config(steps=4), intact, TRAIN_PAD, resume=True)
 
 
 KILLABLE = """
@@ -3089,20 +3068,17 @@ def test_golden_write_killed_midway_leaves_no_file_that_check_accepts(golden_mod
     assert check.returncode == 0 and check.stdout.strip().endswith("match"), check.stderr
 
 
-def test_a_write_after_a_killed_one_replaces_its_temp_file(tmp_path):
+def test_atomic_write_replaces_a_killed_writes_temp_file_and_gives_the_umask_mode(tmp_path):
     path = tmp_path / "train_state.pt"
     (tmp_path / "train_state.pt.tmp").write_bytes(b"cut sh")  # what a SIGKILL mid-write leaves
     E.atomic_write(str(path), lambda f: torch.save({"step": 3}, f))
     assert torch.load(path) == {"step": 3}
     assert sorted(os.listdir(tmp_path)) == ["train_state.pt"]
-
-
-def test_written_files_get_the_umask_mode_not_safetensors_0600(tmp_path):
     old = os.umask(0o027)
-    try:
+    try:            # not safetensors' 0600: what open() would give
         path = tmp_path / "model.safetensors"
         E.atomic_write(str(path), lambda f: save_file({"w": torch.ones(2)}, f))
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640   # what open() would give
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
     finally:
         os.umask(old)
 
