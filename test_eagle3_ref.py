@@ -153,10 +153,7 @@ MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between impl
 
 
 def routing_gap(hf, ids):
-    """The smallest margin, over every MoE layer and token of transformers' forward on ids,
-    between the last kept and the first dropped choice: of the k-th vs (k+1)-th biased
-    expert score among the allowed groups, and of the topk_group-th vs next group score.
-    Above MIN_ROUTING_GAP, round-off cannot flip an expert between two implementations."""
+    """Smallest margin over MoE layers and tokens of the last kept over the first dropped expert."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     gaps = []
 
@@ -227,9 +224,7 @@ def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(z
 
 
 def ds_quantise(w, block):
-    """FP8 e4m3 block quantisation as DeepSeek-V3 ships it: per (b0, b1) block one float32
-    scale_inv = amax / 448, weight = fp8(w / scale_inv). Returns (fp8, scale_inv, the
-    dequantised weight fp8 * scale_inv)."""
+    """DeepSeek-V3's FP8 e4m3 blocks (scale_inv = amax / 448) -> (fp8, scale_inv, dequantised)."""
     b0, b1 = block
     rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
     scale = torch.zeros(rows, cols)
@@ -414,9 +409,7 @@ def comm_of_runs(target, draft, prompt, spec_prompt):
 
 
 def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
-    """Hand-computed counts: every target forward of T tokens makes 2 all-reduces per layer
-    of T x D values; the drafter (replicated) makes none; rank 0 broadcasts one int64 per
-    plain token and (N + 2) int64 per round's acceptance."""
+    """By hand: 2 all-reduces of T x D a layer and forward; broadcast 1 int64 a token, N + 2 a round."""
     L, D, N = cfg.n_layers, cfg.hidden_size, COMM_TREE[2]
     assert comm["verify"] == dict(all_reduce=(2 * L, 2 * L * N * D * elt), broadcast=(0, 0))
     T = spec_prompt_length
@@ -644,9 +637,7 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculatio
 
 
 def official_draft_dir(path, target, draft_vocab_size=20):
-    """An official-layout drafter dir, as released for LLaMA-3.1-8B: architectures
-    LlamaForCausalLM, no rope_theta, pytorch_model.bin without the frozen embedding.
-    Returns the state dict written."""
+    """A drafter dir as released for LLaMA-3.1-8B (.bin, no embedding or rope_theta) -> its state."""
     os.makedirs(path, exist_ok=True)
     kept = torch.arange(draft_vocab_size)
     draft = tiny_draft(target, seed=5, kept=kept, std=0.2)
@@ -755,12 +746,7 @@ def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation,
 
 
 def reference_drafter(draft, aux, input_ids, steps, H, Hkv, hs, eps=1e-6, theta=10000.0):
-    """The drafter written out from SPEC sections 4 and 6 with plain tensor ops, from its
-    weights: fc, [input_layernorm(embed) ; hidden_norm(h)], GQA attention with RoPE (base
-    theta, rotate-half pairs (i, i + hs/2)), residual h, SwiGLU, final norm and lm_head.
-    Step k (training-time test) feeds token t+1+k at position t, RoPE position t+k, over the
-    key set [step-0 keys | ... | step-k keys] with mask [causal | diag | ... | diag]; its
-    pre-norm output is the next step's h. -> per step (pre-norm output, log-probabilities)."""
+    """The drafter (SPEC 4, 6) in plain ops; TTT step k sees [causal | diag ...] -> [(h, log q)]."""
     w = {k: v.detach().float() for k, v in draft.state_dict().items()}
     B, T = input_ids.shape
     inv_freq = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
@@ -825,9 +811,7 @@ def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_pa
 
 
 class MarkovDrafter:
-    """A scripted drafter: next-token log-probabilities depend only on the last token
-    (a table written out in the test). Its hidden state is the one-hot last token, so
-    logits(h) reads that token's row. It records what each draft pass was given."""
+    """Scripted: log-probs of the next token depend on the last token only; records its calls."""
 
     def __init__(self, probs):
         self.table = torch.tensor(probs).log()                       # (V, V) log-probs
@@ -955,9 +939,7 @@ REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possib
 
 @pytest.fixture(scope="module")
 def speculation(zoo):
-    """Per target: a drafter, two prompts and transformers' greedy text for both. Sharpened
-    drafters were taught the greedy text of the 'memorized' prompt (drafts go deep) but not
-    of the 'fresh' one; the unsharpened drafter knows neither."""
+    """Per target: a drafter (sharpened on the 'memorized' prompt or not), 2 prompts, greedy text."""
     setups = {}
     for i, (name, spec) in enumerate(SPEC_TARGETS.items()):
         hf, target = zoo.hf(name), zoo.target(name)
@@ -1039,9 +1021,7 @@ def test_greedy_speculative_equals_greedy_and_accepts_the_longest_matching_path(
 
 
 class OracleDrafter:
-    """A scripted drafter that knows the target's greedy text `sequence` (prompt included):
-    draft position p predicts token p+2 with certainty. Its hidden state is the position.
-    It records the target features it is fed (its fc inputs)."""
+    """Scripted: draft position p predicts token p+2 of `sequence`; records its fc inputs."""
 
     def __init__(self, sequence, aux_layers=(2, 4, 5)):
         self.sequence = sequence
@@ -1181,9 +1161,7 @@ def coins(seed):
 
 @pytest.fixture(scope="module")
 def vocab6_checkpoint(tmp_path_factory):
-    """(dir, transformers model): weights N(0, 0.5) so that next-token distributions are
-    far from uniform and change with the context; 7 layers, the fewest whose aux layers
-    (2, L//2, L-3) are distinct; 2 kv heads, so it also runs at W = 2."""
+    """(dir, hf): N(0, 0.5) weights (far from uniform), 7 layers, 2 kv heads (runs at W = 2)."""
     hf = tiny_model(seed=0, std=0.5, gains=False, vocab_size=V, hidden_size=16,
                     intermediate_size=32, num_hidden_layers=7, num_attention_heads=2,
                     max_position_embeddings=128)
@@ -1241,9 +1219,7 @@ def vocab6_exact_law(vocab6_checkpoint):
 
 
 def chi_square_p(samples, law):
-    """p-value of the samples (token tuples) against the exact law; the smallest cells are
-    pooled into one bin until no bin expects fewer than MIN_EXPECTED. An outcome of
-    probability 0 fails outright (chi-square cannot see it)."""
+    """p-value against the exact law (small cells pooled); a zero-probability outcome fails."""
     counts = np.zeros(law.size)
     np.add.at(counts, np.ravel_multi_index(np.array(samples).T, law.shape), 1)
     probs = law.ravel()
@@ -1260,10 +1236,7 @@ def chi_square_p(samples, law):
 
 @torch.no_grad()
 def round_start(target, draft, ctx):
-    """What speculative_generate holds when a round starts after emitting `ctx`: target
-    and drafter K/V of PROMPT + ctx[:-1] (n positions), the drafter output h_last that
-    predicts the root's children, and the root ctx[-1]. Built with one prefill instead of
-    incrementally; test_speculative_generate_replays_round_by_round covers the loop."""
+    """A round's start after emitting ctx (caches, h_last, root), built by one prefill."""
     ids = torch.cat([PROMPT, torch.tensor([ctx[:-1]], dtype=torch.long)], 1)   # (1, n)
     n = ids.shape[1]
     target_cache, draft_cache = target.new_cache(n + SLOTS), draft.new_cache(n + SLOTS)
@@ -1298,9 +1271,7 @@ def uniform_choosing(q, token):
 
 
 class ChainRounds:
-    """Lazy tables for the chain scheme: the drafter's q rows over the target vocab, from
-    the real draft_chain steered to each drafted prefix, and the real verify_tree logits of
-    each chain."""
+    """Lazy chain tables: q rows of draft_chain steered to each prefix; verify_tree logits."""
 
     def __init__(self, target, draft, sampling, length):
         self.target, self.draft, self.sampling, self.length = target, draft, sampling, length
@@ -1338,9 +1309,7 @@ class ChainRounds:
 
 
 def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
-    """First n_tokens of speculative_generate(scheme="tree"): the first token by one
-    uniform, then per round the acceptance on that round's tree; a round emits its
-    accepted drafts and the bonus, which is the next round's root."""
+    """First n_tokens of the tree scheme: the first token's uniform, then each round's accept."""
     out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
         tree, logits = rounds[tuple(out)]
@@ -1411,10 +1380,7 @@ def test_sampled_speculation_is_lossless(case_name, sampling_name, vocab6_replay
 @pytest.mark.parametrize("case_name", CASES)
 def test_speculative_generate_replays_round_by_round(case_name, sampling_name, vocab6_target,
                                                      vocab6_drafts, vocab6_replay):
-    """The real loop (incremental caches, commit after accepted drafts, next rounds, emit)
-    gives, seed for seed, the tokens of the round-by-round replay the chi-square tests
-    sample from. REPLAY_TOKENS > N_TOKENS so that later rounds start after non-trivial
-    commits (the 3-token window only reaches round 2 after a round accepting nothing)."""
+    """The real loop gives, seed for seed, the replay the chi-square tests sample (many rounds)."""
     case, s = CASES[case_name], SAMPLINGS[sampling_name]
     replay = vocab6_replay(case, s)
     for seed in range(REPLAY_SEEDS):
@@ -1723,10 +1689,7 @@ def sampled_on_rank(target_dir, rank):
 
 def test_tensor_parallel_sampled_tokens_are_rank0s_on_every_rank(tp_run, vocab6_target,
                                                                  vocab6_drafts):
-    """With the shared seed, both ranks emit the tokens of one process. With a seed of its
-    own, rank 1 draws other uniforms yet emits rank 0's tokens: the first token and every
-    acceptance are rank 0's, broadcast (SPEC §5 TP). (Not the chain: its sampled drafts
-    are drawn on each rank, so it needs the shared seed.)"""
+    """Shared seed: both ranks emit W = 1's tokens; own seeds: rank 1 emits rank 0's (not chain)."""
     single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
     rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
     for name, tokens in single.items():
@@ -1931,7 +1894,7 @@ PRESET_CASES = {  # name -> (Case, sampling)
 
 
 def preset_accept(preset, generator, **overrides):
-    """The preset's acceptance (fields replaced by `overrides`), drawing from `generator` as the real loop does."""
+    """The preset's acceptance (`overrides` applied), drawing from `generator` as the real loop."""
     randomness = E.Randomness(generator, E.uniform_stream(generator))
     chosen = E.PRESETS[preset]._replace(**overrides)
 
@@ -2056,10 +2019,7 @@ def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_ar
 
 def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_lens, topk,
                       num_draft_tokens):
-    """SGLang's organize_draft_results + build_tree_kernel_efficient from their inputs:
-    score_list[i] (B, 1 or k, k) running products, token_list[i] (B, k or k*k),
-    parents_list[i] (B, k+1 or k) -> (Trees, dict of SGLang's tensors). Its pool, flat
-    indices and parent slots are exactly eagle3_ref's select_tree's."""
+    """SGLang's organize_draft_results + build_tree_kernel_efficient -> (Trees, its tensors)."""
     trees, out = [], dict(positions=[], retrive_index=[], retrive_next_token=[],
                           retrive_next_sibling=[], draft_tokens=[])
     for b in range(len(verified_id)):
@@ -2094,9 +2054,7 @@ def sglang_linked_tree(tokens, next_token, next_sibling):
 
 
 def sglang_verify_outputs(accepts, retrive_index, num_spec_step):
-    """SGLang's verify outputs from per-request Acceptances: predicts (B*N,) with, at each
-    accepted node, the next accepted token (the bonus at the last), -1 elsewhere;
-    accept_index (B, num_spec_step) global node indices; accept_token_num (B,)."""
+    """SGLang's verify outputs (predicts, accept_index, accept_token_num) from Acceptances."""
     B, N = retrive_index.shape
     predicts = torch.full((B * N,), -1)
     accept_index = torch.full((B, num_spec_step), -1)
@@ -2109,10 +2067,7 @@ def sglang_verify_outputs(accepts, retrive_index, num_spec_step):
 
 
 def vllm_greedy_output(drafts, target_argmax, bonus, max_spec_len):
-    """vLLM's rejection sampler output for greedy requests: per request the accepted
-    drafts, then the target's token at the first mismatch or the bonus, -1 padded to
-    max_spec_len + 1. Verified as our chain: node i's logits are one-hot at the target's
-    token after i drafts (the bonus after all of them)."""
+    """vLLM's greedy rejection-sampler output (-1 padded), verified as a chain of one-hots."""
     out = torch.full((len(drafts), max_spec_len + 1), -1)
     for b, (d, t, x) in enumerate(zip(drafts, target_argmax, bonus)):
         chain = E.tree_from_parents(torch.tensor([0] + list(d)), torch.arange(-1, len(d)))
@@ -2330,10 +2285,7 @@ def train_hf_features(hf, ids):
 
 
 def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, decay=0.8):
-    """The training-time-test loss written out plainly from the official description, on
-    reference_drafter's steps: the teacher restricted to t2d, the position mask, each step
-    summed over the vocab and averaged over all B*T positions. -> (total, losses, hits,
-    counts)."""
+    """The TTT loss on reference_drafter's steps -> (total, losses, hits, counts)."""
     t2d = draft.t2d.detach()
     B, T = input_ids.shape
     total, losses, hits, counts = 0.0, [], [], []
@@ -2353,9 +2305,7 @@ def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, 
 
 @pytest.fixture(scope="module")
 def train_target(tmp_path_factory):
-    """A random 8-layer llama saved as an HF dir and loaded, its own greedy replies to a few
-    random prompts as training examples, and a draft vocab = the 16 most frequent reply
-    tokens."""
+    """A random 8-layer llama, its greedy replies as examples, its 16 top reply ids."""
     root = tmp_path_factory.mktemp("train_target")
     hf = tiny_model(seed=7, vocab_size=TRAIN_VOCAB, **TRAIN_TINY)
     hf.save_pretrained(root / "target")
@@ -2536,11 +2486,7 @@ def train_optimizer_max_rel_diff(file_a, file_b):
 
 
 def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tmp_path):
-    """Two AdamW steps with the batch split over 2 ranks (the target tensor-parallel over
-    both) give the weights and optimizer moments of one process. Only the last token of
-    each reply is a training token, so the gradient norm stays under the 0.5 clip and the
-    moments show the gradient's scale (the global B*T normalisation), not only its
-    direction."""
+    """Two AdamW steps split over 2 ranks equal one process (1 loss token a reply: under the clip)."""
     t = train_target
     examples = [E.Example(ex.tokens, [0] * (len(ex.tokens) - 1) + [1]) for ex in t.examples]
     init_dir = str(tmp_path / "init")
@@ -2562,9 +2508,7 @@ def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tm
 
 
 def test_bf16_autocast_step_is_the_fp32_step_within_bf16_rounding(train_target):
-    """cfg.bf16 runs the forward's matmuls in bf16 (autocast) and keeps the drafter and its
-    optimizer in fp32: one step from the same start gives the fp32 step's loss and gradient
-    to bf16 rounding, and not bit for bit (so autocast was on)."""
+    """A bf16-autocast step gives the fp32 step's loss and gradient to bf16 rounding, not bits."""
     t = train_target
     cfg = E.TrainConfig(steps=1, batch=8, lr=1e-3, warmup=1, ttt_steps=3)
     grads, losses = [], []
@@ -3206,9 +3150,7 @@ def golden_root_index(tensors, r):
 
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
-    """A random 8-layer target (4 query / 2 kv heads: divisible by W = 2) saved as an HF
-    dir, and a drafter over 18 of its 24 tokens, a few TTT steps sharpened on the target's
-    greedy text so acceptance paths go several levels deep (SPEC §9)."""
+    """A random 8-layer target, a drafter over 18 of its 24 ids sharpened on its greedy text."""
     def build(root):
         hf = tiny_model(seed=0, vocab_size=GOLDEN_VOCAB, max_position_embeddings=256)
         hf.save_pretrained(root / "target")
@@ -3330,9 +3272,7 @@ def test_golden_greedy_tokens_equal_transformers_greedy_decoding_and_use_no_unif
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
 def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
-    """Round r's root is the last token emitted so far; its accepted nodes and bonus are
-    the next output tokens (accept_length of them: its path's length); the last round is
-    cut at max_new_tokens."""
+    """Each round's root is the last token so far; its path and bonus the next tokens, then cut."""
     t = golden_trace(golden_traces, kind)["tensors"]
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
@@ -3453,9 +3393,7 @@ def test_golden_sampled_acceptance_replays_from_stored_logits_and_uniforms(golde
 
 
 def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden_traces):
-    """Chain scheme: one seeded stream; per round each draft is the inverse CDF of its
-    stored q row, then per draft accept iff u * q(x) < p(x); at the first rejection the
-    token comes from norm(max(0, p - q)), after the last draft from p."""
+    """Drafts: inverse CDF of q; accept iff u * q(x) < p(x); else norm(max(0, p - q)); else p."""
     t = golden_trace(golden_traces, "chain")["tensors"]
     rounds = range(len(t["accept_lengths"]))
     assert_uniforms_are_the_seeded_stream(t, seed=7)
@@ -3914,10 +3852,7 @@ def check_greedy(built, tokens, hf_tokens, what):
 
 
 def replay_sampled(built, run, sampling):
-    """The sampled run decided afresh: transformers' warped distributions at each output
-    position, the recorded tree (or chain with its q) and the recorded uniforms, under the
-    documented rules (accept_sampled, accept_chain). -> (tokens, the smallest margin of the
-    decisions that produced the first wrong token (1 when none is wrong), rounds used)."""
+    """The sampled run decided afresh by the documented rules -> (tokens, margin, rounds)."""
     case, tokens = built.case, run["tokens"]
     for r in run["rounds"]:  # each round verified a full tree, or a chain of depth + 1 drafts
         assert len(r["tokens"]) == (case.shape[1] + 2 if case.scheme == "chain"
@@ -4047,9 +3982,7 @@ def fuzz_worker(job, rank):
 
 
 def check_batched(built, greedy, sampled):
-    """The case's prompt batched with a second prompt of another length (drawn from its own
-    stream, so the case's draws are unchanged): row 0 gives exactly the single runs (greedy,
-    and sampled, row 0 being seeded with the case's seed), row 1 transformers' greedy text."""
+    """Batched with another prompt: row 0 equals the single runs, row 1 transformers' greedy."""
     case = built.case
     rng = random.Random(case.seed + FUZZ_BATCH_STREAM)
     other = [rng.randrange(case.config["vocab_size"]) for _ in range(rng.randint(1, 20))]
@@ -4168,9 +4101,7 @@ def test_readme_api_names_exist_with_the_parameters_it_lists():
 
 
 def finish_worker():
-    """Leave a torchrun worker once its results are on disk. Seen with torch 2.13 + gloo: a
-    rank sometimes aborts during interpreter teardown ("terminate called without an active
-    exception") although the group was destroyed cleanly, so the teardown is skipped."""
+    """Leave a torchrun worker without interpreter teardown (gloo ranks sometimes abort there)."""
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
@@ -4198,11 +4129,7 @@ def memorized_prompts():
 
 @pytest.fixture(scope="module")
 def bf16_pair(zoo):
-    """name -> a ZOO target served in bf16 twice, plainly and on the exact path, with one
-    drafter sharpened (in fp32, from the checkpoint: no state other tests left in the zoo's
-    models) on the target's greedy text of memorized_prompts, so acceptance goes deep. The
-    drafter is sharpened once per family; the targets are new on every call, so a test may
-    plant a fault in them."""
+    """name -> (plain bf16, exact bf16, their drafters); the targets are new on every call."""
     drafts = {}
 
     def pair(name):
@@ -4255,9 +4182,7 @@ def path_rows(result):
 
 
 def partings(target, draft, prompts):
-    """Greedy speculation against the same target's greedy decoding for each prompt, tree
-    shape (and a chain) and preset -> ([(prompt, shape, preset) that parted], deepest
-    accept length)."""
+    """The (prompt, shape, preset) where greedy speculation parts from greedy decoding; deepest."""
     parted, deepest = [], 0
     for i, ids in enumerate(prompts):
         greedy = E.greedy_generate(target, ids, EXACT_NEW).tolist()
@@ -4273,9 +4198,7 @@ def partings(target, draft, prompts):
 
 @pytest.fixture(scope="module")
 def exact_partings(bf16_pair, tmp_path_factory):
-    """Per family, every prompt, tree shape and preset in bf16 on the exact path: the cases
-    where greedy speculation parted from the same target's greedy decoding -> {family:
-    dict(exact=[case], deepest=accept length)}."""
+    """Per family on the exact bf16 path: dict(exact=partings, deepest=accept length)."""
     def build(root):
         found = {}
         for f, name in enumerate(EXACT_FAMILIES):
@@ -4297,9 +4220,7 @@ def test_exact_bf16_greedy_speculation_equals_greedy_decoding_every_preset_tree_
 
 
 class RowCountRounding(torch.nn.Module):
-    """A planted row-dependent operation: `inner`'s output rounded to a grid of `step` when
-    the call holds more than one row (a decode step's one row keeps its bits), as a GEMM
-    whose blocking depends on M rounds a verify's rows otherwise than a decode step's."""
+    """A planted row-dependent operation: multi-row calls rounded to a grid of `step`."""
 
     def __init__(self, inner, step):
         super().__init__()
