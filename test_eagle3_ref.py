@@ -409,7 +409,7 @@ def comm_of_runs(target, draft, prompt, spec_prompt):
 
 
 def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
-    """By hand: 2 all-reduces of T x D a layer and forward; broadcast 1 int64 a token, N + 2 a round."""
+    """By hand: a forward, per layer, 2 all-reduces of T x D; broadcasts 1 a token, N + 2 a round."""
     L, D, N = cfg.n_layers, cfg.hidden_size, COMM_TREE[2]
     assert comm["verify"] == dict(all_reduce=(2 * L, 2 * L * N * D * elt), broadcast=(0, 0))
     T = spec_prompt_length
@@ -637,7 +637,7 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculatio
 
 
 def official_draft_dir(path, target, draft_vocab_size=20):
-    """A drafter dir as released for LLaMA-3.1-8B (.bin, no embedding or rope_theta) -> its state."""
+    """A drafter dir as released for LLaMA-3.1-8B (.bin, no embedding nor rope_theta) -> state."""
     os.makedirs(path, exist_ok=True)
     kept = torch.arange(draft_vocab_size)
     draft = tiny_draft(target, seed=5, kept=kept, std=0.2)
@@ -939,7 +939,7 @@ REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possib
 
 @pytest.fixture(scope="module")
 def speculation(zoo):
-    """Per target: a drafter (sharpened on the 'memorized' prompt or not), 2 prompts, greedy text."""
+    """Per target: a drafter (sharpened on the 'memorized' prompt or not), prompts, greedy text."""
     setups = {}
     for i, (name, spec) in enumerate(SPEC_TARGETS.items()):
         hf, target = zoo.hf(name), zoo.target(name)
@@ -2486,7 +2486,7 @@ def train_optimizer_max_rel_diff(file_a, file_b):
 
 
 def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tmp_path):
-    """Two AdamW steps split over 2 ranks equal one process (1 loss token a reply: under the clip)."""
+    """2 AdamW steps split over 2 ranks equal 1 process (1 loss token a reply: under the clip)."""
     t = train_target
     examples = [E.Example(ex.tokens, [0] * (len(ex.tokens) - 1) + [1]) for ex in t.examples]
     init_dir = str(tmp_path / "init")
