@@ -409,7 +409,7 @@ def comm_of_runs(target, draft, prompt, spec_prompt):
 
 
 def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
-    """By hand: a forward, per layer, 2 all-reduces of T x D; broadcasts 1 a token, N + 2 a round."""
+    """By hand: 2 all-reduces of T x D a layer and forward; 1 broadcast a token, N + 2 a round."""
     L, D, N = cfg.n_layers, cfg.hidden_size, COMM_TREE[2]
     assert comm["verify"] == dict(all_reduce=(2 * L, 2 * L * N * D * elt), broadcast=(0, 0))
     T = spec_prompt_length
