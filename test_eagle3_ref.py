@@ -3210,12 +3210,11 @@ def golden_trace(traces, kind, run="w1a"):
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_trace_is_bit_identical_across_runs_and_equal_at_world_size_2(golden_traces,
-                                                                              kind):
-    """A second run: every tensor and the header, bit for bit. At W = 2: integer fields and
-    uniforms exactly; logits up to fp32 round-off (the all-reduce sums partial products in
-    another order)."""
-    a = golden_trace(golden_traces, kind, "w1a")
+def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_says_so(
+        golden_traces, golden_models, kind):
+    """A rerun: bit for bit; at W = 2 logits to fp32 round-off (all-reduce order); the header."""
+    a, flags = golden_trace(golden_traces, kind, "w1a"), GOLDEN_RUNS[kind]
+    sampling = dict(zip(flags[::2], flags[1::2]))
     for run in ("w1b", "w2"):
         b = golden_trace(golden_traces, kind, run)
         for proc in (a["proc"], b["proc"]):
@@ -3230,30 +3229,19 @@ def test_golden_trace_is_bit_identical_across_runs_and_equal_at_world_size_2(gol
                 assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
             else:
                 assert torch.equal(x, y), f"{name} differs between {run} and a first run"
-
-
-def test_golden_header_records_format_version_config_world_size_and_versions(golden_traces,
-                                                                              golden_models):
-    for kind, flags in GOLDEN_RUNS.items():
-        sampling = dict(zip(flags[::2], flags[1::2]))
-        for run, world in (("w1a", 1), ("w2", 2)):
-            h = golden_trace(golden_traces, kind, run)["header"]
-            assert h["format"] == "eagle3-ref-golden" and h["version"] == 1
-            assert h["world_size"] == world
-            assert h["torch"] == torch.__version__
-            assert h["transformers"] == transformers.__version__
-            c = h["config"]
-            assert c["target"] == os.path.abspath(golden_models["target"])
-            assert c["draft"] == os.path.abspath(golden_models["draft"])
-            assert c["input_ids"] == GOLDEN_PROMPT
-            assert c["max_new_tokens"] == GOLDEN_NEW_TOKENS
-            assert c["tree"] == GOLDEN_TREE
-            assert c["temperature"] == float(sampling.get("--temperature", 0.0))
-            assert c["top_p"] == float(sampling.get("--top-p", 1.0))
-            assert c["top_k"] == 0
-            assert c["seed"] == int(sampling.get("--seed", 0))
-            assert c["scheme"] == sampling.get("--scheme", "tree") and c["dtype"] == "float32"
-            assert c["eos_token_id"] is None
+    for run, world in (("w1a", 1), ("w2", 2)):
+        h = golden_trace(golden_traces, kind, run)["header"]
+        assert (h["format"], h["version"], h["world_size"]) == ("eagle3-ref-golden", 1, world)
+        assert (h["torch"], h["transformers"]) == (torch.__version__, transformers.__version__)
+        c = h["config"]
+        assert c["target"] == os.path.abspath(golden_models["target"])
+        assert c["draft"] == os.path.abspath(golden_models["draft"])
+        assert (c["input_ids"], c["max_new_tokens"], c["tree"]) == (GOLDEN_PROMPT,
+                                                                    GOLDEN_NEW_TOKENS, GOLDEN_TREE)
+        assert c["temperature"] == float(sampling.get("--temperature", 0.0))
+        assert c["top_p"] == float(sampling.get("--top-p", 1.0)) and c["top_k"] == 0
+        assert c["seed"] == int(sampling.get("--seed", 0)) and c["eos_token_id"] is None
+        assert c["scheme"] == sampling.get("--scheme", "tree") and c["dtype"] == "float32"
 
 
 # ----------------------------------------------------------------------------------------
@@ -3449,14 +3437,12 @@ def golden_checks(golden_traces, tmp_path_factory):
     return dict({k: cli_here("golden", "--check", f) for k, f in files.items()}, old=old, new=new)
 
 
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_check_prints_match_for_an_untouched_trace(golden_checks, kind):
-    proc = golden_checks[kind]
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines() == ["match"]
-
-
-def test_golden_check_names_round_field_index_and_both_values_of_a_flipped_token(golden_checks):
+def test_golden_check_matches_untouched_traces_names_a_flipped_token_and_refuses_version_2(
+        golden_checks):
+    for kind in GOLDEN_RUNS:
+        proc = golden_checks[kind]
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+        assert proc.stdout.strip().splitlines() == ["match"]
     proc, old, new = golden_checks["flipped"], golden_checks["old"], golden_checks["new"]
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
@@ -3464,9 +3450,6 @@ def test_golden_check_names_round_field_index_and_both_values_of_a_flipped_token
     assert re.search(r"\bround 2\b", lines[0]) and "tree_tokens" in lines[0], lines[0]
     assert re.search(r"\bindex 3\b", lines[0]), lines[0]
     assert f"file {new}, re-run {old}" in lines[0], lines[0]
-
-
-def test_golden_check_refuses_another_format_version_in_one_line(golden_checks):
     proc = golden_checks["version2"]
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
