@@ -300,36 +300,34 @@ def kimi_k2_config(config):
                           "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
 
 
-def test_kimi_k2_config_dir_loads_without_remote_code(zoo, tmp_path):
-    ds_rewrite_dir(zoo.root / "kimi", tmp_path / "k2", kimi_k2_config)
+def kimi_k25_wrapper(config):
+    return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"],
+                text_config=kimi_k2_config(config), vision_config=dict(hidden_size=8))
+
+
+MTP = {f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN),
+       f"model.layers.{LAYERS}.enorm.weight": torch.ones(HIDDEN)}
+VISION = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
+          "mm_projector.proj.weight": torch.zeros(4, 8)}
+
+
+@pytest.mark.parametrize("name, source, edit, keys, extra, says", [
+    ("kimi_k2", "kimi", kimi_k2_config, None, None, ""),          # without remote code
+    ("kimi_k25", "kimi", kimi_k25_wrapper, "language_model.", VISION,
+     "ignoring 2 non-text weights"),                                # its text model
+    ("mtp", "ds-v3", lambda c: dict(c, num_nextn_predict_layers=1), None, MTP,
+     f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights"),      # MTP layers skipped
+])
+def test_deepseek_family_dirs_as_shipped_load_as_transformers_model(zoo, tmp_path, capsys, name,
+                                                                    source, edit, keys, extra,
+                                                                    says):
+    ds_rewrite_dir(zoo.dir(source), tmp_path / name, edit,
+                   key_edit=(lambda k: keys + k) if keys else (lambda k: k), extra=extra)
     ids = random_prompt(44, length=12)
-    assert_close(E.load_target(str(tmp_path / "k2"))(ids)[0][0],
-                 hf_forward(zoo.hf("kimi"), ids)[0], "kimi_k2 logits")
-
-
-def test_kimi_k25_wrapper_dir_loads_its_text_model(zoo, tmp_path, capsys):
-    def wrap(config):
-        return dict(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"],
-                    text_config=kimi_k2_config(config), vision_config=dict(hidden_size=8))
-    vision = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
-              "mm_projector.proj.weight": torch.zeros(4, 8)}
-    ds_rewrite_dir(zoo.root / "kimi", tmp_path / "k25", wrap,
-                   key_edit=lambda k: "language_model." + k, extra=vision)
-    ids = random_prompt(45, length=12)
-    target = E.load_target(str(tmp_path / "k25"))
-    assert "ignoring 2 non-text weights" in capsys.readouterr().err
-    assert_close(target(ids)[0][0], hf_forward(zoo.hf("kimi"), ids)[0], "kimi_k25 logits")
-
-
-def test_deepseek_mtp_layer_weights_are_skipped(zoo, tmp_path, capsys):
-    mtp = {f"model.layers.{LAYERS}.eh_proj.weight": torch.zeros(HIDDEN, 2 * HIDDEN),
-           f"model.layers.{LAYERS}.enorm.weight": torch.ones(HIDDEN)}
-    ds_rewrite_dir(zoo.root / "ds-v3", tmp_path / "mtp",
-                   lambda c: dict(c, num_nextn_predict_layers=1), extra=mtp)
-    ids = random_prompt(46, length=8)
-    logits = E.load_target(str(tmp_path / "mtp"))(ids)[0]
-    assert f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights" in capsys.readouterr().err
-    assert torch.equal(logits, zoo.target("ds-v3")(ids)[0])
+    target = E.load_target(str(tmp_path / name))
+    assert says in capsys.readouterr().err
+    assert_close(target(ids)[0][0], hf_forward(zoo.hf(source), ids)[0], f"{name} logits")
+    assert name != "mtp" or torch.equal(target(ids)[0], zoo.target(source)(ids)[0])
 
 
 DS_ROPE_CASE = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -2772,7 +2770,7 @@ def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
 def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
     int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
                 config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
-    ds_rewrite_dir(zoo.root / "kimi", tmp_path / "int4",
+    ds_rewrite_dir(zoo.dir("kimi"), tmp_path / "int4",
                    lambda c: dict(kimi_k2_config(c), quantization_config=int4))
     with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
                                             r"format='pack-quantized'.*only FP8"):
