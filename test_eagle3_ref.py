@@ -4346,6 +4346,9 @@ def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
     assert torch.equal(E.greedy_generate(target, ids, 10), tokens)   # the default: tokens
 
 
+# ----------------------------------------------------------------------------------------
+# exact under torchrun, in the fuzzer, and through the command line
+
 # W = 2 (gloo) needs nothing (a sum of two is one addition); W = 3 sums in rank order.
 EXACT_TP = {2: dict(num_attention_heads=4, num_key_value_heads=2),
             3: dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48,
