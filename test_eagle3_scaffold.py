@@ -145,9 +145,7 @@ def zoo(tmp_path_factory):
 
 
 def built_once(tmp_path_factory, name, build):
-    """build(root) -> a result, made once per session. Under pytest-xdist each worker builds
-    its own module fixtures, so the first worker to ask builds this one in a folder both
-    workers see and saves the result; the other waits for it and loads it."""
+    """build(root) made once per session: under xdist the first worker builds, the other loads."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return build(tmp_path_factory.mktemp(name))
     root = tmp_path_factory.getbasetemp().parent / name     # this session's, both workers'
@@ -387,9 +385,7 @@ def hf_greedy(model, ids, max_new_tokens, eos=None):
 
 
 def pick(p, u):
-    """The documented inverse CDF: the token whose interval [cdf(i-1), cdf(i)) of the
-    normalised p holds u, never one of probability 0 -> (token, the distance of u from the
-    edges of its interval, in probability)."""
+    """The documented inverse CDF (never a zero-probability token) -> (token, u's edge distance)."""
     p = torch.as_tensor(p)
     cdf = torch.cumsum(p, 0) / p.sum()
     token = min(int((cdf <= u).sum()), int(p.nonzero().max()))
@@ -402,9 +398,7 @@ def inverse_cdf(p, u):
 
 
 def hf_warped_probs(scores, sampling):
-    """softmax after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
-    TopPLogitsWarper (the order transformers' generate applies them), or with top-p before
-    top-k when sampling.order says so (the official EAGLE code's order); scores (B, V)."""
+    """softmax after transformers' warpers: temperature, top-k, top-p (official: top-p first)."""
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     scores = scores.double()
@@ -456,9 +450,7 @@ def train_chat_target(tmp_path_factory):
 
 
 def train_render(tok, messages):
-    """Our own rendering of the tiny chat template: assistant turns are
-    <|assistant|>content<|end|>, every other turn <|user|>content. Returns the token ids
-    and a mask over the assistant content and its <|end|>."""
+    """Our rendering of the tiny chat template -> (ids, mask over assistant content, <|end|>)."""
     tokens, mask = [], []
     for m in messages:
         body = tok(m["content"], add_special_tokens=False).input_ids

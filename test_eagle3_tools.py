@@ -1225,7 +1225,8 @@ def tiny_gguf(tmp_path_factory):
     return model, str(root / "converted")
 
 
-def test_gguf_conversion_reproduces_the_model_it_was_written_from(tiny_gguf):
+def test_gguf_conversion_reproduces_the_model_and_keeps_the_chat_template_and_turn_end(
+        tiny_gguf):
     model, converted = tiny_gguf
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert os.path.isfile(os.path.join(converted, f)), f
@@ -1236,10 +1237,6 @@ def test_gguf_conversion_reproduces_the_model_it_was_written_from(tiny_gguf):
     with torch.no_grad():
         expected = model(ids).logits
     assert_close(ours, expected, "converted GGUF logits vs the model written to it")
-
-
-def test_gguf_conversion_keeps_the_chat_template_and_turn_end(tiny_gguf):
-    _, converted = tiny_gguf
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(converted)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
