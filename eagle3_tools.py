@@ -74,15 +74,10 @@ def token_strings(tokenizer, ids):
             for i in ids]
 
 
-class VocabFit(NamedTuple):
-    matching: int         # d2t entries naming the same token string in both tokenizers
-    entries: int          # draft vocab size
-    out_of_range: int     # d2t entries outside the target vocab
-    coverage: float       # share of the data's target tokens inside t2d (None without data)
-    fits: bool
-
-
 def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
+    """{matching: d2t entries naming the same token string in both tokenizers, entries,
+    out_of_range: entries outside the target vocab, coverage: share of the data's target
+    tokens inside t2d (None without data), fits}."""
     d2t, t2d = raw_vocab_map(draft_dir)
     V = len(target_tokenizer)
     if d2t is None:  # no map: draft ids are target ids
@@ -100,7 +95,8 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
         ids = ids[ids < len(keep)]
         coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
     fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
-    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
+    return dict(matching=matching, entries=len(d2t), out_of_range=int((~in_range).sum()),
+                coverage=coverage, fits=fits)
 
 
 def vocab_map_ids(d2t):
@@ -117,21 +113,11 @@ def reply_coverage(ids, tokenizer, data, max_len):
     return inside / max(1, total)
 
 
-class MapComparison(NamedTuple):
-    positional: int   # draft ids mapped to the same token by both maps (same d2t offset)
-    overlap: int      # tokens in both draft vocabularies, as sets
-    entries: int      # draft vocab size (of the first map)
-    by_string: bool   # tokens compared by string: the tokenizers differ
-    verdict: str
-
-
 def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
-    """Two maps (their target ids in draft-id order) compared position by position and as
-    sets. d2t stores offsets into the *sorted* draft vocabulary, so one different token
-    early in the list shifts every later offset: maps can disagree almost everywhere by
-    position while sharing almost all their tokens. Across tokenizers, tokens compare by
-    string."""
-    by_string = tok_a.get_vocab() != tok_b.get_vocab()
+    """Two maps (target ids in draft-id order) compared by position and as sets. d2t holds
+    offsets into the *sorted* draft vocabulary, so one different early token shifts every
+    later offset: maps can disagree by position while sharing almost all their tokens."""
+    by_string = tok_a.get_vocab() != tok_b.get_vocab()   # across tokenizers: by string
     a = token_strings(tok_a, ids_a) if by_string else ids_a
     b = token_strings(tok_b, ids_b) if by_string else ids_b
     positional = sum(x is not None and x == y for x, y in zip(a, b))
@@ -144,7 +130,8 @@ def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
                    "fine-tuning; swapping in the new d2t without moving rows scrambles the head")
     else:
         verdict = "different tokens: retrain, or remap with fresh rows for the new tokens"
-    return MapComparison(positional, overlap, n, by_string, verdict)
+    return dict(positional=positional, overlap=overlap, entries=n, by_string=by_string,
+                verdict=verdict)
 
 
 def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
@@ -176,25 +163,6 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     return draft, carried
 
 
-def aux_candidates(raw, target_cfg):
-    """{convention: hidden_states indices} a draft config names (the default indices, the
-    same for all, when it names none)."""
-    ids = aux_layer_ids(raw)
-    return {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
-            for c in AUX_CONVENTIONS}
-
-
-def aux_fit(target, draft, examples, pad_id, candidates):
-    """Held-out per-TTT-step accuracy of the drafter fed each distinct candidate's
-    features -> {indices: accuracies}."""
-    distinct = list(dict.fromkeys(candidates.values()))
-    for indices in distinct:
-        check_aux_layers(indices, target.cfg.n_layers)
-    inputs = live_inputs(target, pad_id)   # the target runs: only it has every layer
-    return {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
-            for indices in distinct}
-
-
 def stored_map_ids(draft_dir, missing):
     d2t, _ = raw_vocab_map(draft_dir)
     if d2t is None:
@@ -215,19 +183,18 @@ def vocab_check_against(args, target_tok, draft_tok):
         train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
         other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(ids))[0])
         other_tok, what = target_tok, f"the map train builds from {args.against_data}"
-    cmp = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
-    unit = "token string" if cmp.by_string else "target id"
-    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
-    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
-    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
-    report = cmp._asdict()
+    report = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
+    n, unit = report["entries"], "token string" if report["by_string"] else "target id"
+    print(f"this drafter's map vs {what} ({n} draft ids, compared by {unit}):")
+    print(f"  positional d2t agreement: {report['positional']} of {n}")
+    print(f"  shared draft tokens (as sets): {report['overlap']} of {n}")
     data = args.data or args.against_data
     if data:
         report.update(coverage=reply_coverage(ids, draft_tok, data, args.max_len),
                       coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
         print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
               f"the other {report['coverage_other']:.1%}")
-    print(f"verdict: {cmp.verdict}")
+    print(f"verdict: {report['verdict']}")
     print(json.dumps(report))
 
 
@@ -237,18 +204,18 @@ def cmd_vocab_check(args):
     if args.against_draft or args.against_data:
         return vocab_check_against(args, target_tok, draft_tok)
     fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
-    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
-          f"{fit.out_of_range}")
-    if fit.coverage is not None:
+    print(f"d2t entries naming the same token in both tokenizers: {fit['matching']} of "
+          f"{fit['entries']} ({fit['matching'] / max(1, fit['entries']):.1%}); outside the "
+          f"target vocab: {fit['out_of_range']}")
+    if fit["coverage"] is not None:
         print(f"share of the data's target tokens inside the draft vocab (t2d): "
-              f"{fit.coverage:.1%}")
-    if not fit.fits:
+              f"{fit['coverage']:.1%}")
+    if not fit["fits"]:
         print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
               f"draft tokens decode to other strings under the target tokenizer. Drafting with "
               f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
               f"Run remap-draft first.", file=sys.stderr)
-    print(json.dumps(fit._asdict()))
+    print(json.dumps(fit))
 
 
 def cmd_remap_draft(args):
@@ -265,13 +232,20 @@ def cmd_remap_draft(args):
 
 
 def draft_check_accuracy(args, candidates):
+    """Held-out per-TTT-step accuracy of the drafter fed each distinct reading's features
+    (the target runs: only it has every layer), ranked and printed."""
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(args.target, args)
     examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
-    accuracy = aux_fit(target, draft, examples, tokenizer.pad_token_id or 0, candidates)
+    distinct = list(dict.fromkeys(candidates.values()))
+    for indices in distinct:
+        check_aux_layers(indices, target.cfg.n_layers)
+    inputs = live_inputs(target, tokenizer.pad_token_id or 0)
+    accuracy = {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
+                for indices in distinct}
     ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
     for indices in ranked:
         names = ", ".join(c for c, v in candidates.items() if v == indices)
@@ -289,10 +263,11 @@ def cmd_draft_check(args):
     """Which target features does this drafter read, under each engine's convention?"""
     raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
-    candidates = aux_candidates(raw, target_cfg)
-    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
-           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
-           f"convention:")
+    ids = aux_layer_ids(raw)   # none named: the default indices, the same for all
+    candidates = {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
+                  for c in AUX_CONVENTIONS}
+    print0(f"eagle_aux_hidden_state_layer_ids = {ids} ({target_cfg.n_layers}-layer target); "
+           f"hidden_states indices fed under each convention:")
     for convention, indices in candidates.items():
         print0(f"  {convention:14s} {list(indices)}")
     distinct = list(dict.fromkeys(candidates.values()))
@@ -301,7 +276,7 @@ def cmd_draft_check(args):
               f"served under another convention than it was trained with, it drafts from the "
               f"wrong features and silently loses acceptance. Pass --data to measure which "
               f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
-    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
+    report = dict(ids=ids, candidates={k: list(v) for k, v in candidates.items()},
                   agree=len(distinct) == 1)
     if args.data:
         report.update(draft_check_accuracy(args, candidates))
