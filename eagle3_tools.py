@@ -317,10 +317,6 @@ def config_dir(path):
     return (os.path.dirname(path) if path.endswith(".json") else path) or "."
 
 
-def allreduce_us(payload, world, link, saving=0.0):
-    return max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * payload / (link.gbps * 1e3)
-
-
 def plan_shapes(extra=()):
     """(label, TreeShape) in our top_k/depth/total_tokens notation: the official tree,
     chains of 2..8 drafts (SGLang's default 3/1/4 is our chain of 3, 1/2/4), any extra."""
@@ -331,11 +327,10 @@ def plan_shapes(extra=()):
 
 
 def round_collectives(cfg, elt, shape, tau, draft_sharded):
-    """[(calls, payload bytes per call)] of the all-reduces of one speculation round, and
-    the bytes of its one decision broadcast ((N + 2) int64). The verify forward of N nodes
-    makes 2L all-reduces; our drafter is replicated and makes none, but a TP-sharded one (as
-    SGLang runs it) makes 2 per forward: the prefix pass over the tau accepted tokens and
-    `depth` passes over top_k nodes. shape None: one step of plain decoding."""
+    """[(calls, payload bytes per call)] of one round's all-reduces, and the bytes of its
+    decision broadcast ((N + 2) int64). A verify of N nodes makes 2L all-reduces; a
+    TP-sharded drafter (as SGLang runs it) 2 per forward: the prefix pass over tau tokens
+    and `depth` passes over top_k nodes. shape None: one step of plain decoding."""
     D, N = cfg.hidden_size, 1 if shape is None else shape.total_tokens
     calls = [(2 * cfg.n_layers, N * D * elt)]
     if draft_sharded and shape is not None:
@@ -345,15 +340,16 @@ def round_collectives(cfg, elt, shape, tau, draft_sharded):
 
 def round_us(calls, broadcast_bytes, world, link, saving=0.0):
     """Modelled communication time of one round (or plain step), microseconds."""
-    ar = sum(n * allreduce_us(size, world, link, saving) for n, size in calls)
+    ar = sum(n * (max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * size
+                  / (link.gbps * 1e3)) for n, size in calls)
     return ar + link.alpha_us + broadcast_bytes / (link.gbps * 1e3)
 
 
 def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
               measured=None):
     """Per shape (plain decoding first): all-reduces per verify and their bytes, then per
-    generated token at each tau their calls, bytes and modelled time on each link (unfused
-    and fused), and the time cost-plan measured ({N: us}) for a verify of that size."""
+    generated token at each tau their calls, bytes, modelled us on each link (unfused and
+    fused) and the us cost-plan measured ({N: us}) for a verify of that size."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -375,9 +371,9 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
 
 
 def comm_plan_table(rows, links):
-    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
-    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
-    wider shape pays in communication only if its tau is that many times the chain's)."""
+    """Per shape and tau: all-reduces and MiB per token, modelled us per token on each link
+    (unfused / fused), and the round's time over the 3-draft chain's (a wider shape pays in
+    communication only if its tau is that many times the chain's)."""
     chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
     head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
     head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
@@ -397,40 +393,31 @@ def comm_plan_table(rows, links):
     return "\n".join(lines)
 
 
-def measured_allreduces(args):
-    """{N: us} of a verify's all-reduces as cost-plan measured them (--costs), or None."""
-    if not args.costs:
-        return None
-    costs = read_costs(args.costs)
-    if costs.get("world") != args.tp:
-        fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
-             f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
-    return {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
-            if v.get("allreduce_ms") is not None}
-
-
-def comm_links(specs):
-    """--link: presets, or ALPHA_US,GBPS links named link1, link2, .. -> {name: Link}."""
-    links = {}
-    for link in specs or list(LINKS):
-        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
-        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
-        if links[name].alpha_us < 0 or links[name].gbps <= 0:
-            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
-    return links
-
-
 def cmd_comm_plan(args):
     path = config_dir(args.config)
     cfg = read_target_config(path)
     check_tp_sizes(cfg, args.tp)
     dtype = parse_dtype(args.dtype) or torch.bfloat16
-    links, taus = comm_links(args.link), plan_taus(args.tau)
+    links = {}   # --link: presets, or ALPHA_US,GBPS links named link1, link2, ..
+    for link in args.link or list(LINKS):
+        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
+        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+        if links[name].alpha_us < 0 or links[name].gbps <= 0:
+            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
+    taus = plan_taus(args.tau)
     extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
     for shape in extra:
         check_tree_shape(shape, cfg.vocab_size)
+    measured = None   # {N: us} of a verify's all-reduces as cost-plan measured them
+    if args.costs:
+        costs = read_costs(args.costs)
+        if costs.get("world") != args.tp:
+            fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
+                 f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
+        measured = {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
+                    if v.get("allreduce_ms") is not None}
     rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
-                     args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
+                     args.fusion_saving_us, args.draft_sharded, measured)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
     print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
