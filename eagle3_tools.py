@@ -436,17 +436,15 @@ def cmd_comm_plan(args):
 # ----------------------------------------------------------------------------------------
 # 3. serving layouts: rows (nn.Linear), and the invariant layout (exact in bf16)
 #
-# bench and cost-plan serve a target in one of LAYOUTS: rows as loaded, or invariant, the
-# reference's exact path (make_exact: each verify row gets the bits of its own decode step,
-# so greedy speculation equals greedy decoding even in bf16). Greedy decoding runs the same
-# served target, so speedups stay like for like.
+# bench and cost-plan serve a target as loaded (rows) or in the reference's exact path
+# (invariant, make_exact: each verify row gets the bits of its own decode step, so greedy
+# speculation equals greedy decoding even in bf16). Greedy decoding runs the same target.
 
 LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
 def use_layout(model, layout):
-    """Serve `model` in `layout` (LAYOUTS). A drafter is served as is: its rounding decides
-    only which drafts are verified."""
+    """`model` served in `layout`; a drafter as is (its rounding only picks the drafts)."""
     if layout == "invariant" and isinstance(model, Target):
         return E.make_exact(model)
     return model
@@ -456,12 +454,10 @@ def use_layout(model, layout):
 # 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
 #
 # Whether speculation pays is tau set against what a round costs (docs/costs_and_
-# communication.md), and the cost side needs neither a drafter nor trained weights: weights
-# do not change it (shapes, dtype and device do), so random weights at the real shapes
-# measure it exactly. In plain decode steps a round's cost is the break-even tau.
-#
-# The five adapters below (build, decode, verify, draft, accept) are the only calls into
-# Part I from here: a change of signature there is mended in one place.
+# communication.md). The cost depends on shapes, dtype and device, not on the weights, so
+# random weights at the real shapes measure it exactly. In plain decode steps a round's
+# cost is the break-even tau. build_random and measure_costs are the only calls into Part I
+# from here: a change of signature there is mended in one place.
 
 COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
 COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
@@ -483,9 +479,8 @@ class CostModels(NamedTuple):
 
 
 def randomise(module, generator, skip=lambda name: False):
-    """Random weights written in place, on each parameter's device and in its dtype:
-    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1; float buffers (the MoE
-    routing bias) 0, as to_empty leaves them holding whatever the memory held."""
+    """Random weights in place, in each parameter's device and dtype: matrices N(0,
+    COST_INIT_STD), vectors 1; float buffers (the MoE routing bias) 0, not to_empty's junk."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if skip(name):
@@ -500,8 +495,8 @@ def randomise(module, generator, skip=lambda name: False):
 
 
 def random_target(cfg, world, dtype, device, generator):
-    """The target of `cfg` (this rank's shard of W) built on the meta device, allocated once
-    on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    """This rank's shard of the target of `cfg`, built on meta, allocated once on `device` in
+    `dtype` (no fp32 copy on the CPU), with random weights."""
     with torch.device("meta"):
         target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     target = target.to_empty(device=device)
@@ -513,9 +508,7 @@ def random_target(cfg, world, dtype, device, generator):
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
                  layout="rows"):
-    """Adapter: this rank's shard of the target, the drafter and their KV caches, built on
-    the meta device and allocated once on `device` in `dtype` (no fp32 copy on the CPU),
-    with random weights, laid out for serving."""
+    """The random target (random_target), drafter and their KV caches, laid out for serving."""
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
@@ -527,37 +520,9 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
 
-def decode_step(target, cache, n, token):
-    """Adapter: one step of plain decoding: the forward of token (1, 1) at cache slot n and
-    its argmax, which greedy decoding waits for on the host."""
-    logits, _ = target(token, cache=cache, start=n, aux_layers=())
-    return int(logits[0, -1].argmax())
-
-
-def verify_step(target, cache, n, tree, aux_layers):
-    """Adapter: a round's verify forward of `tree` at cache slots n.. -> logits (N, V)."""
-    return verify_tree(target, cache, n, tree, aux_layers)[0]
-
-
-def drafting_step(draft, cache, n, features, next_tokens, root, shape):
-    """Adapter: a round's drafting: the prefix pass over the m tokens just accepted (draft
-    cache slots n-m..n-1), then the tree: depth passes over top_k nodes, top-k, selection."""
-    h_last = draft_prefix(draft, cache, n - features.shape[1], features, next_tokens)
-    return grow_tree(draft, cache, n, h_last, root, shape)
-
-
-def accept_step(logits, tree, cache, n, tp):
-    """Adapter: greedy acceptance, rank 0's decision on every rank, and the commit of the
-    accepted nodes' K/V to slots n.. -> the new cache length."""
-    acceptance = accept_greedy(logits, tree)
-    acceptance = broadcast_acceptance(acceptance, len(tree.tokens), logits.device, tp)
-    return commit(cache, n, acceptance.path.to(logits.device))
-
-
 def chain_tree(N):
-    """A chain of N nodes (the public Tree fields), the verify sweep's tree: a verify of
-    N nodes costs the same whatever the tree's shape (attention is dense over them).
-    Worked for N = 3: parents [-1, 0, 1], mask lower-triangular, one path [[0, 1, 2]]."""
+    """A chain of N nodes, the verify sweep's tree (attention is dense over N nodes, so any
+    shape costs the same). N = 3: parents [-1, 0, 1], mask lower-triangular, path [[0, 1, 2]]."""
     nodes = torch.arange(N)
     return Tree(tokens=torch.zeros(N, dtype=torch.long), parents=nodes - 1, positions=nodes,
                 mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
@@ -573,8 +538,8 @@ class CostTimings(NamedTuple):
 
 
 def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
-    """cost-plan's clock: fn -> (its result, the median seconds of `repeats` runs after
-    `warmup` untimed ones), the GPU's queue drained before each reading."""
+    """fn -> (its result, the median seconds of `repeats` runs after `warmup` untimed ones),
+    the GPU's queue drained before each reading."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timer(fn):
@@ -594,36 +559,48 @@ def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
 @torch.inference_mode()
 def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
     """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
-    N in `sizes` (and, with calls > 0, its `calls` all-reduces alone); each (label,
+    N in `sizes` (with calls > 0, also its `calls` all-reduces alone); each (label,
     TreeShape)'s drafting and bookkeeping. `timer` is median_timer(...) or a test's clock."""
     target, device = models.target, models.target.lm_head.weight.device
-    dtype, V = target.lm_head.weight.dtype, target.cfg.vocab_size
+    dtype, V, D = target.lm_head.weight.dtype, target.cfg.vocab_size, target.cfg.hidden_size
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    decode = timer(lambda: decode_step(target, models.cache, context, token))[1]
-    verify, allreduce, draft, accept = {}, {}, {}, {}
-    for N in sizes:
-        tree = chain_tree(N)
-        verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
-        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
-            payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
-            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
-    features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
+    features = torch.randn(1, COST_PREFIX, 3 * D, device=device).to(dtype)
     next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
     root = torch.tensor(0, device=device)
+
+    def decode():   # one plain step and its argmax, which greedy decoding waits for
+        logits, _ = target(token, cache=models.cache, start=context, aux_layers=())
+        return int(logits[0, -1].argmax())
+
+    def drafting(shape):   # the prefix pass over the tokens just accepted, then the tree
+        h = draft_prefix(models.draft, models.draft_cache, context - COST_PREFIX, features,
+                         next_tokens)
+        return grow_tree(models.draft, models.draft_cache, context, h, root, shape)
+
+    def accept(logits, tree):   # greedy acceptance, rank 0's decision on every rank, commit
+        acceptance = accept_greedy(logits, tree)
+        acceptance = broadcast_acceptance(acceptance, len(tree.tokens), device, target.tp)
+        return commit(models.cache, context, acceptance.path.to(device))
+
+    decode_s, verify, allreduce, draft, accept_s = timer(decode)[1], {}, {}, {}, {}
+    for N in sizes:
+        tree = chain_tree(N)
+        verify[N] = timer(lambda: verify_tree(target, models.cache, context, tree,
+                                              aux_layers)[0])[1]
+        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
+            payload = torch.zeros(N, D, dtype=dtype, device=device)
+            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
     for label, shape in shapes:
-        tree, draft[label] = timer(lambda: drafting_step(models.draft, models.draft_cache, context,
-                                                      features, next_tokens, root, shape))
+        tree, draft[label] = timer(lambda: drafting(shape))
         logits = torch.randn(len(tree.tokens), V, device=device).to(dtype)      # (N, V)
-        accept[label] = timer(lambda: accept_step(logits, tree, models.cache, context,
-                                                  target.tp))[1]
-    return CostTimings(decode, verify, allreduce, draft, accept)
+        accept_s[label] = timer(lambda: accept(logits, tree))[1]
+    return CostTimings(decode_s, verify, allreduce, draft, accept_s)
 
 
 @torch.inference_mode()
 def measure_ends(target, sizes, timer):
-    """{T: seconds of a target forward's ends (embedding, final norm, lm_head) on T tokens}
-    for T = 1 (a decode step) and each verify size: they do not grow with depth, so a
-    slice's time scales without them."""
+    """{T: seconds of a forward's ends (embedding, final norm, lm_head) on T tokens}, for
+    T = 1 and each verify size: they do not grow with depth, so a slice scales without them."""
     m, device = target.model, target.lm_head.weight.device
     ids = {T: torch.zeros(1, T, dtype=torch.long, device=device) for T in sorted({1, *sizes})}
     return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1]
@@ -631,9 +608,8 @@ def measure_ends(target, sizes, timer):
 
 
 def full_depth(timings, ends, built, layers):
-    """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
-    target forward (all of it but its ends) grows in proportion; drafting and bookkeeping do
-    not. An estimate: it takes every layer to cost the same, as in a dense model."""
+    """Timings of a `built`-layer slice scaled to `layers`: each target forward's layer share
+    (all but its ends) grows in proportion, drafting and bookkeeping do not (an estimate)."""
     def scaled(seconds, T):
         return ends[T] + (seconds - ends[T]) * layers / built
     return timings._replace(decode=scaled(timings.decode, 1),
@@ -641,9 +617,8 @@ def full_depth(timings, ends, built, layers):
 
 
 def cost_rows(timings, shapes, taus):
-    """Per (label, TreeShape), in plain decode steps: the verify of its N nodes, its
-    drafting, its bookkeeping, the round (their sum, which is the break-even tau) and the
-    speedup over plain decoding, tau / round, at each tau."""
+    """Per (label, TreeShape), in plain decode steps: its verify, drafting, bookkeeping, the
+    round (their sum: the break-even tau) and the speedup over plain decoding at each tau."""
     rows = []
     for label, shape in shapes:
         parts = (timings.verify[shape.total_tokens], timings.draft[label], timings.accept[label])
@@ -653,27 +628,6 @@ def cost_rows(timings, shapes, taus):
                          draft=draft, accept=accept, round_cost=cost, break_even_tau=cost,
                          speedup={tau: tau / cost for tau in taus}))
     return rows
-
-
-def sweep_table(timings):
-    """The verify sweep: N, milliseconds, decode steps (and the all-reduces' ms under TP)."""
-    tp = bool(timings.allreduce)
-    lines = [f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
-             (f" {'of which all-reduce ms':>22s}" if tp else "")]
-    for N, seconds in sorted(timings.verify.items()):
-        line = f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}"
-        lines.append(line + (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
-    return "\n".join(lines)
-
-
-def cost_table(rows, taus):
-    """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
-    head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
-            f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
-    return "\n".join([head] + [
-        f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
-        f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
-        "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus) for r in rows])
 
 
 def break_even_tau(verify_cost, draft_cost, drafts):
@@ -691,8 +645,7 @@ def speed_verdict(tau, break_even):
 
 def cost_configs(args):
     """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
-    config.json; a bare one takes the target's vocab), else of the standard one-layer
-    drafter for that target."""
+    config.json; a bare one takes the target's vocab), else of the standard drafter."""
     from types import SimpleNamespace
     cfg = read_target_config(config_dir(args.config))
     vd = args.draft_vocab_size
@@ -740,6 +693,7 @@ def cost_plan_inputs(args, cfg, draft_cfg):
 
 
 def print_cost_plan(run, cfg, timings, rows, taus):
+    """The run, the verify sweep (and its all-reduces under TP), then a row per shape."""
     print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
            f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
            f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
@@ -750,10 +704,20 @@ def print_cost_plan(run, cfg, timings, rows, taus):
                f"the layers' share of every target forward is scaled by "
                f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
     print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
-    print0(sweep_table(timings))
+    tp = bool(timings.allreduce)
+    print0(f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
+           (f" {'of which all-reduce ms':>22s}" if tp else ""))
+    for N, seconds in sorted(timings.verify.items()):
+        print0(f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}" +
+               (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
     print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
            "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
-    print0(cost_table(rows, taus))
+    print0(f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
+           f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
+    for r in rows:
+        print0(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+               f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+               "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
 
 
 def cost_plan_json(run, timings, rows, seconds):
@@ -768,10 +732,12 @@ def cost_plan_json(run, timings, rows, seconds):
                            shapes=shapes, seconds=round(seconds, 1)))
 
 
-def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
-    """cost-plan's measurement: the models built at the real shapes (a slice of `layers`),
-    each piece timed, a slice scaled to the full depth -> (CostTimings, run's dtype, device)."""
+def cmd_cost_plan(args):
     from dataclasses import replace
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype) or default_dtype(device)
     draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
@@ -785,15 +751,6 @@ def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
     if layers < cfg.n_layers:
         timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
                              cfg.n_layers)
-    return timings, dtype, device
-
-
-def cmd_cost_plan(args):
-    t0, world = time.time(), world_info()[1]
-    cfg, draft_cfg = cost_configs(args)
-    check_tp_sizes(cfg, world)
-    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
-    timings, dtype, device = time_round(args, cfg, draft_cfg, world, shapes, sizes, layers)
     rows = cost_rows(timings, shapes, taus)
     run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
                family=cfg.family, layers=cfg.n_layers,
