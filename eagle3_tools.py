@@ -780,9 +780,9 @@ def read_costs(path):
 
 
 def projected(stats, costs):
-    """One verdict per measured shape for a drafter probed offline (ChainStats): a chain of
-    k drafts accepts the replayed tau of k drafts, set against its measured round cost; a
-    tree's tau the probe cannot give (it drafts chains), only the tau the tree needs."""
+    """A verdict per measured shape for a drafter probed offline (ChainStats): a chain of k
+    drafts accepts the replayed tau of k drafts, against its measured round cost; of a tree
+    the probe (it drafts chains) can give only the tau it needs."""
     rows = []
     for row in costs["shapes"]:
         top_k, depth, total_tokens = row["tree"]
@@ -795,15 +795,6 @@ def projected(stats, costs):
                          speedup=None if tau is None else tau / row["round_cost"],
                          verdict=verdict))
     return rows
-
-
-def projected_table(rows):
-    lines = [f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict"]
-    for r in rows:
-        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
-                  else (f"{'-':>6s}", f"{'-':>7s}"))
-        lines.append(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------
@@ -826,26 +817,21 @@ def capture_file(out, i):
 
 
 @torch.inference_mode()
-def capture_sample(target, ex, aux_layers):
-    """One sample's dict in SpecForge's layout, from one target forward."""
-    ids = torch.tensor([ex.tokens], device=target.lm_head.weight.device)
-    _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
-    D = target.cfg.hidden_size
-    return dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(ex.reply_mask),
-                hidden_state=target.model.norm(aux[..., -D:]).cpu(),
-                aux_hidden_state=aux[..., :-D].contiguous().cpu())
-
-
 def capture_features(target, examples, out, aux_layers):
-    """Write every sample not yet on disk (so a killed capture resumes where it stopped;
-    files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
+    """Write every sample not yet on disk, each from one target forward (files are atomic,
+    so a killed capture resumes where it stopped). Rank 0 decides what is left and writes;
     every rank runs the tensor-parallel forward. Returns the number written."""
+    device, D = target.lm_head.weight.device, target.cfg.hidden_size
     missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
-                           dtype=torch.long, device=target.lm_head.weight.device)
+                           dtype=torch.long, device=device)
     todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
-        sample = capture_sample(target, examples[i], aux_layers)
+        ids = torch.tensor([examples[i].tokens], device=device)
+        _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
+        sample = dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(examples[i].reply_mask),
+                      hidden_state=target.model.norm(aux[..., -D:]).cpu(),
+                      aux_hidden_state=aux[..., :-D].contiguous().cpu())
         if is_rank0():
             os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
             atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
@@ -888,12 +874,9 @@ class Captured(NamedTuple):
 
 
 def captured_examples(path):
-    out = []
-    for file in captured_files(path).values():
-        sample = read_captured(file)
-        out.append(Captured(file, sample["input_ids"].view(-1).tolist(),
-                            sample["loss_mask"].view(-1).tolist()))
-    return out
+    samples = ((file, read_captured(file)) for file in captured_files(path).values())
+    return [Captured(file, s["input_ids"].view(-1).tolist(), s["loss_mask"].view(-1).tolist())
+            for file, s in samples]
 
 
 class TargetHead(nn.Module):
@@ -933,8 +916,8 @@ def captured_inputs(head, pad_id):
 
 
 def load_target_head(path, dtype=None, features=None):
-    """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
-    that hold them. With a features dir that we captured, its hidden_states indices."""
+    """The target's embedding and lm_head only (a sharded checkpoint opens just their
+    shards); with a features dir that we captured, its hidden_states indices."""
     cfg = read_target_config(path)
     info = os.path.join(features, CAPTURE_INFO) if features else None
     captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
@@ -945,21 +928,6 @@ def load_target_head(path, dtype=None, features=None):
     return head.eval().requires_grad_(False)
 
 
-def capture_info(args, aux_layers, samples):
-    """capture.json of this capture, refused when OUT holds one of another selection (sample
-    i is the i-th kept conversation: another selection would mix two data sets)."""
-    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=samples,
-                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
-    info_file = os.path.join(args.out, CAPTURE_INFO)
-    had = read_json(info_file) if os.path.isfile(info_file) else {}
-    for key in ("aux_layers", "long", "max_len"):
-        if had.get(key, info[key]) != info[key]:
-            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
-                 f"{info[key]!r}: capture into another directory")
-    return info
-
-
 def cmd_capture(args):
     # the data and the directory are checked before the target is loaded (seconds, not minutes)
     cfg = read_target_config(args.target)
@@ -967,30 +935,23 @@ def cmd_capture(args):
                                  args.limit, truncate=args.truncate)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
-    info = capture_info(args, aux_layers, len(examples))
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=len(examples),
+                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    had = read_json(info_file) if os.path.isfile(info_file) else {}
+    for key in ("aux_layers", "long", "max_len"):   # sample i is the i-th kept conversation
+        if had.get(key, info[key]) != info[key]:
+            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
+                 f"{info[key]!r}: capture into another directory")
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
-        atomic_write(os.path.join(args.out, CAPTURE_INFO), lambda f: write_json(f, info))
+        atomic_write(info_file, lambda f: write_json(f, info))
     written = capture_features(target, examples, args.out, aux_layers)
     print0(f"captured {written} samples ({len(examples) - written} were already there) into "
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
-
-
-def chain_verdicts(stats, verify_cost, draft_cost):
-    """eval-draft's table at the costs the flags give: per chain of k drafts the expected
-    and replayed tau, the break-even and the speedup -> (rows, the best row)."""
-    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
-           f"{'x plain':>8s}  (a round = 1 verify at {verify_cost:g} + k drafts at "
-           f"{draft_cost:g} plain steps)")
-    rows = []
-    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
-        even = break_even_tau(verify_cost, draft_cost, k)
-        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
-                         break_even=round(even, 4)))
-        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
-    return rows, max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
 
 
 def measured_verdict(shapes, costs, verdict):
@@ -999,7 +960,11 @@ def measured_verdict(shapes, costs, verdict):
     print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
            f"on {costs['device']}, W={costs['world']}"
            f"{', an estimate' if costs['estimate'] else ''}):")
-    print0(projected_table(shapes))
+    print0(f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict")
+    for r in shapes:
+        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
+                  else (f"{'-':>6s}", f"{'-':>7s}"))
+        print0(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
     chains = [r for r in shapes if r["tau"] is not None]
     if not chains:
         return verdict
@@ -1018,7 +983,16 @@ def cmd_eval_draft(args):
     print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
     print0(f"greedy-chain acceptance rate by depth: "
            f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
-    rows, best = chain_verdicts(stats, args.verify_cost, args.draft_cost)
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
+           f"{args.draft_cost:g} plain steps)")
+    rows = []   # per chain of k drafts at the flags' costs
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(args.verify_cost, args.draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
     verdict = speed_verdict(best["replayed_tau"], best["break_even"])
     print0(f"best chain: {best['drafts']} drafts: {verdict}")
     shapes = projected(stats, costs) if costs else None
