@@ -1061,9 +1061,8 @@ PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs u
 
 
 def sweep_shape(target, draft, prompts, eos):
-    """The tree shape with the best measured speedup over plain greedy on a few prompts
-    (verify cost, draft cost and tau on this machine in one number): the mean of
-    SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
+    """The tree shape with the best measured speedup over plain greedy on a few prompts: the
+    mean of SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
     speedups, taus = {shape: [] for shape in SWEEP_SHAPES}, {}
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
@@ -1081,52 +1080,40 @@ def sweep_shape(target, draft, prompts, eos):
     return best
 
 
-def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
-    """tau at temperature 1 (lossless sampled verification) over the prompts."""
-    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
-        target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
-        eos_token_id=eos).accept_lengths]
-    return sum(lengths) / len(lengths)
-
-
 PEERS = dict(hf_generate="transformers generate",  # JSON key -> the table's row name
              hf_prompt_lookup=f"transformers prompt lookup ({PLD_TOKENS})",
              hf_assisted="transformers assisted (small LM)")
 
 
+def hf_model(target_dir, dtype, skipped):
+    """transformers' own model of `target_dir`, or None with a note of what is `skipped`."""
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
+        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); {skipped}",
+              file=sys.stderr)
+        return None
+
+
 def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
     """transformers generate, prompt lookup and (with a small LM) assisted generation on
     the same prompts and weights -> {PEERS key: Timed}; {} when transformers cannot load it."""
-    from transformers import AutoModelForCausalLM
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
-        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); its baselines are "
-              f"skipped", file=sys.stderr)
+    hf = hf_model(target_dir, dtype, "its baselines are skipped")
+    if hf is None:
         return {}
     peers = dict(hf_generate=time_hf(hf, prompts, n, eos, repeats),
                  hf_prompt_lookup=time_hf(hf, prompts, n, eos, repeats,
                                           prompt_lookup_num_tokens=PLD_TOKENS))
     if assistant_dir:
+        from transformers import AutoModelForCausalLM
         small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).eval()
         peers["hf_assisted"] = time_hf(hf, prompts, n, eos, repeats, assistant_model=small)
     return peers
 
 
 BENCH_PROMPT = "Write a short story about a robot who learns to paint."
-
-
 ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
-
-
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained on the same corpus
-    and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM_LAYERS
-    E.build_lm(path, config, AutoTokenizer.from_pretrained(target_dir),
-               E.pretraining_texts(seed), ASSISTANT_LM_STEPS, seed)
 
 
 def bench_prompts(args, target_dir):
@@ -1139,24 +1126,20 @@ def bench_prompts(args, target_dir):
         return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
     assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
     if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
-        build_assistant_lm(target_dir, assistant_dir)
+        # a small draft LM for transformers' assisted generation, trained on the tiny
+        # target's corpus and tokenizer: the fair classic speculative baseline
+        from transformers import AutoConfig, AutoTokenizer
+        config = AutoConfig.from_pretrained(target_dir)
+        config.num_hidden_layers = ASSISTANT_LM_LAYERS
+        E.build_lm(assistant_dir, config, AutoTokenizer.from_pretrained(target_dir),
+                   E.pretraining_texts(0), ASSISTANT_LM_STEPS, 0)
     texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
     return texts, True, assistant_dir
 
 
-def bench_models(args, target_dir, draft_dir):
-    """(target, drafter, tokenizer) as bench serves them: in --layout, greedy and EAGLE-3
-    alike (a layout the target cannot take is refused before its weights load)."""
-    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(target_dir, args)
-    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
-                       args.layout)
-    return use_layout(target, args.layout), draft, tokenizer
-
-
 def bench_ours(args, target, draft, prompts, eos, t0):
     """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
-    flags or the --sweep, and with --t1 tau at T=1 -> (Decoding, shape, tau at T=1)."""
+    flags or the --sweep, and with --t1 tau at T=1 (lossless sampled verification)."""
     n = args.max_new_tokens
     shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
              if args.sweep else tree_shape(args))
@@ -1165,13 +1148,17 @@ def bench_ours(args, target, draft, prompts, eos, t0):
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
-    return ours, shape, tau_t1
+    if not args.t1:
+        return ours, shape, None
+    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
+        target, draft, ids, n, temperature=1.0, tree=shape, seed=args.seed + b,
+        eos_token_id=eos).accept_lengths]
+    return ours, shape, sum(lengths) / len(lengths)
 
 
-def bench_table(ours, peers, world):
+def bench_table(ours, peers, world, prompts):
     """[(JSON key, name, tokens/s, target forwards per token)] of every decoder, printed
-    with EAGLE-3's speedup over each."""
+    with EAGLE-3's speedup over each; {peer: prompts where it equals transformers generate}."""
     rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
             [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
             [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
@@ -1181,18 +1168,12 @@ def bench_table(ours, peers, world):
         print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
     if world > 1:
         print0(f"(transformers peers run in one process: skipped at world size {world})")
-    return rows
-
-
-def peers_equal(peers, prompts):
-    """{peer: on how many prompts its output equals transformers generate's}: is its
-    speculation exact in this dtype?"""
     same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
-            for k, t in peers.items() if k != "hf_generate"}
+            for k, t in peers.items() if k != "hf_generate"}   # exact in this dtype?
     for k, count in same.items():
         print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} "
                f"prompts")
-    return same
+    return rows, same
 
 
 def cmd_bench(args):
@@ -1204,7 +1185,11 @@ def cmd_bench(args):
     t0, world, n = time.time(), world_info()[1], args.max_new_tokens
     target_dir, draft_dir = model_dirs(args)
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
-    target, draft, tokenizer = bench_models(args, target_dir, draft_dir)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(target_dir, args)
+    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
+                       args.layout)   # a layout the target cannot take fails before its load
+    target = use_layout(target, args.layout)   # greedy and EAGLE-3 alike
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
@@ -1212,8 +1197,7 @@ def cmd_bench(args):
     del target, draft                      # transformers' copy of the weights comes next
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
              if world == 1 and device.type == "cpu" else {})
-    rows = bench_table(ours, peers, world)
-    same = peers_equal(peers, len(prompts))
+    rows, same = bench_table(ours, peers, world, len(prompts))
     print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
            f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
