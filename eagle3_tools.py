@@ -1261,9 +1261,8 @@ REAL_PLAN = RealPlan()
 
 
 def native_bf16():
-    """Does this machine multiply bf16 natively? A GPU or a CPU with AMX or AVX512-BF16 does;
-    elsewhere (AVX2: AMD Zen 3, older Xeons) torch emulates bf16 and a bf16 prefill ran ~20x
-    slower than fp32 (docs/real_models.md), so the plan keeps fp32 there."""
+    """Does this machine multiply bf16 natively (a GPU, a CPU with AMX or AVX512-BF16)?
+    Elsewhere torch emulates it: a bf16 prefill ran ~20x slower than fp32 (docs/real_models.md)."""
     cpu = torch.cpu
     return torch.cuda.is_available() or any(
         getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported",
@@ -1285,10 +1284,11 @@ def wheel_file(distribution, suffix, flag):
     return str(dist.locate_file(files[0]))
 
 
-def gguf_model(path):
-    """(transformers model in fp32, tokenizer) from a GGUF file: its dequantized tensors
-    copied into a fresh model of its config (from_pretrained(gguf_file=) would keep a
-    quantizer attached, which refuses save_pretrained)."""
+def convert_gguf(path, out):
+    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
+    template), complete or not at all. Its dequantized tensors go into a fresh model of its
+    config: from_pretrained(gguf_file=) keeps a quantizer, which refuses save_pretrained."""
+    import shutil
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.split(os.path.abspath(path))
@@ -1306,16 +1306,9 @@ def gguf_model(path):
         fail(f"the GGUF file {path!r} does not fill its model: missing "
              f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
     model.tie_weights()
-    return model.eval(), tokenizer
-
-
-def convert_gguf(path, out):
-    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
-    template), complete or not at all (written under a temporary name, then renamed)."""
-    import shutil
-    model, tokenizer = gguf_model(path)
+    model.eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
-    tmp = f"{out}.tmp{os.getpid()}"
+    tmp = f"{out}.tmp{os.getpid()}"   # written under a temporary name, then renamed
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -1385,10 +1378,20 @@ def first_exchange(record):
     return conversation, prompt, reply or None
 
 
-def sharegpt_sets(path):
-    """-> (train rows, held-out rows), each {"id", "prompt", "reply"}, distinct prompts in
-    file order, and the counts of what was read and dropped."""
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_jsonl(path, rows):
+    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
+
+
+def cmd_prompts(args):
+    """Train and held-out rows {id, prompt}, distinct prompts in file order, and the train
+    rows with a reply as chat JSONL (what train and capture read)."""
     import zlib
+    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
     records = read_sharegpt(path)
     train, held, seen = [], [], set()
     for record in records:
@@ -1399,58 +1402,37 @@ def sharegpt_sets(path):
         conversation, prompt, reply = kept
         row = dict(id=conversation, prompt=prompt, reply=reply)
         (held if zlib.crc32(conversation.encode()) % HELD_OUT_EVERY == 0 else train).append(row)
-    return train, held, dict(records=len(records), kept=len(seen))
-
-
-def write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def write_jsonl(path, rows):
-    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
-
-
-def conversation_rows(rows):
-    """ShareGPT rows with a reply as chat JSONL rows (what train and capture read)."""
-    return [dict(messages=[dict(role="user", content=r["prompt"]),
-                           dict(role="assistant", content=r["reply"])])
-            for r in rows if r["reply"]]
-
-
-def cmd_prompts(args):
-    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
-    train, held, counts = sharegpt_sets(path)
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
                 [dict(id=r["id"], prompt=r["prompt"]) for r in train])
     write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
                 [dict(id=r["id"], prompt=r["prompt"]) for r in held])
-    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"), conversation_rows(train))
-    print0(json.dumps(dict(records=counts["records"], kept=counts["kept"], train=len(train),
+    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"),
+                [dict(messages=[dict(role="user", content=r["prompt"]),
+                                dict(role="assistant", content=r["reply"])])
+                 for r in train if r["reply"]])
+    print0(json.dumps(dict(records=len(records), kept=len(seen), train=len(train),
                            held_out=len(held), source=path)))
-
-
-def prompt_row(line, where):
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
-             f"a line")
-    text = row.get("prompt") if isinstance(row, dict) else None
-    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
-        text = row["turns"][0] if row["turns"] else None
-    if not isinstance(text, str) or not text:
-        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
-    return dict(prompt=text, category=row.get("category", ""))
 
 
 def read_prompt_file(path):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
     MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        rows = [prompt_row(line, f"{path}:{line_no}")
-                for line_no, line in enumerate(f, 1) if line.strip()]
+        for where, line in ((f"{path}:{n}", line) for n, line in enumerate(f, 1)
+                            if line.strip()):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one "
+                     f"object a line")
+            text = row.get("prompt") if isinstance(row, dict) else None
+            if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
+                text = row["turns"][0] if row["turns"] else None
+            if not isinstance(text, str) or not text:
+                fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
+            rows.append(dict(prompt=text, category=row.get("category", "")))
     if not rows:
         fail(f"--prompts {path!r} holds no prompts")
     return rows
@@ -1458,13 +1440,10 @@ def read_prompt_file(path):
 
 def per_category(rows, n):
     """The first n rows of each category, in file order (all rows when n is None)."""
-    if n is None:
-        return rows
-    seen = Counter()
-    kept = []
+    seen, kept = Counter(), []
     for r in rows:
         seen[r["category"]] += 1
-        if seen[r["category"]] <= n:
+        if n is None or seen[r["category"]] <= n:
             kept.append(r)
     return kept
 
@@ -1485,20 +1464,12 @@ def done_rows(partial):
     return [json.loads(line) for line in complete]
 
 
-def reply_row(tokenizer, prompt, reply, eos):
-    finished = bool(reply) and reply[-1] == eos
-    text = tokenizer.decode(reply[:-1] if finished else reply, skip_special_tokens=True)
-    return dict(messages=[dict(role="user", content=prompt),
-                          dict(role="assistant", content=text)], finished=finished)
-
-
 @torch.inference_mode()
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
-    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies -> (decoded
-    now, left out). Batches of similar length are appended to OUT.partial (a rerun skips
-    what is there); OUT appears when all are done, in the prompts' order (train holds out
-    the first 1/50: a mix of kinds, not the shortest). A prompt that leaves no room for a
-    capped reply within max_len is left out: capture would drop its conversation."""
+    """Write OUT (chat JSONL for train) with the target's greedy replies -> (decoded now, left
+    out). Batches of similar length are appended to OUT.partial (a rerun skips what is there);
+    OUT appears when all are done, in the prompts' order (train holds out the first 1/50: a
+    mix of kinds). A prompt without room for a capped reply within max_len is left out."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
@@ -1514,8 +1485,13 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
     bar, t0 = Progress("regenerate", len(unique), start), time.time()
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
-        replies = padded_greedy(target, [ids[p] for p in chunk], max_new_tokens, eos)
-        rows = [reply_row(tokenizer, p, r, eos) for p, r in zip(chunk, replies)]
+        rows = []
+        for p, reply in zip(chunk, padded_greedy(target, [ids[p] for p in chunk],
+                                                 max_new_tokens, eos)):
+            ended = bool(reply) and reply[-1] == eos
+            text = tokenizer.decode(reply[:-1] if ended else reply, skip_special_tokens=True)
+            rows.append(dict(messages=[dict(role="user", content=p),
+                                       dict(role="assistant", content=text)], finished=ended))
         with open(partial, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
             f.flush()
