@@ -1572,10 +1572,9 @@ def cmd_curve(args):
 
 
 def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
-    """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
-    for `replies`. The count scales with the minutes (every stage's cost grows with it);
-    past the set's size, the epochs grow instead. Fine-tuning (regeneration: decoding,
-    measured in bf16 only) follows own replies where bf16 is native."""
+    """--budget: minutes ("60") or training conversations ("500p") -> a RealPlan. The count
+    scales with the minutes, past the set's size the epochs grow instead; fine-tuning (its
+    replies are decoded, measured in bf16 only) follows own replies where bf16 is native."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1644,47 +1643,42 @@ def real_paths(out, plan):
     return {k: os.path.join(out, name) for k, name in names.items()}
 
 
-def regenerate_stage(p, plan, out, limit, *flags):
-    return ("regenerate", [
-        "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
-        "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
-        str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
-
-
-def capture_stage(name, p, plan, data, out, *flags):
-    return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
-                   "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
-
-
-def train_stage(name, p, plan, features, out, epochs, lr, *flags):
-    return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
-                   *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr", str(lr),
-                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"])
-
-
 def real_stages(args, plan, p):
     """(name, argv of the command that does it); a finished stage is recorded and skipped,
     an interrupted one resumes (each command resumes on its own)."""
-    gguf = ["--gguf", args.gguf] if args.gguf else []
-    sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
-    if plan.replies == "regenerated":
-        data, limit = p["replies"], []
-        regenerate = [regenerate_stage(p, plan, p["replies"], plan.prompts)]
-    else:
-        data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
+    def regenerate(out, limit, *flags):
+        return ("regenerate", [
+            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
+            "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
+            str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
+
+    def capture(name, data, out, *flags):
+        return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
+                       "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
+
+    def train(name, features, out, epochs, lr, *flags):
+        return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
+                       *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr",
+                       str(lr), "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast,
+                       "--resume"])
+    regenerated = plan.replies == "regenerated"
+    data = p["replies"] if regenerated else p["conversations"]
     finetune = [
-        regenerate_stage(p, plan, p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
-        capture_stage("capture-finetune", p, plan, p["tune_replies"], p["tune_features"]),
-        train_stage("finetune", p, plan, p["tune_features"], p["draft"], plan.finetune_epochs,
-                    plan.finetune_lr, "--init-draft", p["base_draft"]),
+        regenerate(p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
+        capture("capture-finetune", p["tune_replies"], p["tune_features"]),
+        train("finetune", p["tune_features"], p["draft"], plan.finetune_epochs,
+              plan.finetune_lr, "--init-draft", p["base_draft"]),
     ] if plan.finetune else []
     return [
-        ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
-        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
-        *regenerate,
-        capture_stage("capture", p, plan, data, p["features"], *limit),
-        train_stage("train", p, plan, p["features"], p["base_draft"], plan.epochs, plan.lr,
-                    "--draft-vocab-size", str(plan.draft_vocab_size)),
+        ("convert", ["convert-gguf", "--out", p["model"],
+                     *(["--gguf", args.gguf] if args.gguf else [])]),
+        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]),
+                     *(["--sharegpt", args.sharegpt] if args.sharegpt else [])]),
+        *([regenerate(p["replies"], plan.prompts)] if regenerated else []),
+        capture("capture", data, p["features"],
+                *([] if regenerated else ["--limit", str(plan.prompts)])),
+        train("train", p["features"], p["base_draft"], plan.epochs, plan.lr,
+              "--draft-vocab-size", str(plan.draft_vocab_size)),
         *finetune,
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
