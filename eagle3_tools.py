@@ -1719,20 +1719,15 @@ def cmd_real_demo(args):
 # ----------------------------------------------------------------------------------------
 # 8. exact-probe: does each verify row round as its decode step, on this stack?
 #
-# Greedy speculation equals greedy decoding when every verify row has the bits of the
-# decode step at its position (the reference, section 7; its variant "exact in low
-# precision", make_exact, serves a target so). Whether a stack keeps that is a property of
-# its kernels, so it is measured here, for one dtype, device and serving path:
-#   (a) per operation: the model's own modules (layer 0's projections, norm and attention
-#       core; in the first MoE layer the router, expert 0 and the shared experts; the final
-#       norm and the lm_head) are fed the inputs one prefill gave them; row j of an M-row
-#       call is held against row j alone (the attention core: against row j's decode step
-#       over the prefix and rows < j), M = 1..N, bitwise. Each operation has its own inputs,
-#       so a flip is charged to the operation that makes it, not to those after it;
-#   (b) end to end (a model dir: it needs the tokenizer): greedy speculation against greedy
-#       decoding on prompts, where they part and the decode step's top-2 logit gap there (a
-#       near-tie one rounding flips), and each path's greedy against transformers' greedy
-#       generate in the same dtype (which greedy the path reproduces).
+# Greedy speculation equals greedy decoding when every verify row has the bits of its
+# decode step (make_exact serves a target so). That is a property of a stack's kernels, so
+# it is measured here, for one dtype, device and serving path:
+#   (a) per operation: layer 0's modules, the first MoE layer's router, expert 0 and shared
+#       experts, the final norm and the lm_head are fed the inputs one prefill gave them;
+#       row j of an M-row call is held bitwise against row j alone (attention: its decode
+#       step), M = 1..N. With its own inputs, a flip is charged to the operation making it;
+#   (b) end to end (a model dir): where greedy speculation parts from greedy decoding, the
+#       top-2 logit gap there, and each path's greedy against transformers' generate.
 # The plain path in bf16 on a CPU is the negative control: its rows flip and it parts.
 
 PROBE_PREFIX = 32    # cached tokens before the probed rows (the attention core's prefix)
@@ -1768,8 +1763,8 @@ def probed_leaves(module, prefix):
 
 
 def probed_modules(target):
-    """{path: module} of what the probe feeds: layer 0 whole, the first MoE layer's MoE,
-    the final norm and the lm_head."""
+    """({path: module} of layer 0 whole, the first MoE layer's MoE, the final norm and the
+    lm_head, that MoE layer's index or None)."""
     layers = target.model.layers
     moe = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, E.MoE)), None)
     picked = {"model.layers.0.input_layernorm": layers[0].input_layernorm}
@@ -1779,11 +1774,6 @@ def probed_modules(target):
         picked.update(probed_leaves(layers[moe].mlp, f"model.layers.{moe}.mlp"))
     picked.update({"model.norm": target.model.norm, "lm_head": target.lm_head})
     return picked, moe
-
-
-def probe_kind(module):
-    return ("norm" if isinstance(module, E.RMSNorm) else
-            "router" if isinstance(module, E.Router) else "linear")
 
 
 @torch.inference_mode()
@@ -1820,8 +1810,9 @@ def probe_inputs(target, N, seed):
     for name, module in picked.items():
         x = seen.get(name)
         if x is not None and x.numel() // x.shape[-1] == P + N:   # per token (not per head)
-            inputs.append(ProbeInput(name, probe_kind(module),
-                                     x.reshape(-1, x.shape[-1])[-N:], x.dim() == 2))
+            kind = ("norm" if isinstance(module, E.RMSNorm) else
+                    "router" if isinstance(module, E.Router) else "linear")
+            inputs.append(ProbeInput(name, kind, x.reshape(-1, x.shape[-1])[-N:], x.dim() == 2))
     return inputs
 
 
@@ -1872,8 +1863,8 @@ def row_flips(rows, alone, N):
 
 @torch.inference_mode()
 def probe_ops(target, inputs, N):
-    """{operation: RowFlips} of the target as it is served now (each module looked up
-    again: make_exact swaps them)."""
+    """{operation: RowFlips} of the target as served now (modules looked up again:
+    make_exact swaps them)."""
     flips = {}
     for op in inputs:
         if op.kind == "attention":
@@ -1893,17 +1884,6 @@ def op_shape(target, op):
     if op.kind == "norm" or weight is None or weight.dim() != 2:
         return f"{op.x.shape[-1]}"
     return f"{weight.shape[1]} -> {weight.shape[0]}" + (" experts" if op.kind == "router" else "")
-
-
-def flips_table(shapes, flips, paths):
-    """The per-operation table: per path, rows that differ / rows compared, first M."""
-    cells = [f"{p + ': differ/rows':>20s} {'first M':>7s}" for p in paths]
-    lines = [f"{'operation':38s} {'shape':24s} " + " ".join(cells)]
-    for name, shape in shapes.items():
-        cells = [f"{f'{f.differ}/{f.rows}':>20s} {str(f.first_m or '-'):>7s}"
-                 for f in (flips[p][name] for p in paths)]
-        lines.append(f"{name.removeprefix('model.'):38s} {shape:24s} " + " ".join(cells))
-    return "\n".join(lines)
 
 
 class Parting(NamedTuple):
@@ -1932,23 +1912,6 @@ def probe_prompt(target, draft, ids, n, shape, eos, hf_tokens):
                    sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1))
 
 
-def hf_greedy(target_dir, prompts, n, eos, dtype, device):
-    """transformers' greedy generate of each prompt in `dtype` -> new-token lists, or None
-    when transformers cannot load the model."""
-    from transformers import AutoModelForCausalLM
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
-        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); no agreement with "
-              f"its generate is reported", file=sys.stderr)
-        return None
-    pad = eos[0] if isinstance(eos, list) else eos
-    with torch.inference_mode():
-        return [hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=n, eos_token_id=eos, pad_token_id=pad
-                            )[0, ids.shape[1]:].tolist() for ids in prompts]
-
-
 def probe_draft(args, target):
     """--draft, else a fresh random drafter (its lm_head the target's rows): it drafts
     badly, but every round's bonus token is read off a verify row all the same."""
@@ -1966,6 +1929,18 @@ def probe_target(args):
     """--target's weights, or --config's shapes with random weights (the first --layers
     layers), in --dtype (default bf16: the dtype served) on --device -> (target, source)."""
     from dataclasses import replace
+    if (args.target is None) == (args.config is None):
+        fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
+             "end) or --config DIR|config.json (random weights at its shapes: per operation)")
+    if args.config and (args.prompts or args.draft):
+        flag = "--prompts" if args.prompts else "--draft"
+        fail(f"{flag} is for the end-to-end probe, which needs a model dir's weights and "
+             f"tokenizer: give --target DIR instead of --config")
+    if args.target and args.layers:
+        fail("--layers builds a slice of a --config's model; a --target is loaded whole")
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
+             f"(the first token comes from the prefill); use at least 2")
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype or "bfloat16")
     if args.target:
@@ -1980,51 +1955,39 @@ def probe_target(args):
             f"{config_dir(args.config)} (random weights, {layers} of {cfg.n_layers} layers)")
 
 
-def check_probe_args(args):
-    if (args.target is None) == (args.config is None):
-        fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
-             "end) or --config DIR|config.json (random weights at its shapes: per operation)")
-    if args.config and (args.prompts or args.draft):
-        flag = "--prompts" if args.prompts else "--draft"
-        fail(f"{flag} is for the end-to-end probe, which needs a model dir's weights and "
-             f"tokenizer: give --target DIR instead of --config")
-    if args.target and args.layers:
-        fail("--layers builds a slice of a --config's model; a --target is loaded whole")
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
-             f"(the first token comes from the prefill); use at least 2")
-
-
 def probe_prompts(args, target):
-    """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts
-    (the bench's prompt file reader), else bench's one prompt."""
+    """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts,
+    else bench's one prompt."""
     tokenizer = load_tokenizer(args.target, args)
     rows = (per_category(read_prompt_file(args.prompts), args.per_category) if args.prompts
             else [dict(prompt=BENCH_PROMPT, category="")])
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     prompts = [encode_prompt(tokenizer, r["prompt"], True, device) for r in rows]
     eos = eos_ids(tokenizer, args.target)
-    return rows, prompts, eos, hf_greedy(args.target, prompts, args.max_new_tokens, eos, dtype,
-                                         device)
+    hf = hf_model(args.target, dtype, "no agreement with its generate is reported")
+    if hf is None:
+        return rows, prompts, eos, None
+    hf, pad = hf.to(device), eos[0] if isinstance(eos, list) else eos
+    with torch.inference_mode():
+        return rows, prompts, eos, [hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad
+        )[0, ids.shape[1]:].tolist() for ids in prompts]
 
 
-def partings_table(rows, ends, paths):
+def print_partings(rows, ends, paths, hf_known):
     """Per prompt and path: where speculation parts (-: never), the top-2 gap there, and
-    whether greedy equals transformers' generate (yes, @position, n/a)."""
+    whether greedy equals transformers' generate (yes, @position, n/a); then a summary line
+    per path -> {path: partings, agreement with transformers, per prompt}."""
     cells = [f"{p + ': parts at':>16s} {'top-2 gap':>10s} {'= hf':>6s}" for p in paths]
-    lines = [f"{'#':>3s} {'category':12s} " + " ".join(cells)]
+    print0(f"{'#':>3s} {'category':12s} " + " ".join(cells))
     for i, row in enumerate(rows):
         cells = []
         for e in (ends[p][i] for p in paths):
             hf = "n/a" if e.hf_at == "n/a" else "yes" if e.hf_at is None else f"@{e.hf_at}"
             cells.append(f"{'-' if e.at is None else e.at:>16} "
                          f"{'-' if e.gap is None else f'{e.gap:.4g}':>10s} {hf:>6s}")
-        lines.append(f"{i:3d} {row['category'][:12]:12s} " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def end_to_end_summary(ends, hf_known):
-    """{path: partings, agreement with transformers, per prompt}, printed one line each."""
+        print0(f"{i:3d} {row['category'][:12]:12s} " + " ".join(cells))
     summary = {}
     for path, parts in ends.items():
         parted = [e for e in parts if e.at is not None]
@@ -2039,7 +2002,6 @@ def end_to_end_summary(ends, hf_known):
 
 def cmd_exact_probe(args):
     t0, paths, N = time.time(), PROBE_PATHS[args.path], args.rows
-    check_probe_args(args)
     target, source = probe_target(args)
     cfg, dtype = target.cfg, target.lm_head.weight.dtype
     if PROBE_PREFIX + N > cfg.max_positions:
@@ -2065,20 +2027,23 @@ def cmd_exact_probe(args):
     print0(f"{source}: {cfg.family}, {str(dtype)[6:]} on {device}; per operation: row j of "
            f"an M-row call against row j alone (attention: its decode step), M = 1..{N}, "
            f"bitwise")
-    print0(flips_table(shapes, flips, paths))
+    cells = [f"{p + ': differ/rows':>20s} {'first M':>7s}" for p in paths]
+    print0(f"{'operation':38s} {'shape':24s} " + " ".join(cells))
+    for name, shape in shapes.items():
+        cells = [f"{f'{f.differ}/{f.rows}':>20s} {str(f.first_m or '-'):>7s}"
+                 for f in (flips[p][name] for p in paths)]
+        print0(f"{name.removeprefix('model.'):38s} {shape:24s} " + " ".join(cells))
     report = dict(source=source, family=cfg.family, dtype=str(dtype)[6:], device=device,
                   rows=N, prefix=PROBE_PREFIX, paths=list(paths),
                   ops=[dict(op=op.name, kind=op.kind, shape=shapes[op.name],
                             **{p: flips[p][op.name]._asdict() for p in paths}) for op in inputs],
                   differing_ops={p: sum(f.differ > 0 for f in flips[p].values()) for p in paths})
     if end_to_end:
-        rows = end_to_end[0]
-        print0(f"end to end: {len(rows)} prompts, {args.max_new_tokens} new tokens, tree "
-               f"{tuple(tree_shape(args))}, drafter {drafter}")
-        print0(partings_table(rows, ends, paths))
+        print0(f"end to end: {len(end_to_end[0])} prompts, {args.max_new_tokens} new tokens, "
+               f"tree {tuple(tree_shape(args))}, drafter {drafter}")
         report.update(drafter=drafter, tree=list(tree_shape(args)),
-                      max_new_tokens=args.max_new_tokens,
-                      end_to_end=end_to_end_summary(ends, end_to_end[3] is not None))
+                      max_new_tokens=args.max_new_tokens, end_to_end=print_partings(
+                          end_to_end[0], ends, paths, end_to_end[3] is not None))
     else:
         print0("end to end: needs a model dir's weights and tokenizer (--target DIR)")
     print0(json.dumps(dict(report, seconds=round(time.time() - t0, 1))))
