@@ -75,9 +75,8 @@ def token_strings(tokenizer, ids):
 
 
 def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
-    """{matching: d2t entries naming the same token string in both tokenizers, entries,
-    out_of_range: entries outside the target vocab, coverage: share of the data's target
-    tokens inside t2d (None without data), fits}."""
+    """d2t entries naming the same token in both tokenizers (matching), outside the target
+    vocab (out_of_range), the share of the data's target tokens inside t2d (coverage)."""
     d2t, t2d = raw_vocab_map(draft_dir)
     V = len(target_tokenizer)
     if d2t is None:  # no map: draft ids are target ids
@@ -114,9 +113,8 @@ def reply_coverage(ids, tokenizer, data, max_len):
 
 
 def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
-    """Two maps (target ids in draft-id order) compared by position and as sets. d2t holds
-    offsets into the *sorted* draft vocabulary, so one different early token shifts every
-    later offset: maps can disagree by position while sharing almost all their tokens."""
+    """Two maps compared by position and as sets: one different early token shifts every later
+    d2t offset (into the *sorted* draft vocab), so maps can share tokens but not positions."""
     by_string = tok_a.get_vocab() != tok_b.get_vocab()   # across tokenizers: by string
     a = token_strings(tok_a, ids_a) if by_string else ids_a
     b = token_strings(tok_b, ids_b) if by_string else ids_b
@@ -327,10 +325,8 @@ def plan_shapes(extra=()):
 
 
 def round_collectives(cfg, elt, shape, tau, draft_sharded):
-    """[(calls, payload bytes per call)] of one round's all-reduces, and the bytes of its
-    decision broadcast ((N + 2) int64). A verify of N nodes makes 2L all-reduces; a
-    TP-sharded drafter (as SGLang runs it) 2 per forward: the prefix pass over tau tokens
-    and `depth` passes over top_k nodes. shape None: one step of plain decoding."""
+    """[(calls, bytes per call)] of a round's all-reduces (a verify: 2L; a TP-sharded drafter:
+    2 per forward) and its broadcast's bytes ((N + 2) int64); shape None: a plain step."""
     D, N = cfg.hidden_size, 1 if shape is None else shape.total_tokens
     calls = [(2 * cfg.n_layers, N * D * elt)]
     if draft_sharded and shape is not None:
@@ -347,9 +343,8 @@ def round_us(calls, broadcast_bytes, world, link, saving=0.0):
 
 def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
               measured=None):
-    """Per shape (plain decoding first): all-reduces per verify and their bytes, then per
-    generated token at each tau their calls, bytes, modelled us on each link (unfused and
-    fused) and the us cost-plan measured ({N: us}) for a verify of that size."""
+    """Per shape (plain decoding first): a verify's all-reduces, then per token at each tau
+    their calls, bytes, modelled us per link (unfused, fused) and cost-plan's measured us."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -371,9 +366,8 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
 
 
 def comm_plan_table(rows, links):
-    """Per shape and tau: all-reduces and MiB per token, modelled us per token on each link
-    (unfused / fused), and the round's time over the 3-draft chain's (a wider shape pays in
-    communication only if its tau is that many times the chain's)."""
+    """Per shape and tau: all-reduces, MiB and modelled us per token, and the round's time over
+    the 3-draft chain's (a wider shape pays only if its tau is that many times the chain's)."""
     chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
     head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
     head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
@@ -558,9 +552,8 @@ def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
 
 @torch.inference_mode()
 def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
-    """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
-    N in `sizes` (with calls > 0, also its `calls` all-reduces alone); each (label,
-    TreeShape)'s drafting and bookkeeping. `timer` is median_timer(...) or a test's clock."""
+    """CostTimings of `models` at `context` cached tokens: a decode step, a verify of each N in
+    `sizes` (calls > 0: its all-reduces alone), each shape's drafting and bookkeeping."""
     target, device = models.target, models.target.lm_head.weight.device
     dtype, V, D = target.lm_head.weight.dtype, target.cfg.vocab_size, target.cfg.hidden_size
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -780,9 +773,8 @@ def read_costs(path):
 
 
 def projected(stats, costs):
-    """A verdict per measured shape for a drafter probed offline (ChainStats): a chain of k
-    drafts accepts the replayed tau of k drafts, against its measured round cost; of a tree
-    the probe (it drafts chains) can give only the tau it needs."""
+    """A verdict per measured shape for an offline probe's ChainStats: a chain of k drafts
+    gets the replayed tau of k drafts; a tree only the tau it needs (the probe drafts chains)."""
     rows = []
     for row in costs["shapes"]:
         top_k, depth, total_tokens = row["tree"]
@@ -818,9 +810,8 @@ def capture_file(out, i):
 
 @torch.inference_mode()
 def capture_features(target, examples, out, aux_layers):
-    """Write every sample not yet on disk, each from one target forward (files are atomic,
-    so a killed capture resumes where it stopped). Rank 0 decides what is left and writes;
-    every rank runs the tensor-parallel forward. Returns the number written."""
+    """Write every sample not yet on disk (atomic files: a killed capture resumes) -> how many.
+    Rank 0 decides what is left and writes; every rank runs the tensor-parallel forward."""
     device, D = target.lm_head.weight.device, target.cfg.hidden_size
     missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
                            dtype=torch.long, device=device)
@@ -1285,9 +1276,8 @@ def wheel_file(distribution, suffix, flag):
 
 
 def convert_gguf(path, out):
-    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
-    template), complete or not at all. Its dequantized tensors go into a fresh model of its
-    config: from_pretrained(gguf_file=) keeps a quantizer, which refuses save_pretrained."""
+    """The Hugging Face dir of a GGUF file, complete or not at all: its dequantized tensors in
+    a fresh model (from_pretrained(gguf_file=) keeps a quantizer that refuses to save)."""
     import shutil
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -1466,10 +1456,8 @@ def done_rows(partial):
 
 @torch.inference_mode()
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
-    """Write OUT (chat JSONL for train) with the target's greedy replies -> (decoded now, left
-    out). Batches of similar length are appended to OUT.partial (a rerun skips what is there);
-    OUT appears when all are done, in the prompts' order (train holds out the first 1/50: a
-    mix of kinds). A prompt without room for a capped reply within max_len is left out."""
+    """OUT (chat JSONL) of the target's greedy replies, in the prompts' order, via OUT.partial
+    (a rerun resumes) -> (decoded now, prompts left out: no room for a reply in max_len)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
@@ -1572,9 +1560,8 @@ def cmd_curve(args):
 
 
 def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
-    """--budget: minutes ("60") or training conversations ("500p") -> a RealPlan. The count
-    scales with the minutes, past the set's size the epochs grow instead; fine-tuning (its
-    replies are decoded, measured in bf16 only) follows own replies where bf16 is native."""
+    """--budget: minutes ("60") or conversations ("500p") -> a RealPlan; past the set's size the
+    epochs grow; fine-tuning (bf16 decoding) follows own replies where bf16 is native."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1778,9 +1765,8 @@ def probed_modules(target):
 
 @torch.inference_mode()
 def probe_inputs(target, N, seed):
-    """One prefill of PROBE_PREFIX + N random tokens, recording what each probed module and
-    layer 0's attention core were given (then expert 0 fed every token, as a verify may
-    route them all to it) -> [ProbeInput], the last N rows of each."""
+    """[ProbeInput]: the last N rows of what each probed module and layer 0's attention core
+    got in one prefill of PROBE_PREFIX + N random tokens (expert 0 then fed every token)."""
     P, device = PROBE_PREFIX, target.lm_head.weight.device
     ids = torch.randint(target.cfg.vocab_size, (1, P + N),
                         generator=torch.Generator().manual_seed(seed)).to(device)
@@ -1817,10 +1803,9 @@ def probe_inputs(target, N, seed):
 
 
 def attention_calls(module, q, k, v, scale):
-    """(M rows verified as a chain over the prefix -> (M, H, dv), row j's decode step ->
-    (H, dv)) of the attention core served in `module`, on the recorded q (1, H, P+N, d), k
-    and v. Dense attention reads its cache slab in place and MLA freshly expanded keys, as
-    each does when serving; the masks are the ones a verify and a decode step build."""
+    """(M rows verified as a chain -> (M, H, dv), row j's decode step -> (H, dv)) of the core
+    served in `module` on the recorded q (1, H, P+N, d), k, v, with the masks serving builds."""
+    # dense attention reads its cache slab in place, MLA freshly expanded keys, as served
     P, fresh, attend = PROBE_PREFIX, isinstance(module, E.MLAttention), module.attend
     dtype, device = q.dtype, q.device
 
@@ -1976,9 +1961,8 @@ def probe_prompts(args, target):
 
 
 def print_partings(rows, ends, paths, hf_known):
-    """Per prompt and path: where speculation parts (-: never), the top-2 gap there, and
-    whether greedy equals transformers' generate (yes, @position, n/a); then a summary line
-    per path -> {path: partings, agreement with transformers, per prompt}."""
+    """Per prompt and path: where speculation parts, the top-2 gap there, greedy = transformers'
+    generate? Then per path a summary -> {path: partings, agreement, per prompt}."""
     cells = [f"{p + ': parts at':>16s} {'top-2 gap':>10s} {'= hf':>6s}" for p in paths]
     print0(f"{'#':>3s} {'category':12s} " + " ".join(cells))
     for i, row in enumerate(rows):
@@ -2186,8 +2170,9 @@ def add_cost_commands(sub):
     co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
                         "weights): break-even tau and speedup per shape", parents=[common(
                             "config!", "draft_vocab_size", "dtype", "device", "tree", "tau",
-                            "seed", "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
-                                                      f"standard: {COST_DRAFT_VOCAB})")])
+                            "seed", "layout",
+                            draft_vocab_size=f"draft vocab (default: the drafter's; "
+                                             f"standard: {COST_DRAFT_VOCAB})")])
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
