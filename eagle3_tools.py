@@ -74,15 +74,9 @@ def token_strings(tokenizer, ids):
             for i in ids]
 
 
-class VocabFit(NamedTuple):
-    matching: int         # d2t entries naming the same token string in both tokenizers
-    entries: int          # draft vocab size
-    out_of_range: int     # d2t entries outside the target vocab
-    coverage: float       # share of the data's target tokens inside t2d (None without data)
-    fits: bool
-
-
 def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
+    """d2t entries naming the same token in both tokenizers (matching), outside the target
+    vocab (out_of_range), the share of the data's target tokens inside t2d (coverage)."""
     d2t, t2d = raw_vocab_map(draft_dir)
     V = len(target_tokenizer)
     if d2t is None:  # no map: draft ids are target ids
@@ -100,7 +94,8 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
         ids = ids[ids < len(keep)]
         coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
     fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
-    return VocabFit(matching, len(d2t), int((~in_range).sum()), coverage, fits)
+    return dict(matching=matching, entries=len(d2t), out_of_range=int((~in_range).sum()),
+                coverage=coverage, fits=fits)
 
 
 def vocab_map_ids(d2t):
@@ -117,21 +112,10 @@ def reply_coverage(ids, tokenizer, data, max_len):
     return inside / max(1, total)
 
 
-class MapComparison(NamedTuple):
-    positional: int   # draft ids mapped to the same token by both maps (same d2t offset)
-    overlap: int      # tokens in both draft vocabularies, as sets
-    entries: int      # draft vocab size (of the first map)
-    by_string: bool   # tokens compared by string: the tokenizers differ
-    verdict: str
-
-
 def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
-    """Two maps (their target ids in draft-id order) compared position by position and as
-    sets. d2t stores offsets into the *sorted* draft vocabulary, so one different token
-    early in the list shifts every later offset: maps can disagree almost everywhere by
-    position while sharing almost all their tokens. Across tokenizers, tokens compare by
-    string."""
-    by_string = tok_a.get_vocab() != tok_b.get_vocab()
+    """Two maps compared by position and as sets: one different early token shifts every later
+    d2t offset (into the *sorted* draft vocab), so maps can share tokens but not positions."""
+    by_string = tok_a.get_vocab() != tok_b.get_vocab()   # across tokenizers: by string
     a = token_strings(tok_a, ids_a) if by_string else ids_a
     b = token_strings(tok_b, ids_b) if by_string else ids_b
     positional = sum(x is not None and x == y for x, y in zip(a, b))
@@ -144,7 +128,8 @@ def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
                    "fine-tuning; swapping in the new d2t without moving rows scrambles the head")
     else:
         verdict = "different tokens: retrain, or remap with fresh rows for the new tokens"
-    return MapComparison(positional, overlap, n, by_string, verdict)
+    return dict(positional=positional, overlap=overlap, entries=n, by_string=by_string,
+                verdict=verdict)
 
 
 def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
@@ -176,25 +161,6 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     return draft, carried
 
 
-def aux_candidates(raw, target_cfg):
-    """{convention: hidden_states indices} a draft config names (the default indices, the
-    same for all, when it names none)."""
-    ids = aux_layer_ids(raw)
-    return {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
-            for c in AUX_CONVENTIONS}
-
-
-def aux_fit(target, draft, examples, pad_id, candidates):
-    """Held-out per-TTT-step accuracy of the drafter fed each distinct candidate's
-    features -> {indices: accuracies}."""
-    distinct = list(dict.fromkeys(candidates.values()))
-    for indices in distinct:
-        check_aux_layers(indices, target.cfg.n_layers)
-    inputs = live_inputs(target, pad_id)   # the target runs: only it has every layer
-    return {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
-            for indices in distinct}
-
-
 def stored_map_ids(draft_dir, missing):
     d2t, _ = raw_vocab_map(draft_dir)
     if d2t is None:
@@ -215,19 +181,18 @@ def vocab_check_against(args, target_tok, draft_tok):
         train, _ = held_out_split(training_examples(target_tok, args.against_data, args.max_len))
         other_ids = vocab_map_ids(build_vocab_mapping(count_reply_tokens(train, V), len(ids))[0])
         other_tok, what = target_tok, f"the map train builds from {args.against_data}"
-    cmp = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
-    unit = "token string" if cmp.by_string else "target id"
-    print(f"this drafter's map vs {what} ({cmp.entries} draft ids, compared by {unit}):")
-    print(f"  positional d2t agreement: {cmp.positional} of {cmp.entries}")
-    print(f"  shared draft tokens (as sets): {cmp.overlap} of {cmp.entries}")
-    report = cmp._asdict()
+    report = compare_vocab_maps(ids, draft_tok, other_ids, other_tok)
+    n, unit = report["entries"], "token string" if report["by_string"] else "target id"
+    print(f"this drafter's map vs {what} ({n} draft ids, compared by {unit}):")
+    print(f"  positional d2t agreement: {report['positional']} of {n}")
+    print(f"  shared draft tokens (as sets): {report['overlap']} of {n}")
     data = args.data or args.against_data
     if data:
         report.update(coverage=reply_coverage(ids, draft_tok, data, args.max_len),
                       coverage_other=reply_coverage(other_ids, other_tok, data, args.max_len))
         print(f"  share of {data}'s reply tokens covered: this map {report['coverage']:.1%}, "
               f"the other {report['coverage_other']:.1%}")
-    print(f"verdict: {cmp.verdict}")
+    print(f"verdict: {report['verdict']}")
     print(json.dumps(report))
 
 
@@ -237,18 +202,18 @@ def cmd_vocab_check(args):
     if args.against_draft or args.against_data:
         return vocab_check_against(args, target_tok, draft_tok)
     fit = vocab_fit(args.draft, target_tok, draft_tok, args.data)
-    print(f"d2t entries naming the same token in both tokenizers: {fit.matching} of {fit.entries} "
-          f"({fit.matching / max(1, fit.entries):.1%}); outside the target vocab: "
-          f"{fit.out_of_range}")
-    if fit.coverage is not None:
+    print(f"d2t entries naming the same token in both tokenizers: {fit['matching']} of "
+          f"{fit['entries']} ({fit['matching'] / max(1, fit['entries']):.1%}); outside the "
+          f"target vocab: {fit['out_of_range']}")
+    if fit["coverage"] is not None:
         print(f"share of the data's target tokens inside the draft vocab (t2d): "
-              f"{fit.coverage:.1%}")
-    if not fit.fits:
+              f"{fit['coverage']:.1%}")
+    if not fit["fits"]:
         print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
               f"draft tokens decode to other strings under the target tokenizer. Drafting with "
               f"it proposes wrong tokens; fine-tuning from it starts from a scrambled head. "
               f"Run remap-draft first.", file=sys.stderr)
-    print(json.dumps(fit._asdict()))
+    print(json.dumps(fit))
 
 
 def cmd_remap_draft(args):
@@ -265,13 +230,20 @@ def cmd_remap_draft(args):
 
 
 def draft_check_accuracy(args, candidates):
+    """Held-out per-TTT-step accuracy of the drafter fed each distinct reading's features
+    (the target runs: only it has every layer), ranked and printed."""
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(args.target, args)
     examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
-    accuracy = aux_fit(target, draft, examples, tokenizer.pad_token_id or 0, candidates)
+    distinct = list(dict.fromkeys(candidates.values()))
+    for indices in distinct:
+        check_aux_layers(indices, target.cfg.n_layers)
+    inputs = live_inputs(target, tokenizer.pad_token_id or 0)
+    accuracy = {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
+                for indices in distinct}
     ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
     for indices in ranked:
         names = ", ".join(c for c, v in candidates.items() if v == indices)
@@ -289,10 +261,11 @@ def cmd_draft_check(args):
     """Which target features does this drafter read, under each engine's convention?"""
     raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
-    candidates = aux_candidates(raw, target_cfg)
-    print0(f"eagle_aux_hidden_state_layer_ids = {aux_layer_ids(raw)} "
-           f"({target_cfg.n_layers}-layer target); hidden_states indices fed under each "
-           f"convention:")
+    ids = aux_layer_ids(raw)   # none named: the default indices, the same for all
+    candidates = {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
+                  for c in AUX_CONVENTIONS}
+    print0(f"eagle_aux_hidden_state_layer_ids = {ids} ({target_cfg.n_layers}-layer target); "
+           f"hidden_states indices fed under each convention:")
     for convention, indices in candidates.items():
         print0(f"  {convention:14s} {list(indices)}")
     distinct = list(dict.fromkeys(candidates.values()))
@@ -301,7 +274,7 @@ def cmd_draft_check(args):
               f"served under another convention than it was trained with, it drafts from the "
               f"wrong features and silently loses acceptance. Pass --data to measure which "
               f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
-    report = dict(ids=aux_layer_ids(raw), candidates={k: list(v) for k, v in candidates.items()},
+    report = dict(ids=ids, candidates={k: list(v) for k, v in candidates.items()},
                   agree=len(distinct) == 1)
     if args.data:
         report.update(draft_check_accuracy(args, candidates))
@@ -342,10 +315,6 @@ def config_dir(path):
     return (os.path.dirname(path) if path.endswith(".json") else path) or "."
 
 
-def allreduce_us(payload, world, link, saving=0.0):
-    return max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * payload / (link.gbps * 1e3)
-
-
 def plan_shapes(extra=()):
     """(label, TreeShape) in our top_k/depth/total_tokens notation: the official tree,
     chains of 2..8 drafts (SGLang's default 3/1/4 is our chain of 3, 1/2/4), any extra."""
@@ -356,11 +325,8 @@ def plan_shapes(extra=()):
 
 
 def round_collectives(cfg, elt, shape, tau, draft_sharded):
-    """[(calls, payload bytes per call)] of the all-reduces of one speculation round, and
-    the bytes of its one decision broadcast ((N + 2) int64). The verify forward of N nodes
-    makes 2L all-reduces; our drafter is replicated and makes none, but a TP-sharded one (as
-    SGLang runs it) makes 2 per forward: the prefix pass over the tau accepted tokens and
-    `depth` passes over top_k nodes. shape None: one step of plain decoding."""
+    """[(calls, bytes per call)] of a round's all-reduces (a verify: 2L; a TP-sharded drafter:
+    2 per forward) and its broadcast's bytes ((N + 2) int64); shape None: a plain step."""
     D, N = cfg.hidden_size, 1 if shape is None else shape.total_tokens
     calls = [(2 * cfg.n_layers, N * D * elt)]
     if draft_sharded and shape is not None:
@@ -370,15 +336,15 @@ def round_collectives(cfg, elt, shape, tau, draft_sharded):
 
 def round_us(calls, broadcast_bytes, world, link, saving=0.0):
     """Modelled communication time of one round (or plain step), microseconds."""
-    ar = sum(n * allreduce_us(size, world, link, saving) for n, size in calls)
+    ar = sum(n * (max(0.0, link.alpha_us - saving) + 2 * (world - 1) / world * size
+                  / (link.gbps * 1e3)) for n, size in calls)
     return ar + link.alpha_us + broadcast_bytes / (link.gbps * 1e3)
 
 
 def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
               measured=None):
-    """Per shape (plain decoding first): all-reduces per verify and their bytes, then per
-    generated token at each tau their calls, bytes and modelled time on each link (unfused
-    and fused), and the time cost-plan measured ({N: us}) for a verify of that size."""
+    """Per shape (plain decoding first): a verify's all-reduces, then per token at each tau
+    their calls, bytes, modelled us per link (unfused, fused) and cost-plan's measured us."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -400,9 +366,8 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
 
 
 def comm_plan_table(rows, links):
-    """Per shape and tau: all-reduces and MiB per generated token, modelled us per token on
-    each link (unfused / fused), and the ratio of a round's time to the 3-draft chain's (a
-    wider shape pays in communication only if its tau is that many times the chain's)."""
+    """Per shape and tau: all-reduces, MiB and modelled us per token, and the round's time over
+    the 3-draft chain's (a wider shape pays only if its tau is that many times the chain's)."""
     chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
     head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
     head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
@@ -422,40 +387,31 @@ def comm_plan_table(rows, links):
     return "\n".join(lines)
 
 
-def measured_allreduces(args):
-    """{N: us} of a verify's all-reduces as cost-plan measured them (--costs), or None."""
-    if not args.costs:
-        return None
-    costs = read_costs(args.costs)
-    if costs.get("world") != args.tp:
-        fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
-             f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
-    return {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
-            if v.get("allreduce_ms") is not None}
-
-
-def comm_links(specs):
-    """--link: presets, or ALPHA_US,GBPS links named link1, link2, .. -> {name: Link}."""
-    links = {}
-    for link in specs or list(LINKS):
-        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
-        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
-        if links[name].alpha_us < 0 or links[name].gbps <= 0:
-            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
-    return links
-
-
 def cmd_comm_plan(args):
     path = config_dir(args.config)
     cfg = read_target_config(path)
     check_tp_sizes(cfg, args.tp)
     dtype = parse_dtype(args.dtype) or torch.bfloat16
-    links, taus = comm_links(args.link), plan_taus(args.tau)
+    links = {}   # --link: presets, or ALPHA_US,GBPS links named link1, link2, ..
+    for link in args.link or list(LINKS):
+        name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
+        links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
+        if links[name].alpha_us < 0 or links[name].gbps <= 0:
+            fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
+    taus = plan_taus(args.tau)
     extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
     for shape in extra:
         check_tree_shape(shape, cfg.vocab_size)
+    measured = None   # {N: us} of a verify's all-reduces as cost-plan measured them
+    if args.costs:
+        costs = read_costs(args.costs)
+        if costs.get("world") != args.tp:
+            fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
+                 f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
+        measured = {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
+                    if v.get("allreduce_ms") is not None}
     rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
-                     args.fusion_saving_us, args.draft_sharded, measured_allreduces(args))
+                     args.fusion_saving_us, args.draft_sharded, measured)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
     print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
@@ -474,17 +430,15 @@ def cmd_comm_plan(args):
 # ----------------------------------------------------------------------------------------
 # 3. serving layouts: rows (nn.Linear), and the invariant layout (exact in bf16)
 #
-# bench and cost-plan serve a target in one of LAYOUTS: rows as loaded, or invariant, the
-# reference's exact path (make_exact: each verify row gets the bits of its own decode step,
-# so greedy speculation equals greedy decoding even in bf16). Greedy decoding runs the same
-# served target, so speedups stay like for like.
+# bench and cost-plan serve a target as loaded (rows) or in the reference's exact path
+# (invariant, make_exact: each verify row gets the bits of its own decode step, so greedy
+# speculation equals greedy decoding even in bf16). Greedy decoding runs the same target.
 
 LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
 def use_layout(model, layout):
-    """Serve `model` in `layout` (LAYOUTS). A drafter is served as is: its rounding decides
-    only which drafts are verified."""
+    """`model` served in `layout`; a drafter as is (its rounding only picks the drafts)."""
     if layout == "invariant" and isinstance(model, Target):
         return E.make_exact(model)
     return model
@@ -494,12 +448,10 @@ def use_layout(model, layout):
 # 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
 #
 # Whether speculation pays is tau set against what a round costs (docs/costs_and_
-# communication.md), and the cost side needs neither a drafter nor trained weights: weights
-# do not change it (shapes, dtype and device do), so random weights at the real shapes
-# measure it exactly. In plain decode steps a round's cost is the break-even tau.
-#
-# The five adapters below (build, decode, verify, draft, accept) are the only calls into
-# Part I from here: a change of signature there is mended in one place.
+# communication.md). The cost depends on shapes, dtype and device, not on the weights, so
+# random weights at the real shapes measure it exactly. In plain decode steps a round's
+# cost is the break-even tau. build_random and measure_costs are the only calls into Part I
+# from here: a change of signature there is mended in one place.
 
 COST_CONTEXT = 512          # tokens cached when a round starts (a chat prompt and its reply)
 COST_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # verify sizes N timed, besides every shape's own N
@@ -521,9 +473,8 @@ class CostModels(NamedTuple):
 
 
 def randomise(module, generator, skip=lambda name: False):
-    """Random weights written in place, on each parameter's device and in its dtype:
-    matrices N(0, COST_INIT_STD), vectors (norm weights, biases) 1; float buffers (the MoE
-    routing bias) 0, as to_empty leaves them holding whatever the memory held."""
+    """Random weights in place, in each parameter's device and dtype: matrices N(0,
+    COST_INIT_STD), vectors 1; float buffers (the MoE routing bias) 0, not to_empty's junk."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if skip(name):
@@ -538,8 +489,8 @@ def randomise(module, generator, skip=lambda name: False):
 
 
 def random_target(cfg, world, dtype, device, generator):
-    """The target of `cfg` (this rank's shard of W) built on the meta device, allocated once
-    on `device` in `dtype` (no fp32 copy on the CPU) and filled with random weights."""
+    """This rank's shard of the target of `cfg`, built on meta, allocated once on `device` in
+    `dtype` (no fp32 copy on the CPU), with random weights."""
     with torch.device("meta"):
         target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     target = target.to_empty(device=device)
@@ -551,9 +502,7 @@ def random_target(cfg, world, dtype, device, generator):
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
                  layout="rows"):
-    """Adapter: this rank's shard of the target, the drafter and their KV caches, built on
-    the meta device and allocated once on `device` in `dtype` (no fp32 copy on the CPU),
-    with random weights, laid out for serving."""
+    """The random target (random_target), drafter and their KV caches, laid out for serving."""
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
@@ -565,37 +514,9 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
 
-def decode_step(target, cache, n, token):
-    """Adapter: one step of plain decoding: the forward of token (1, 1) at cache slot n and
-    its argmax, which greedy decoding waits for on the host."""
-    logits, _ = target(token, cache=cache, start=n, aux_layers=())
-    return int(logits[0, -1].argmax())
-
-
-def verify_step(target, cache, n, tree, aux_layers):
-    """Adapter: a round's verify forward of `tree` at cache slots n.. -> logits (N, V)."""
-    return verify_tree(target, cache, n, tree, aux_layers)[0]
-
-
-def drafting_step(draft, cache, n, features, next_tokens, root, shape):
-    """Adapter: a round's drafting: the prefix pass over the m tokens just accepted (draft
-    cache slots n-m..n-1), then the tree: depth passes over top_k nodes, top-k, selection."""
-    h_last = draft_prefix(draft, cache, n - features.shape[1], features, next_tokens)
-    return grow_tree(draft, cache, n, h_last, root, shape)
-
-
-def accept_step(logits, tree, cache, n, tp):
-    """Adapter: greedy acceptance, rank 0's decision on every rank, and the commit of the
-    accepted nodes' K/V to slots n.. -> the new cache length."""
-    acceptance = accept_greedy(logits, tree)
-    acceptance = broadcast_acceptance(acceptance, len(tree.tokens), logits.device, tp)
-    return commit(cache, n, acceptance.path.to(logits.device))
-
-
 def chain_tree(N):
-    """A chain of N nodes (the public Tree fields), the verify sweep's tree: a verify of
-    N nodes costs the same whatever the tree's shape (attention is dense over them).
-    Worked for N = 3: parents [-1, 0, 1], mask lower-triangular, one path [[0, 1, 2]]."""
+    """A chain of N nodes, the verify sweep's tree (attention is dense over N nodes, so any
+    shape costs the same). N = 3: parents [-1, 0, 1], mask lower-triangular, path [[0, 1, 2]]."""
     nodes = torch.arange(N)
     return Tree(tokens=torch.zeros(N, dtype=torch.long), parents=nodes - 1, positions=nodes,
                 mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
@@ -611,8 +532,8 @@ class CostTimings(NamedTuple):
 
 
 def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
-    """cost-plan's clock: fn -> (its result, the median seconds of `repeats` runs after
-    `warmup` untimed ones), the GPU's queue drained before each reading."""
+    """fn -> (its result, the median seconds of `repeats` runs after `warmup` untimed ones),
+    the GPU's queue drained before each reading."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timer(fn):
@@ -631,37 +552,48 @@ def median_timer(device, warmup=COST_WARMUP, repeats=COST_REPEATS):
 
 @torch.inference_mode()
 def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
-    """CostTimings of `models` with `context` tokens cached: a decode step; a verify of each
-    N in `sizes` (and, with calls > 0, its `calls` all-reduces alone); each (label,
-    TreeShape)'s drafting and bookkeeping. `timer` is median_timer(...) or a test's clock."""
+    """CostTimings of `models` at `context` cached tokens: a decode step, a verify of each N in
+    `sizes` (calls > 0: its all-reduces alone), each shape's drafting and bookkeeping."""
     target, device = models.target, models.target.lm_head.weight.device
-    dtype, V = target.lm_head.weight.dtype, target.cfg.vocab_size
+    dtype, V, D = target.lm_head.weight.dtype, target.cfg.vocab_size, target.cfg.hidden_size
     token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    decode = timer(lambda: decode_step(target, models.cache, context, token))[1]
-    verify, allreduce, draft, accept = {}, {}, {}, {}
-    for N in sizes:
-        tree = chain_tree(N)
-        verify[N] = timer(lambda: verify_step(target, models.cache, context, tree, aux_layers))[1]
-        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
-            payload = torch.zeros(N, target.cfg.hidden_size, dtype=dtype, device=device)
-            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
-    features = torch.randn(1, COST_PREFIX, 3 * target.cfg.hidden_size, device=device).to(dtype)
+    features = torch.randn(1, COST_PREFIX, 3 * D, device=device).to(dtype)
     next_tokens = torch.zeros(1, COST_PREFIX, dtype=torch.long, device=device)
     root = torch.tensor(0, device=device)
+
+    def decode():   # one plain step and its argmax, which greedy decoding waits for
+        logits, _ = target(token, cache=models.cache, start=context, aux_layers=())
+        return int(logits[0, -1].argmax())
+
+    def drafting(shape):   # the prefix pass over the tokens just accepted, then the tree
+        h = draft_prefix(models.draft, models.draft_cache, context - COST_PREFIX, features,
+                         next_tokens)
+        return grow_tree(models.draft, models.draft_cache, context, h, root, shape)
+
+    def accept(logits, tree):   # greedy acceptance, rank 0's decision on every rank, commit
+        acceptance = accept_greedy(logits, tree)
+        acceptance = broadcast_acceptance(acceptance, len(tree.tokens), device, target.tp)
+        return commit(models.cache, context, acceptance.path.to(device))
+
+    decode_s, verify, allreduce, draft, accept_s = timer(decode)[1], {}, {}, {}, {}
+    for N in sizes:
+        tree = chain_tree(N)
+        verify[N] = timer(lambda: verify_tree(target, models.cache, context, tree,
+                                              aux_layers)[0])[1]
+        if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
+            payload = torch.zeros(N, D, dtype=dtype, device=device)
+            allreduce[N] = timer(lambda: [dist.all_reduce(payload) for _ in range(calls)])[1]
     for label, shape in shapes:
-        tree, draft[label] = timer(lambda: drafting_step(models.draft, models.draft_cache, context,
-                                                      features, next_tokens, root, shape))
+        tree, draft[label] = timer(lambda: drafting(shape))
         logits = torch.randn(len(tree.tokens), V, device=device).to(dtype)      # (N, V)
-        accept[label] = timer(lambda: accept_step(logits, tree, models.cache, context,
-                                                  target.tp))[1]
-    return CostTimings(decode, verify, allreduce, draft, accept)
+        accept_s[label] = timer(lambda: accept(logits, tree))[1]
+    return CostTimings(decode_s, verify, allreduce, draft, accept_s)
 
 
 @torch.inference_mode()
 def measure_ends(target, sizes, timer):
-    """{T: seconds of a target forward's ends (embedding, final norm, lm_head) on T tokens}
-    for T = 1 (a decode step) and each verify size: they do not grow with depth, so a
-    slice's time scales without them."""
+    """{T: seconds of a forward's ends (embedding, final norm, lm_head) on T tokens}, for
+    T = 1 and each verify size: they do not grow with depth, so a slice scales without them."""
     m, device = target.model, target.lm_head.weight.device
     ids = {T: torch.zeros(1, T, dtype=torch.long, device=device) for T in sorted({1, *sizes})}
     return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1]
@@ -669,9 +601,8 @@ def measure_ends(target, sizes, timer):
 
 
 def full_depth(timings, ends, built, layers):
-    """Timings of a `built`-layer slice scaled to `layers` layers: the layers' share of each
-    target forward (all of it but its ends) grows in proportion; drafting and bookkeeping do
-    not. An estimate: it takes every layer to cost the same, as in a dense model."""
+    """Timings of a `built`-layer slice scaled to `layers`: each target forward's layer share
+    (all but its ends) grows in proportion, drafting and bookkeeping do not (an estimate)."""
     def scaled(seconds, T):
         return ends[T] + (seconds - ends[T]) * layers / built
     return timings._replace(decode=scaled(timings.decode, 1),
@@ -679,9 +610,8 @@ def full_depth(timings, ends, built, layers):
 
 
 def cost_rows(timings, shapes, taus):
-    """Per (label, TreeShape), in plain decode steps: the verify of its N nodes, its
-    drafting, its bookkeeping, the round (their sum, which is the break-even tau) and the
-    speedup over plain decoding, tau / round, at each tau."""
+    """Per (label, TreeShape), in plain decode steps: its verify, drafting, bookkeeping, the
+    round (their sum: the break-even tau) and the speedup over plain decoding at each tau."""
     rows = []
     for label, shape in shapes:
         parts = (timings.verify[shape.total_tokens], timings.draft[label], timings.accept[label])
@@ -691,27 +621,6 @@ def cost_rows(timings, shapes, taus):
                          draft=draft, accept=accept, round_cost=cost, break_even_tau=cost,
                          speedup={tau: tau / cost for tau in taus}))
     return rows
-
-
-def sweep_table(timings):
-    """The verify sweep: N, milliseconds, decode steps (and the all-reduces' ms under TP)."""
-    tp = bool(timings.allreduce)
-    lines = [f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
-             (f" {'of which all-reduce ms':>22s}" if tp else "")]
-    for N, seconds in sorted(timings.verify.items()):
-        line = f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}"
-        lines.append(line + (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
-    return "\n".join(lines)
-
-
-def cost_table(rows, taus):
-    """One row per shape, in plain decode steps; the last columns: x plain at each tau."""
-    head = (f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
-            f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
-    return "\n".join([head] + [
-        f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
-        f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
-        "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus) for r in rows])
 
 
 def break_even_tau(verify_cost, draft_cost, drafts):
@@ -729,8 +638,7 @@ def speed_verdict(tau, break_even):
 
 def cost_configs(args):
     """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
-    config.json; a bare one takes the target's vocab), else of the standard one-layer
-    drafter for that target."""
+    config.json; a bare one takes the target's vocab), else of the standard drafter."""
     from types import SimpleNamespace
     cfg = read_target_config(config_dir(args.config))
     vd = args.draft_vocab_size
@@ -778,6 +686,7 @@ def cost_plan_inputs(args, cfg, draft_cfg):
 
 
 def print_cost_plan(run, cfg, timings, rows, taus):
+    """The run, the verify sweep (and its all-reduces under TP), then a row per shape."""
     print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
            f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
            f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
@@ -788,10 +697,20 @@ def print_cost_plan(run, cfg, timings, rows, taus):
                f"the layers' share of every target forward is scaled by "
                f"{cfg.n_layers / run['layers_timed']:.2f} (embedding and lm_head are not)")
     print0(f"one plain decode step: {timings.decode * 1e3:.3f} ms; a verify forward of N nodes:")
-    print0(sweep_table(timings))
+    tp = bool(timings.allreduce)
+    print0(f"{'N':>4s} {'verify ms':>10s} {'decode steps':>12s}" +
+           (f" {'of which all-reduce ms':>22s}" if tp else ""))
+    for N, seconds in sorted(timings.verify.items()):
+        print0(f"{N:4d} {seconds * 1e3:10.3f} {seconds / timings.decode:12.2f}" +
+               (f" {timings.allreduce[N] * 1e3:22.3f}" if tp else ""))
     print0("a round, in plain decode steps: round = draft + verify + accept = the break-even "
            "tau; x@tau = tau / round, the speedup over plain decoding at that accept length")
-    print0(cost_table(rows, taus))
+    print0(f"{'shape':31s} {'N':>3s} {'draft':>6s} {'verify':>6s} {'accept':>6s} "
+           f"{'round':>6s} {'break-even':>10s}" + "".join(f" {f'x@{tau:g}':>6s}" for tau in taus))
+    for r in rows:
+        print0(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
+               f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
+               "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
 
 
 def cost_plan_json(run, timings, rows, seconds):
@@ -806,10 +725,12 @@ def cost_plan_json(run, timings, rows, seconds):
                            shapes=shapes, seconds=round(seconds, 1)))
 
 
-def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
-    """cost-plan's measurement: the models built at the real shapes (a slice of `layers`),
-    each piece timed, a slice scaled to the full depth -> (CostTimings, run's dtype, device)."""
+def cmd_cost_plan(args):
     from dataclasses import replace
+    t0, world = time.time(), world_info()[1]
+    cfg, draft_cfg = cost_configs(args)
+    check_tp_sizes(cfg, world)
+    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype) or default_dtype(device)
     draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
@@ -823,15 +744,6 @@ def time_round(args, cfg, draft_cfg, world, shapes, sizes, layers):
     if layers < cfg.n_layers:
         timings = full_depth(timings, measure_ends(models.target, sizes, timer), layers,
                              cfg.n_layers)
-    return timings, dtype, device
-
-
-def cmd_cost_plan(args):
-    t0, world = time.time(), world_info()[1]
-    cfg, draft_cfg = cost_configs(args)
-    check_tp_sizes(cfg, world)
-    shapes, sizes, taus, layers = cost_plan_inputs(args, cfg, draft_cfg)
-    timings, dtype, device = time_round(args, cfg, draft_cfg, world, shapes, sizes, layers)
     rows = cost_rows(timings, shapes, taus)
     run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
                family=cfg.family, layers=cfg.n_layers,
@@ -861,9 +773,8 @@ def read_costs(path):
 
 
 def projected(stats, costs):
-    """One verdict per measured shape for a drafter probed offline (ChainStats): a chain of
-    k drafts accepts the replayed tau of k drafts, set against its measured round cost; a
-    tree's tau the probe cannot give (it drafts chains), only the tau the tree needs."""
+    """A verdict per measured shape for an offline probe's ChainStats: a chain of k drafts
+    gets the replayed tau of k drafts; a tree only the tau it needs (the probe drafts chains)."""
     rows = []
     for row in costs["shapes"]:
         top_k, depth, total_tokens = row["tree"]
@@ -876,15 +787,6 @@ def projected(stats, costs):
                          speedup=None if tau is None else tau / row["round_cost"],
                          verdict=verdict))
     return rows
-
-
-def projected_table(rows):
-    lines = [f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict"]
-    for r in rows:
-        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
-                  else (f"{'-':>6s}", f"{'-':>7s}"))
-        lines.append(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------
@@ -907,26 +809,20 @@ def capture_file(out, i):
 
 
 @torch.inference_mode()
-def capture_sample(target, ex, aux_layers):
-    """One sample's dict in SpecForge's layout, from one target forward."""
-    ids = torch.tensor([ex.tokens], device=target.lm_head.weight.device)
-    _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
-    D = target.cfg.hidden_size
-    return dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(ex.reply_mask),
-                hidden_state=target.model.norm(aux[..., -D:]).cpu(),
-                aux_hidden_state=aux[..., :-D].contiguous().cpu())
-
-
 def capture_features(target, examples, out, aux_layers):
-    """Write every sample not yet on disk (so a killed capture resumes where it stopped;
-    files are atomic, so what exists is complete). Rank 0 decides what is left and writes;
-    every rank runs the tensor-parallel forward. Returns the number written."""
+    """Write every sample not yet on disk (atomic files: a killed capture resumes) -> how many.
+    Rank 0 decides what is left and writes; every rank runs the tensor-parallel forward."""
+    device, D = target.lm_head.weight.device, target.cfg.hidden_size
     missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
-                           dtype=torch.long, device=target.lm_head.weight.device)
+                           dtype=torch.long, device=device)
     todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
-        sample = capture_sample(target, examples[i], aux_layers)
+        ids = torch.tensor([examples[i].tokens], device=device)
+        _, aux = target(ids, aux_layers=tuple(aux_layers) + (target.cfg.n_layers,))
+        sample = dict(input_ids=ids[0].cpu(), loss_mask=torch.tensor(examples[i].reply_mask),
+                      hidden_state=target.model.norm(aux[..., -D:]).cpu(),
+                      aux_hidden_state=aux[..., :-D].contiguous().cpu())
         if is_rank0():
             os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
             atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
@@ -969,12 +865,9 @@ class Captured(NamedTuple):
 
 
 def captured_examples(path):
-    out = []
-    for file in captured_files(path).values():
-        sample = read_captured(file)
-        out.append(Captured(file, sample["input_ids"].view(-1).tolist(),
-                            sample["loss_mask"].view(-1).tolist()))
-    return out
+    samples = ((file, read_captured(file)) for file in captured_files(path).values())
+    return [Captured(file, s["input_ids"].view(-1).tolist(), s["loss_mask"].view(-1).tolist())
+            for file, s in samples]
 
 
 class TargetHead(nn.Module):
@@ -1014,8 +907,8 @@ def captured_inputs(head, pad_id):
 
 
 def load_target_head(path, dtype=None, features=None):
-    """The target's embedding and lm_head only: a sharded checkpoint opens just the shards
-    that hold them. With a features dir that we captured, its hidden_states indices."""
+    """The target's embedding and lm_head only (a sharded checkpoint opens just their
+    shards); with a features dir that we captured, its hidden_states indices."""
     cfg = read_target_config(path)
     info = os.path.join(features, CAPTURE_INFO) if features else None
     captured = read_json(info)["aux_layers"] if info and os.path.isfile(info) else None
@@ -1026,21 +919,6 @@ def load_target_head(path, dtype=None, features=None):
     return head.eval().requires_grad_(False)
 
 
-def capture_info(args, aux_layers, samples):
-    """capture.json of this capture, refused when OUT holds one of another selection (sample
-    i is the i-th kept conversation: another selection would mix two data sets)."""
-    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=samples,
-                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
-    info_file = os.path.join(args.out, CAPTURE_INFO)
-    had = read_json(info_file) if os.path.isfile(info_file) else {}
-    for key in ("aux_layers", "long", "max_len"):
-        if had.get(key, info[key]) != info[key]:
-            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
-                 f"{info[key]!r}: capture into another directory")
-    return info
-
-
 def cmd_capture(args):
     # the data and the directory are checked before the target is loaded (seconds, not minutes)
     cfg = read_target_config(args.target)
@@ -1048,30 +926,23 @@ def cmd_capture(args):
                                  args.limit, truncate=args.truncate)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
-    info = capture_info(args, aux_layers, len(examples))
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=len(examples),
+                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    info_file = os.path.join(args.out, CAPTURE_INFO)
+    had = read_json(info_file) if os.path.isfile(info_file) else {}
+    for key in ("aux_layers", "long", "max_len"):   # sample i is the i-th kept conversation
+        if had.get(key, info[key]) != info[key]:
+            fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
+                 f"{info[key]!r}: capture into another directory")
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
-        atomic_write(os.path.join(args.out, CAPTURE_INFO), lambda f: write_json(f, info))
+        atomic_write(info_file, lambda f: write_json(f, info))
     written = capture_features(target, examples, args.out, aux_layers)
     print0(f"captured {written} samples ({len(examples) - written} were already there) into "
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
-
-
-def chain_verdicts(stats, verify_cost, draft_cost):
-    """eval-draft's table at the costs the flags give: per chain of k drafts the expected
-    and replayed tau, the break-even and the speedup -> (rows, the best row)."""
-    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
-           f"{'x plain':>8s}  (a round = 1 verify at {verify_cost:g} + k drafts at "
-           f"{draft_cost:g} plain steps)")
-    rows = []
-    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
-        even = break_even_tau(verify_cost, draft_cost, k)
-        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
-                         break_even=round(even, 4)))
-        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
-    return rows, max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
 
 
 def measured_verdict(shapes, costs, verdict):
@@ -1080,7 +951,11 @@ def measured_verdict(shapes, costs, verdict):
     print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
            f"on {costs['device']}, W={costs['world']}"
            f"{', an estimate' if costs['estimate'] else ''}):")
-    print0(projected_table(shapes))
+    print0(f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict")
+    for r in shapes:
+        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
+                  else (f"{'-':>6s}", f"{'-':>7s}"))
+        print0(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
     chains = [r for r in shapes if r["tau"] is not None]
     if not chains:
         return verdict
@@ -1099,7 +974,16 @@ def cmd_eval_draft(args):
     print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
     print0(f"greedy-chain acceptance rate by depth: "
            f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
-    rows, best = chain_verdicts(stats, args.verify_cost, args.draft_cost)
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
+           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
+           f"{args.draft_cost:g} plain steps)")
+    rows = []   # per chain of k drafts at the flags' costs
+    for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
+        even = break_even_tau(args.verify_cost, args.draft_cost, k)
+        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
+                         break_even=round(even, 4)))
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
+    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
     verdict = speed_verdict(best["replayed_tau"], best["break_even"])
     print0(f"best chain: {best['drafts']} drafts: {verdict}")
     shapes = projected(stats, costs) if costs else None
@@ -1168,9 +1052,8 @@ PLD_TOKENS = 10       # prompt_lookup_num_tokens: the value transformers' docs u
 
 
 def sweep_shape(target, draft, prompts, eos):
-    """The tree shape with the best measured speedup over plain greedy on a few prompts
-    (verify cost, draft cost and tau on this machine in one number): the mean of
-    SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
+    """The tree shape with the best measured speedup over plain greedy on a few prompts: the
+    mean of SWEEP_ROUNDS interleaved passes, as one pass picks by noise (docs/results.md)."""
     speedups, taus = {shape: [] for shape in SWEEP_SHAPES}, {}
     for _ in range(SWEEP_ROUNDS):
         for shape in SWEEP_SHAPES:
@@ -1188,52 +1071,40 @@ def sweep_shape(target, draft, prompts, eos):
     return best
 
 
-def sampled_tau(target, draft, prompts, max_new_tokens, shape, eos, seed):
-    """tau at temperature 1 (lossless sampled verification) over the prompts."""
-    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
-        target, draft, ids, max_new_tokens, temperature=1.0, tree=shape, seed=seed + b,
-        eos_token_id=eos).accept_lengths]
-    return sum(lengths) / len(lengths)
-
-
 PEERS = dict(hf_generate="transformers generate",  # JSON key -> the table's row name
              hf_prompt_lookup=f"transformers prompt lookup ({PLD_TOKENS})",
              hf_assisted="transformers assisted (small LM)")
 
 
+def hf_model(target_dir, dtype, skipped):
+    """transformers' own model of `target_dir`, or None with a note of what is `skipped`."""
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
+        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); {skipped}",
+              file=sys.stderr)
+        return None
+
+
 def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
     """transformers generate, prompt lookup and (with a small LM) assisted generation on
     the same prompts and weights -> {PEERS key: Timed}; {} when transformers cannot load it."""
-    from transformers import AutoModelForCausalLM
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
-        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); its baselines are "
-              f"skipped", file=sys.stderr)
+    hf = hf_model(target_dir, dtype, "its baselines are skipped")
+    if hf is None:
         return {}
     peers = dict(hf_generate=time_hf(hf, prompts, n, eos, repeats),
                  hf_prompt_lookup=time_hf(hf, prompts, n, eos, repeats,
                                           prompt_lookup_num_tokens=PLD_TOKENS))
     if assistant_dir:
+        from transformers import AutoModelForCausalLM
         small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).eval()
         peers["hf_assisted"] = time_hf(hf, prompts, n, eos, repeats, assistant_model=small)
     return peers
 
 
 BENCH_PROMPT = "Write a short story about a robot who learns to paint."
-
-
 ASSISTANT_LM_LAYERS, ASSISTANT_LM_STEPS = 2, 200  # the small LM for HF assisted decoding
-
-
-def build_assistant_lm(target_dir, path, seed=0):
-    """A small draft LM for transformers' assisted generation, trained on the same corpus
-    and tokenizer as the tiny target (the fair classic speculative baseline)."""
-    from transformers import AutoConfig, AutoTokenizer
-    config = AutoConfig.from_pretrained(target_dir)
-    config.num_hidden_layers = ASSISTANT_LM_LAYERS
-    E.build_lm(path, config, AutoTokenizer.from_pretrained(target_dir),
-               E.pretraining_texts(seed), ASSISTANT_LM_STEPS, seed)
 
 
 def bench_prompts(args, target_dir):
@@ -1246,24 +1117,20 @@ def bench_prompts(args, target_dir):
         return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
     assistant_dir = os.path.join(TINY_DIR, "assistant_lm")
     if not os.path.isfile(os.path.join(assistant_dir, "config.json")):
-        build_assistant_lm(target_dir, assistant_dir)
+        # a small draft LM for transformers' assisted generation, trained on the tiny
+        # target's corpus and tokenizer: the fair classic speculative baseline
+        from transformers import AutoConfig, AutoTokenizer
+        config = AutoConfig.from_pretrained(target_dir)
+        config.num_hidden_layers = ASSISTANT_LM_LAYERS
+        E.build_lm(assistant_dir, config, AutoTokenizer.from_pretrained(target_dir),
+                   E.pretraining_texts(0), ASSISTANT_LM_STEPS, 0)
     texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
     return texts, True, assistant_dir
 
 
-def bench_models(args, target_dir, draft_dir):
-    """(target, drafter, tokenizer) as bench serves them: in --layout, greedy and EAGLE-3
-    alike (a layout the target cannot take is refused before its weights load)."""
-    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
-    tokenizer = load_tokenizer(target_dir, args)
-    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
-                       args.layout)
-    return use_layout(target, args.layout), draft, tokenizer
-
-
 def bench_ours(args, target, draft, prompts, eos, t0):
     """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
-    flags or the --sweep, and with --t1 tau at T=1 -> (Decoding, shape, tau at T=1)."""
+    flags or the --sweep, and with --t1 tau at T=1 (lossless sampled verification)."""
     n = args.max_new_tokens
     shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
              if args.sweep else tree_shape(args))
@@ -1272,13 +1139,17 @@ def bench_ours(args, target, draft, prompts, eos, t0):
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    tau_t1 = sampled_tau(target, draft, prompts, n, shape, eos, args.seed) if args.t1 else None
-    return ours, shape, tau_t1
+    if not args.t1:
+        return ours, shape, None
+    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
+        target, draft, ids, n, temperature=1.0, tree=shape, seed=args.seed + b,
+        eos_token_id=eos).accept_lengths]
+    return ours, shape, sum(lengths) / len(lengths)
 
 
-def bench_table(ours, peers, world):
+def bench_table(ours, peers, world, prompts):
     """[(JSON key, name, tokens/s, target forwards per token)] of every decoder, printed
-    with EAGLE-3's speedup over each."""
+    with EAGLE-3's speedup over each; {peer: prompts where it equals transformers generate}."""
     rows = ([("greedy", "ours: greedy_generate", ours.greedy_tokens_per_s, 1.0)] +
             [(k, PEERS[k], t.tokens_per_s, t.forwards_per_token) for k, t in peers.items()] +
             [("eagle3", "ours: EAGLE-3 speculative", ours.spec_tokens_per_s,
@@ -1288,18 +1159,12 @@ def bench_table(ours, peers, world):
         print0(f"{name:34s} {tps:9.2f} {fpt:17.3f} {ours.spec_tokens_per_s / tps:9.2f}")
     if world > 1:
         print0(f"(transformers peers run in one process: skipped at world size {world})")
-    return rows
-
-
-def peers_equal(peers, prompts):
-    """{peer: on how many prompts its output equals transformers generate's}: is its
-    speculation exact in this dtype?"""
     same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
-            for k, t in peers.items() if k != "hf_generate"}
+            for k, t in peers.items() if k != "hf_generate"}   # exact in this dtype?
     for k, count in same.items():
         print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} "
                f"prompts")
-    return same
+    return rows, same
 
 
 def cmd_bench(args):
@@ -1311,7 +1176,11 @@ def cmd_bench(args):
     t0, world, n = time.time(), world_info()[1], args.max_new_tokens
     target_dir, draft_dir = model_dirs(args)
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
-    target, draft, tokenizer = bench_models(args, target_dir, draft_dir)
+    target = load_target(target_dir, dtype=parse_dtype(args.dtype))
+    tokenizer = load_tokenizer(target_dir, args)
+    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
+                       args.layout)   # a layout the target cannot take fails before its load
+    target = use_layout(target, args.layout)   # greedy and EAGLE-3 alike
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
@@ -1319,8 +1188,7 @@ def cmd_bench(args):
     del target, draft                      # transformers' copy of the weights comes next
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
              if world == 1 and device.type == "cpu" else {})
-    rows = bench_table(ours, peers, world)
-    same = peers_equal(peers, len(prompts))
+    rows, same = bench_table(ours, peers, world, len(prompts))
     print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
            f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
@@ -1384,9 +1252,8 @@ REAL_PLAN = RealPlan()
 
 
 def native_bf16():
-    """Does this machine multiply bf16 natively? A GPU or a CPU with AMX or AVX512-BF16 does;
-    elsewhere (AVX2: AMD Zen 3, older Xeons) torch emulates bf16 and a bf16 prefill ran ~20x
-    slower than fp32 (docs/real_models.md), so the plan keeps fp32 there."""
+    """Does this machine multiply bf16 natively (a GPU, a CPU with AMX or AVX512-BF16)?
+    Elsewhere torch emulates it: a bf16 prefill ran ~20x slower than fp32 (docs/real_models.md)."""
     cpu = torch.cpu
     return torch.cuda.is_available() or any(
         getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported",
@@ -1408,10 +1275,10 @@ def wheel_file(distribution, suffix, flag):
     return str(dist.locate_file(files[0]))
 
 
-def gguf_model(path):
-    """(transformers model in fp32, tokenizer) from a GGUF file: its dequantized tensors
-    copied into a fresh model of its config (from_pretrained(gguf_file=) would keep a
-    quantizer attached, which refuses save_pretrained)."""
+def convert_gguf(path, out):
+    """The Hugging Face dir of a GGUF file, complete or not at all: its dequantized tensors in
+    a fresh model (from_pretrained(gguf_file=) keeps a quantizer that refuses to save)."""
+    import shutil
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.split(os.path.abspath(path))
@@ -1429,16 +1296,9 @@ def gguf_model(path):
         fail(f"the GGUF file {path!r} does not fill its model: missing "
              f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")
     model.tie_weights()
-    return model.eval(), tokenizer
-
-
-def convert_gguf(path, out):
-    """Write the Hugging Face dir of a GGUF file (weights, configs, tokenizer with its chat
-    template), complete or not at all (written under a temporary name, then renamed)."""
-    import shutil
-    model, tokenizer = gguf_model(path)
+    model.eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id   # the end of a chat turn
-    tmp = f"{out}.tmp{os.getpid()}"
+    tmp = f"{out}.tmp{os.getpid()}"   # written under a temporary name, then renamed
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -1508,10 +1368,20 @@ def first_exchange(record):
     return conversation, prompt, reply or None
 
 
-def sharegpt_sets(path):
-    """-> (train rows, held-out rows), each {"id", "prompt", "reply"}, distinct prompts in
-    file order, and the counts of what was read and dropped."""
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def write_jsonl(path, rows):
+    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
+
+
+def cmd_prompts(args):
+    """Train and held-out rows {id, prompt}, distinct prompts in file order, and the train
+    rows with a reply as chat JSONL (what train and capture read)."""
     import zlib
+    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
     records = read_sharegpt(path)
     train, held, seen = [], [], set()
     for record in records:
@@ -1522,58 +1392,37 @@ def sharegpt_sets(path):
         conversation, prompt, reply = kept
         row = dict(id=conversation, prompt=prompt, reply=reply)
         (held if zlib.crc32(conversation.encode()) % HELD_OUT_EVERY == 0 else train).append(row)
-    return train, held, dict(records=len(records), kept=len(seen))
-
-
-def write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
-def write_jsonl(path, rows):
-    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
-
-
-def conversation_rows(rows):
-    """ShareGPT rows with a reply as chat JSONL rows (what train and capture read)."""
-    return [dict(messages=[dict(role="user", content=r["prompt"]),
-                           dict(role="assistant", content=r["reply"])])
-            for r in rows if r["reply"]]
-
-
-def cmd_prompts(args):
-    path = args.sharegpt or wheel_file(SHAREGPT_WHEEL, ".json", "--sharegpt")
-    train, held, counts = sharegpt_sets(path)
     os.makedirs(args.out, exist_ok=True)
     write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
                 [dict(id=r["id"], prompt=r["prompt"]) for r in train])
     write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
                 [dict(id=r["id"], prompt=r["prompt"]) for r in held])
-    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"), conversation_rows(train))
-    print0(json.dumps(dict(records=counts["records"], kept=counts["kept"], train=len(train),
+    write_jsonl(os.path.join(args.out, "train_conversations.jsonl"),
+                [dict(messages=[dict(role="user", content=r["prompt"]),
+                                dict(role="assistant", content=r["reply"])])
+                 for r in train if r["reply"]])
+    print0(json.dumps(dict(records=len(records), kept=len(seen), train=len(train),
                            held_out=len(held), source=path)))
-
-
-def prompt_row(line, where):
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one object "
-             f"a line")
-    text = row.get("prompt") if isinstance(row, dict) else None
-    if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
-        text = row["turns"][0] if row["turns"] else None
-    if not isinstance(text, str) or not text:
-        fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
-    return dict(prompt=text, category=row.get("category", ""))
 
 
 def read_prompt_file(path):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
     MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        rows = [prompt_row(line, f"{path}:{line_no}")
-                for line_no, line in enumerate(f, 1) if line.strip()]
+        for where, line in ((f"{path}:{n}", line) for n, line in enumerate(f, 1)
+                            if line.strip()):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{where} is not valid JSON ({e.msg} at column {e.colno}); expected one "
+                     f"object a line")
+            text = row.get("prompt") if isinstance(row, dict) else None
+            if text is None and isinstance(row, dict) and isinstance(row.get("turns"), list):
+                text = row["turns"][0] if row["turns"] else None
+            if not isinstance(text, str) or not text:
+                fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
+            rows.append(dict(prompt=text, category=row.get("category", "")))
     if not rows:
         fail(f"--prompts {path!r} holds no prompts")
     return rows
@@ -1581,13 +1430,10 @@ def read_prompt_file(path):
 
 def per_category(rows, n):
     """The first n rows of each category, in file order (all rows when n is None)."""
-    if n is None:
-        return rows
-    seen = Counter()
-    kept = []
+    seen, kept = Counter(), []
     for r in rows:
         seen[r["category"]] += 1
-        if seen[r["category"]] <= n:
+        if n is None or seen[r["category"]] <= n:
             kept.append(r)
     return kept
 
@@ -1608,20 +1454,10 @@ def done_rows(partial):
     return [json.loads(line) for line in complete]
 
 
-def reply_row(tokenizer, prompt, reply, eos):
-    finished = bool(reply) and reply[-1] == eos
-    text = tokenizer.decode(reply[:-1] if finished else reply, skip_special_tokens=True)
-    return dict(messages=[dict(role="user", content=prompt),
-                          dict(role="assistant", content=text)], finished=finished)
-
-
 @torch.inference_mode()
 def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=None):
-    """Write OUT (chat JSONL that `train` reads) with the target's greedy replies -> (decoded
-    now, left out). Batches of similar length are appended to OUT.partial (a rerun skips
-    what is there); OUT appears when all are done, in the prompts' order (train holds out
-    the first 1/50: a mix of kinds, not the shortest). A prompt that leaves no room for a
-    capped reply within max_len is left out: capture would drop its conversation."""
+    """OUT (chat JSONL) of the target's greedy replies, in the prompts' order, via OUT.partial
+    (a rerun resumes) -> (decoded now, prompts left out: no room for a reply in max_len)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
     ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
@@ -1637,8 +1473,13 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
     bar, t0 = Progress("regenerate", len(unique), start), time.time()
     for j in range(0, len(todo), batch):
         chunk = todo[j:j + batch]
-        replies = padded_greedy(target, [ids[p] for p in chunk], max_new_tokens, eos)
-        rows = [reply_row(tokenizer, p, r, eos) for p, r in zip(chunk, replies)]
+        rows = []
+        for p, reply in zip(chunk, padded_greedy(target, [ids[p] for p in chunk],
+                                                 max_new_tokens, eos)):
+            ended = bool(reply) and reply[-1] == eos
+            text = tokenizer.decode(reply[:-1] if ended else reply, skip_special_tokens=True)
+            rows.append(dict(messages=[dict(role="user", content=p),
+                                       dict(role="assistant", content=text)], finished=ended))
         with open(partial, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
             f.flush()
@@ -1719,10 +1560,8 @@ def cmd_curve(args):
 
 
 def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
-    """--budget: minutes ("60") or a size in training conversations ("500p") -> a RealPlan
-    for `replies`. The count scales with the minutes (every stage's cost grows with it);
-    past the set's size, the epochs grow instead. Fine-tuning (regeneration: decoding,
-    measured in bf16 only) follows own replies where bf16 is native."""
+    """--budget: minutes ("60") or conversations ("500p") -> a RealPlan; past the set's size the
+    epochs grow; fine-tuning (bf16 decoding) follows own replies where bf16 is native."""
     native = native_bf16()
     per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
     if not native:
@@ -1791,47 +1630,42 @@ def real_paths(out, plan):
     return {k: os.path.join(out, name) for k, name in names.items()}
 
 
-def regenerate_stage(p, plan, out, limit, *flags):
-    return ("regenerate", [
-        "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
-        "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
-        str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
-
-
-def capture_stage(name, p, plan, data, out, *flags):
-    return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
-                   "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
-
-
-def train_stage(name, p, plan, features, out, epochs, lr, *flags):
-    return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
-                   *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr", str(lr),
-                   "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast, "--resume"])
-
-
 def real_stages(args, plan, p):
     """(name, argv of the command that does it); a finished stage is recorded and skipped,
     an interrupted one resumes (each command resumes on its own)."""
-    gguf = ["--gguf", args.gguf] if args.gguf else []
-    sharegpt = ["--sharegpt", args.sharegpt] if args.sharegpt else []
-    if plan.replies == "regenerated":
-        data, limit = p["replies"], []
-        regenerate = [regenerate_stage(p, plan, p["replies"], plan.prompts)]
-    else:
-        data, limit, regenerate = p["conversations"], ["--limit", str(plan.prompts)], []
+    def regenerate(out, limit, *flags):
+        return ("regenerate", [
+            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
+            "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
+            str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
+
+    def capture(name, data, out, *flags):
+        return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
+                       "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
+
+    def train(name, features, out, epochs, lr, *flags):
+        return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
+                       *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr",
+                       str(lr), "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast,
+                       "--resume"])
+    regenerated = plan.replies == "regenerated"
+    data = p["replies"] if regenerated else p["conversations"]
     finetune = [
-        regenerate_stage(p, plan, p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
-        capture_stage("capture-finetune", p, plan, p["tune_replies"], p["tune_features"]),
-        train_stage("finetune", p, plan, p["tune_features"], p["draft"], plan.finetune_epochs,
-                    plan.finetune_lr, "--init-draft", p["base_draft"]),
+        regenerate(p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
+        capture("capture-finetune", p["tune_replies"], p["tune_features"]),
+        train("finetune", p["tune_features"], p["draft"], plan.finetune_epochs,
+              plan.finetune_lr, "--init-draft", p["base_draft"]),
     ] if plan.finetune else []
     return [
-        ("convert", ["convert-gguf", "--out", p["model"], *gguf]),
-        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]), *sharegpt]),
-        *regenerate,
-        capture_stage("capture", p, plan, data, p["features"], *limit),
-        train_stage("train", p, plan, p["features"], p["base_draft"], plan.epochs, plan.lr,
-                    "--draft-vocab-size", str(plan.draft_vocab_size)),
+        ("convert", ["convert-gguf", "--out", p["model"],
+                     *(["--gguf", args.gguf] if args.gguf else [])]),
+        ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]),
+                     *(["--sharegpt", args.sharegpt] if args.sharegpt else [])]),
+        *([regenerate(p["replies"], plan.prompts)] if regenerated else []),
+        capture("capture", data, p["features"],
+                *([] if regenerated else ["--limit", str(plan.prompts)])),
+        train("train", p["features"], p["base_draft"], plan.epochs, plan.lr,
+              "--draft-vocab-size", str(plan.draft_vocab_size)),
         *finetune,
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
@@ -1872,20 +1706,15 @@ def cmd_real_demo(args):
 # ----------------------------------------------------------------------------------------
 # 8. exact-probe: does each verify row round as its decode step, on this stack?
 #
-# Greedy speculation equals greedy decoding when every verify row has the bits of the
-# decode step at its position (the reference, section 7; its variant "exact in low
-# precision", make_exact, serves a target so). Whether a stack keeps that is a property of
-# its kernels, so it is measured here, for one dtype, device and serving path:
-#   (a) per operation: the model's own modules (layer 0's projections, norm and attention
-#       core; in the first MoE layer the router, expert 0 and the shared experts; the final
-#       norm and the lm_head) are fed the inputs one prefill gave them; row j of an M-row
-#       call is held against row j alone (the attention core: against row j's decode step
-#       over the prefix and rows < j), M = 1..N, bitwise. Each operation has its own inputs,
-#       so a flip is charged to the operation that makes it, not to those after it;
-#   (b) end to end (a model dir: it needs the tokenizer): greedy speculation against greedy
-#       decoding on prompts, where they part and the decode step's top-2 logit gap there (a
-#       near-tie one rounding flips), and each path's greedy against transformers' greedy
-#       generate in the same dtype (which greedy the path reproduces).
+# Greedy speculation equals greedy decoding when every verify row has the bits of its
+# decode step (make_exact serves a target so). That is a property of a stack's kernels, so
+# it is measured here, for one dtype, device and serving path:
+#   (a) per operation: layer 0's modules, the first MoE layer's router, expert 0 and shared
+#       experts, the final norm and the lm_head are fed the inputs one prefill gave them;
+#       row j of an M-row call is held bitwise against row j alone (attention: its decode
+#       step), M = 1..N. With its own inputs, a flip is charged to the operation making it;
+#   (b) end to end (a model dir): where greedy speculation parts from greedy decoding, the
+#       top-2 logit gap there, and each path's greedy against transformers' generate.
 # The plain path in bf16 on a CPU is the negative control: its rows flip and it parts.
 
 PROBE_PREFIX = 32    # cached tokens before the probed rows (the attention core's prefix)
@@ -1921,8 +1750,8 @@ def probed_leaves(module, prefix):
 
 
 def probed_modules(target):
-    """{path: module} of what the probe feeds: layer 0 whole, the first MoE layer's MoE,
-    the final norm and the lm_head."""
+    """({path: module} of layer 0 whole, the first MoE layer's MoE, the final norm and the
+    lm_head, that MoE layer's index or None)."""
     layers = target.model.layers
     moe = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, E.MoE)), None)
     picked = {"model.layers.0.input_layernorm": layers[0].input_layernorm}
@@ -1934,16 +1763,10 @@ def probed_modules(target):
     return picked, moe
 
 
-def probe_kind(module):
-    return ("norm" if isinstance(module, E.RMSNorm) else
-            "router" if isinstance(module, E.Router) else "linear")
-
-
 @torch.inference_mode()
 def probe_inputs(target, N, seed):
-    """One prefill of PROBE_PREFIX + N random tokens, recording what each probed module and
-    layer 0's attention core were given (then expert 0 fed every token, as a verify may
-    route them all to it) -> [ProbeInput], the last N rows of each."""
+    """[ProbeInput]: the last N rows of what each probed module and layer 0's attention core
+    got in one prefill of PROBE_PREFIX + N random tokens (expert 0 then fed every token)."""
     P, device = PROBE_PREFIX, target.lm_head.weight.device
     ids = torch.randint(target.cfg.vocab_size, (1, P + N),
                         generator=torch.Generator().manual_seed(seed)).to(device)
@@ -1973,16 +1796,16 @@ def probe_inputs(target, N, seed):
     for name, module in picked.items():
         x = seen.get(name)
         if x is not None and x.numel() // x.shape[-1] == P + N:   # per token (not per head)
-            inputs.append(ProbeInput(name, probe_kind(module),
-                                     x.reshape(-1, x.shape[-1])[-N:], x.dim() == 2))
+            kind = ("norm" if isinstance(module, E.RMSNorm) else
+                    "router" if isinstance(module, E.Router) else "linear")
+            inputs.append(ProbeInput(name, kind, x.reshape(-1, x.shape[-1])[-N:], x.dim() == 2))
     return inputs
 
 
 def attention_calls(module, q, k, v, scale):
-    """(M rows verified as a chain over the prefix -> (M, H, dv), row j's decode step ->
-    (H, dv)) of the attention core served in `module`, on the recorded q (1, H, P+N, d), k
-    and v. Dense attention reads its cache slab in place and MLA freshly expanded keys, as
-    each does when serving; the masks are the ones a verify and a decode step build."""
+    """(M rows verified as a chain -> (M, H, dv), row j's decode step -> (H, dv)) of the core
+    served in `module` on the recorded q (1, H, P+N, d), k, v, with the masks serving builds."""
+    # dense attention reads its cache slab in place, MLA freshly expanded keys, as served
     P, fresh, attend = PROBE_PREFIX, isinstance(module, E.MLAttention), module.attend
     dtype, device = q.dtype, q.device
 
@@ -2025,8 +1848,8 @@ def row_flips(rows, alone, N):
 
 @torch.inference_mode()
 def probe_ops(target, inputs, N):
-    """{operation: RowFlips} of the target as it is served now (each module looked up
-    again: make_exact swaps them)."""
+    """{operation: RowFlips} of the target as served now (modules looked up again:
+    make_exact swaps them)."""
     flips = {}
     for op in inputs:
         if op.kind == "attention":
@@ -2046,17 +1869,6 @@ def op_shape(target, op):
     if op.kind == "norm" or weight is None or weight.dim() != 2:
         return f"{op.x.shape[-1]}"
     return f"{weight.shape[1]} -> {weight.shape[0]}" + (" experts" if op.kind == "router" else "")
-
-
-def flips_table(shapes, flips, paths):
-    """The per-operation table: per path, rows that differ / rows compared, first M."""
-    cells = [f"{p + ': differ/rows':>20s} {'first M':>7s}" for p in paths]
-    lines = [f"{'operation':38s} {'shape':24s} " + " ".join(cells)]
-    for name, shape in shapes.items():
-        cells = [f"{f'{f.differ}/{f.rows}':>20s} {str(f.first_m or '-'):>7s}"
-                 for f in (flips[p][name] for p in paths)]
-        lines.append(f"{name.removeprefix('model.'):38s} {shape:24s} " + " ".join(cells))
-    return "\n".join(lines)
 
 
 class Parting(NamedTuple):
@@ -2085,23 +1897,6 @@ def probe_prompt(target, draft, ids, n, shape, eos, hf_tokens):
                    sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1))
 
 
-def hf_greedy(target_dir, prompts, n, eos, dtype, device):
-    """transformers' greedy generate of each prompt in `dtype` -> new-token lists, or None
-    when transformers cannot load the model."""
-    from transformers import AutoModelForCausalLM
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    except (ValueError, OSError, KeyError) as e:  # e.g. kimi_k2: not a transformers model type
-        print(f"note: transformers cannot load {target_dir!r} ({why(e)}); no agreement with "
-              f"its generate is reported", file=sys.stderr)
-        return None
-    pad = eos[0] if isinstance(eos, list) else eos
-    with torch.inference_mode():
-        return [hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                            max_new_tokens=n, eos_token_id=eos, pad_token_id=pad
-                            )[0, ids.shape[1]:].tolist() for ids in prompts]
-
-
 def probe_draft(args, target):
     """--draft, else a fresh random drafter (its lm_head the target's rows): it drafts
     badly, but every round's bonus token is read off a verify row all the same."""
@@ -2119,6 +1914,18 @@ def probe_target(args):
     """--target's weights, or --config's shapes with random weights (the first --layers
     layers), in --dtype (default bf16: the dtype served) on --device -> (target, source)."""
     from dataclasses import replace
+    if (args.target is None) == (args.config is None):
+        fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
+             "end) or --config DIR|config.json (random weights at its shapes: per operation)")
+    if args.config and (args.prompts or args.draft):
+        flag = "--prompts" if args.prompts else "--draft"
+        fail(f"{flag} is for the end-to-end probe, which needs a model dir's weights and "
+             f"tokenizer: give --target DIR instead of --config")
+    if args.target and args.layers:
+        fail("--layers builds a slice of a --config's model; a --target is loaded whole")
+    if args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
+             f"(the first token comes from the prefill); use at least 2")
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype or "bfloat16")
     if args.target:
@@ -2133,51 +1940,38 @@ def probe_target(args):
             f"{config_dir(args.config)} (random weights, {layers} of {cfg.n_layers} layers)")
 
 
-def check_probe_args(args):
-    if (args.target is None) == (args.config is None):
-        fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
-             "end) or --config DIR|config.json (random weights at its shapes: per operation)")
-    if args.config and (args.prompts or args.draft):
-        flag = "--prompts" if args.prompts else "--draft"
-        fail(f"{flag} is for the end-to-end probe, which needs a model dir's weights and "
-             f"tokenizer: give --target DIR instead of --config")
-    if args.target and args.layers:
-        fail("--layers builds a slice of a --config's model; a --target is loaded whole")
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
-             f"(the first token comes from the prefill); use at least 2")
-
-
 def probe_prompts(args, target):
-    """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts
-    (the bench's prompt file reader), else bench's one prompt."""
+    """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts,
+    else bench's one prompt."""
     tokenizer = load_tokenizer(args.target, args)
     rows = (per_category(read_prompt_file(args.prompts), args.per_category) if args.prompts
             else [dict(prompt=BENCH_PROMPT, category="")])
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     prompts = [encode_prompt(tokenizer, r["prompt"], True, device) for r in rows]
     eos = eos_ids(tokenizer, args.target)
-    return rows, prompts, eos, hf_greedy(args.target, prompts, args.max_new_tokens, eos, dtype,
-                                         device)
+    hf = hf_model(args.target, dtype, "no agreement with its generate is reported")
+    if hf is None:
+        return rows, prompts, eos, None
+    hf, pad = hf.to(device), eos[0] if isinstance(eos, list) else eos
+    with torch.inference_mode():
+        return rows, prompts, eos, [hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad
+        )[0, ids.shape[1]:].tolist() for ids in prompts]
 
 
-def partings_table(rows, ends, paths):
-    """Per prompt and path: where speculation parts (-: never), the top-2 gap there, and
-    whether greedy equals transformers' generate (yes, @position, n/a)."""
+def print_partings(rows, ends, paths, hf_known):
+    """Per prompt and path: where speculation parts, the top-2 gap there, greedy = transformers'
+    generate? Then per path a summary -> {path: partings, agreement, per prompt}."""
     cells = [f"{p + ': parts at':>16s} {'top-2 gap':>10s} {'= hf':>6s}" for p in paths]
-    lines = [f"{'#':>3s} {'category':12s} " + " ".join(cells)]
+    print0(f"{'#':>3s} {'category':12s} " + " ".join(cells))
     for i, row in enumerate(rows):
         cells = []
         for e in (ends[p][i] for p in paths):
             hf = "n/a" if e.hf_at == "n/a" else "yes" if e.hf_at is None else f"@{e.hf_at}"
             cells.append(f"{'-' if e.at is None else e.at:>16} "
                          f"{'-' if e.gap is None else f'{e.gap:.4g}':>10s} {hf:>6s}")
-        lines.append(f"{i:3d} {row['category'][:12]:12s} " + " ".join(cells))
-    return "\n".join(lines)
-
-
-def end_to_end_summary(ends, hf_known):
-    """{path: partings, agreement with transformers, per prompt}, printed one line each."""
+        print0(f"{i:3d} {row['category'][:12]:12s} " + " ".join(cells))
     summary = {}
     for path, parts in ends.items():
         parted = [e for e in parts if e.at is not None]
@@ -2192,7 +1986,6 @@ def end_to_end_summary(ends, hf_known):
 
 def cmd_exact_probe(args):
     t0, paths, N = time.time(), PROBE_PATHS[args.path], args.rows
-    check_probe_args(args)
     target, source = probe_target(args)
     cfg, dtype = target.cfg, target.lm_head.weight.dtype
     if PROBE_PREFIX + N > cfg.max_positions:
@@ -2218,20 +2011,23 @@ def cmd_exact_probe(args):
     print0(f"{source}: {cfg.family}, {str(dtype)[6:]} on {device}; per operation: row j of "
            f"an M-row call against row j alone (attention: its decode step), M = 1..{N}, "
            f"bitwise")
-    print0(flips_table(shapes, flips, paths))
+    cells = [f"{p + ': differ/rows':>20s} {'first M':>7s}" for p in paths]
+    print0(f"{'operation':38s} {'shape':24s} " + " ".join(cells))
+    for name, shape in shapes.items():
+        cells = [f"{f'{f.differ}/{f.rows}':>20s} {str(f.first_m or '-'):>7s}"
+                 for f in (flips[p][name] for p in paths)]
+        print0(f"{name.removeprefix('model.'):38s} {shape:24s} " + " ".join(cells))
     report = dict(source=source, family=cfg.family, dtype=str(dtype)[6:], device=device,
                   rows=N, prefix=PROBE_PREFIX, paths=list(paths),
                   ops=[dict(op=op.name, kind=op.kind, shape=shapes[op.name],
                             **{p: flips[p][op.name]._asdict() for p in paths}) for op in inputs],
                   differing_ops={p: sum(f.differ > 0 for f in flips[p].values()) for p in paths})
     if end_to_end:
-        rows = end_to_end[0]
-        print0(f"end to end: {len(rows)} prompts, {args.max_new_tokens} new tokens, tree "
-               f"{tuple(tree_shape(args))}, drafter {drafter}")
-        print0(partings_table(rows, ends, paths))
+        print0(f"end to end: {len(end_to_end[0])} prompts, {args.max_new_tokens} new tokens, "
+               f"tree {tuple(tree_shape(args))}, drafter {drafter}")
         report.update(drafter=drafter, tree=list(tree_shape(args)),
-                      max_new_tokens=args.max_new_tokens,
-                      end_to_end=end_to_end_summary(ends, end_to_end[3] is not None))
+                      max_new_tokens=args.max_new_tokens, end_to_end=print_partings(
+                          end_to_end[0], ends, paths, end_to_end[3] is not None))
     else:
         print0("end to end: needs a model dir's weights and tokenizer (--target DIR)")
     print0(json.dumps(dict(report, seconds=round(time.time() - t0, 1))))
@@ -2374,8 +2170,9 @@ def add_cost_commands(sub):
     co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
                         "weights): break-even tau and speedup per shape", parents=[common(
                             "config!", "draft_vocab_size", "dtype", "device", "tree", "tau",
-                            "seed", "layout", draft_vocab_size=f"draft vocab (default: the drafter's; "
-                                                      f"standard: {COST_DRAFT_VOCAB})")])
+                            "seed", "layout",
+                            draft_vocab_size=f"draft vocab (default: the drafter's; "
+                                             f"standard: {COST_DRAFT_VOCAB})")])
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
