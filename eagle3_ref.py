@@ -2053,16 +2053,13 @@ def check_head_dim(head_dim, where):
              f"even (set head_dim, or heads that divide hidden_size into even widths)")
 
 
-def yarn_mscale(factor, mscale):
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def mla_config(c):
     """MLA sizes of a DeepseekV3Config; the softmax scale as transformers computes it."""
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     rope = c.rope_parameters or {}
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        factor, mscale = rope["factor"], rope["mscale_all_dim"]   # YaRN's mscale, squared
+        scale *= (0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0) ** 2
     # transformers builds q_a/kv_a_layernorm without an eps: 1e-6 whatever rms_norm_eps
     # says (SGLang and vLLM use rms_norm_eps; they differ for Kimi-K2.5's 1e-5)
     return MLAConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
@@ -3115,12 +3112,6 @@ class Pretrain(NamedTuple):
 PRETRAIN = Pretrain()
 
 
-def pack_rows(token_lists, row_len):
-    """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
-    stream = torch.tensor([t for tokens in token_lists for t in tokens])
-    return stream[:len(stream) // row_len * row_len].view(-1, row_len)
-
-
 def next_token_accuracy(target, token_lists):
     """Held-out top-1 accuracy of the target on its own language (all positions)."""
     hits = total = 0
@@ -3152,22 +3143,20 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
     bar.done()
 
 
-def save_target(target, hf_config, tokenizer, path):
-    """A real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
+def build_lm(path, hf_config, tokenizer, texts, steps, seed):
+    """Pretrain a tiny LM (random init, next-token loss on the corpus cut into rows) and save
+    it as a real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
     from safetensors.torch import save_file
+    lm = init_weights(Target(target_config(hf_config)), seed)
+    stream = torch.tensor([t for text in texts for t in tokenizer(text).input_ids])
+    n = len(stream) // PRETRAIN.row_len * PRETRAIN.row_len
+    rows = stream[:n].view(-1, PRETRAIN.row_len)                              # (rows, row_len)
+    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in lm.state_dict().items()}
     tokenizer.save_pretrained(path)
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
-
-
-def build_lm(path, hf_config, tokenizer, texts, steps, seed):
-    """Pretrain a tiny LM: random init, packed corpus rows, next-token loss, saved HF dir."""
-    lm = init_weights(Target(target_config(hf_config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN.row_len)
-    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
-    save_target(lm, hf_config, tokenizer, path)
 
 
 def pretraining_texts(seed):
@@ -3430,18 +3419,14 @@ class Demo(NamedTuple):
 DEMO = Demo()
 
 
-def tiny_paths():
-    return os.path.join(TINY_DIR, "target"), os.path.join(TINY_DIR, "draft")
-
-
 def ensure_tiny_target():
-    """Build the tiny target once (rank 0), reuse it afterwards."""
-    target_dir, _ = tiny_paths()
+    """Build the tiny target once (rank 0), reuse it afterwards -> (target dir, draft dir)."""
+    target_dir, draft_dir = os.path.join(TINY_DIR, "target"), os.path.join(TINY_DIR, "draft")
     if is_rank0() and not os.path.isfile(os.path.join(target_dir, "config.json")):
         build_tiny_target(target_dir, DEMO.seed)
     if world_info()[1] > 1:
         dist.barrier()
-    return target_dir
+    return target_dir, draft_dir
 
 
 def demo_prompts(n, offset):
@@ -3456,12 +3441,6 @@ def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
     return [Example(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompt_ids, replies)]
 
 
-def tiny_draft_config(target, draft_vocab_size):
-    raw = dict(read_json(os.path.join(TINY_CONFIGS, "tiny_demo_draft.json")),
-               vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
-    return read_draft_config(raw, target.cfg)
-
-
 def train_tiny_draft(target, tokenizer, out_dir):
     """Target replies -> vocab map -> TTT training -> the best drafter's held-out accuracy."""
     def replies(n, offset):
@@ -3470,8 +3449,9 @@ def train_tiny_draft(target, tokenizer, out_dir):
     held_out = replies(DEMO.eval_prompts, DEMO.eval_offset)
     counts = count_reply_tokens(train, target.cfg.vocab_size)
     vocab_map = build_vocab_mapping(counts, DEMO.draft_vocab)
-    draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
-                        vocab_map)
+    raw = dict(read_json(os.path.join(TINY_CONFIGS, "tiny_demo_draft.json")),
+               vocab_size=target.cfg.vocab_size, draft_vocab_size=DEMO.draft_vocab)
+    draft = fresh_draft(read_draft_config(raw, target.cfg), target, DEMO.seed, vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
                         TrainConfig(), out_dir)
     return draft, best_point(curve)["step_accuracy"]
@@ -3480,8 +3460,7 @@ def train_tiny_draft(target, tokenizer, out_dir):
 def ensure_tiny_models():
     """The tiny target and a drafter trained for it (built on first use)."""
     from transformers import AutoTokenizer
-    target_dir, draft_dir = tiny_paths()
-    ensure_tiny_target()
+    target_dir, draft_dir = ensure_tiny_target()
     if not os.path.isfile(os.path.join(draft_dir, "config.json")):
         target = load_target(target_dir, dtype=torch.float32)
         train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
@@ -3492,8 +3471,7 @@ def main_demo(exact=False):
     """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
     from transformers import AutoTokenizer
     t0 = time.time()
-    target_dir, draft_dir = tiny_paths()
-    ensure_tiny_target()
+    target_dir, draft_dir = ensure_tiny_target()
     target = load_target(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     held_out_text = synthetic_corpus(DEMO.target_eval_texts, DEMO.seed + DEMO.target_eval_offset)
@@ -3593,16 +3571,6 @@ def preset_of(args):
     return preset
 
 
-def reported_tau(result, preset):
-    """The accept length as the preset's engine reports it: mean(accepted + 1) as decided
-    (official, vLLM), or the tokens each round actually emitted (SGLang)."""
-    if not result.rounds:
-        return 0.0
-    if preset.tau_emitted:
-        return (len(result.tokens) - 1) / len(result.rounds)
-    return sum(result.accept_lengths) / len(result.accept_lengths)
-
-
 def render_tree(tree, path, tokenizer):
     """ASCII drawing of a draft tree; '*' marks the accepted path."""
     kids = children_of(tree.parents)
@@ -3662,9 +3630,10 @@ def cmd_generate(args):
             print0(f"round {i + 1}: accepted {r.accepted}, bonus {tokenizer.decode([r.bonus])!r}")
             print0(render_tree(r.tree, r.path, tokenizer))
     print0(tokenizer.decode(result.tokens))
-    tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
-    engine = (f" | {preset.name} reports {reported_tau(result, preset):.2f}"
-              if preset.tau_emitted else "")   # the engine counts accept length its way
+    rounds = max(1, len(result.rounds))
+    tau = sum(result.accept_lengths) / rounds   # mean(accepted + 1), as official and vLLM
+    engine = (f" | {preset.name} reports {(len(result.tokens) - 1) / rounds:.2f}"
+              if preset.tau_emitted else "")    # SGLang: the tokens each round emitted
     print0(f"tau {tau:.2f}{engine} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
     if args.comm:
@@ -3834,13 +3803,6 @@ def flag_groups():
     return models, tree, sampling
 
 
-def add_commands(sub):
-    """generate, golden, train -> {name: its parser}, for the workbench to add to."""
-    shared = list(flag_groups())   # models, tree, sampling
-    return dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
-                train=add_train(sub))
-
-
 def add_generate(sub, shared):
     g = sub.add_parser("generate", parents=shared,
                        help="speculative decoding: a target and an EAGLE-3 drafter")
@@ -3917,20 +3879,6 @@ def check_numbers(args, positive=POSITIVE_FLAGS):
             fail(f"--{name.replace('_', '-')} {value} must be > 0")
 
 
-def check_output(out, is_file):
-    if is_file and os.path.isdir(out):
-        fail(f"--out {out!r} is a directory; expected the path of the file to write")
-    if not is_file and os.path.exists(out) and not os.path.isdir(out):
-        fail(f"--out {out!r} is a file; expected a directory to write into")
-    parent = os.path.dirname(os.path.abspath(out))
-    if is_file and not os.path.isdir(parent):
-        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
-    while not os.path.exists(parent):  # a dir output is created with its missing parents
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
-
-
 def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
     """Every path a command reads exists, is of its kind and readable, and --out can be
     written: checked before anything loads, so a typo is one line naming the flag."""
@@ -3949,8 +3897,20 @@ def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
         if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
             fail(f"{flag} {path!r} is not readable: check its permissions")
     out = getattr(args, "out", None)
-    if out is not None:
-        check_output(out, args.command in file_outputs)
+    if out is None:
+        return
+    is_file = args.command in file_outputs   # else a dir, created with its missing parents
+    if is_file and os.path.isdir(out):
+        fail(f"--out {out!r} is a directory; expected the path of the file to write")
+    if not is_file and os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out!r} is a file; expected a directory to write into")
+    parent = os.path.dirname(os.path.abspath(out))
+    if is_file and not os.path.isdir(parent):
+        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
 
 
 def check_args(args):
@@ -3968,10 +3928,13 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(*extensions, description="EAGLE-3 reference: with no command, run the tiny "
                  "end-to-end demo (train a drafter, decode, report).", default=None):
-    """The reference's parser; each extension(sub, commands) may add commands or flags."""
+    """The reference's parser; each extension(sub, commands) may add commands or flags to
+    generate, golden and train (commands: {name: its parser})."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
-    commands = add_commands(sub)
+    shared = list(flag_groups())   # models, tree, sampling
+    commands = dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
+                    train=add_train(sub))
     for extend in extensions:
         extend(sub, commands)
     if default is None:   # the main job is this parser's own
