@@ -2082,10 +2082,9 @@ def moe_config(c):
     if kept * (E // G) < K:
         fail(f"routing cannot select num_experts_per_tok={K} experts: topk_group * "
              f"n_routed_experts / n_group = {kept} * {E} / {G} = {kept * E // G} allowed")
-    return MoEConfig(n_routed=E, n_shared=c.n_shared_experts, top_k=K, n_group=G,
-                     topk_group=kept, width=c.moe_intermediate_size,
-                     norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
-                     first_dense=c.first_k_dense_replace)
+    return MoEConfig(n_routed=E, n_shared=c.n_shared_experts, top_k=K, n_group=G, topk_group=kept,
+                     width=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                     scaling=c.routed_scaling_factor, first_dense=c.first_k_dense_replace)
 
 
 def target_config(c):
@@ -2111,10 +2110,9 @@ def target_config(c):
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
-        inv_freq=inv_freq, rope_scale=rope_scale,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps, qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3", tie_embeddings=bool(c.tie_word_embeddings),
+        max_positions=max_positions, inv_freq=inv_freq, rope_scale=rope_scale,
         mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
 
 
@@ -2445,9 +2443,8 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     return DraftConfig(
         hidden_size=c.hidden_size, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-        target_hidden_size=target_hidden, aux_layers=aux_layers,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab_size, target_hidden_size=target_hidden, aux_layers=aux_layers,
         has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
 
 
@@ -2553,13 +2550,12 @@ def save_draft(draft, path, state=None):
 def draft_config_for(target, draft_vocab_size):
     """A new drafter shaped like one target layer (as the released drafters are)."""
     c = target.cfg
-    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-               num_hidden_layers=1, hidden_size=c.hidden_size,
-               intermediate_size=c.intermediate_size, num_attention_heads=c.n_heads,
-               num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.rms_eps,
-               rope_theta=DRAFT_ROPE_BASE, max_position_embeddings=c.max_positions,
-               vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-               tie_word_embeddings=False)
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+               hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+               rms_norm_eps=c.rms_eps, rope_theta=DRAFT_ROPE_BASE,
+               max_position_embeddings=c.max_positions, vocab_size=c.vocab_size,
+               draft_vocab_size=draft_vocab_size, tie_word_embeddings=False)
     return read_draft_config(raw, c)
 
 
@@ -2607,9 +2603,8 @@ def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_lay
     gradient is the gradient of the global loss."""
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
     rows = slice(*slice_bounds(len(x.input_ids), rank, world))
-    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
-                    x.target_logits[rows], steps, denominator=x.input_ids.numel(),
-                    until_fail=until_fail)
+    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows], x.target_logits[rows],
+                    steps, denominator=x.input_ids.numel(), until_fail=until_fail)
 
 
 def new_optimizer(draft, cfg):
@@ -2675,8 +2670,7 @@ class Progress:
 
 
 def conversation(line, where):
-    roles = dict(human="user", user="user", gpt="assistant", assistant="assistant",
-                 system="system")
+    roles = dict(human="user", user="user", gpt="assistant", assistant="assistant", system="system")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -2753,8 +2747,7 @@ def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
         ended |= token == eos_token_id
         if ended.all() or n + 1 == T + max_new_tokens:
             break
-        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache,
-                           n, ())
+        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache, n, ())
     rows = torch.stack(out, 1).tolist()                                          # (B, new)
     return [r[:r.index(eos_token_id) + 1] if eos_token_id in r else r for r in rows]
 
@@ -3252,8 +3245,7 @@ def golden_batch_tensors(prompts, results, preset):
 
 def write_golden(path, header, tensors):
     from safetensors.torch import save_file
-    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT,
-                                             version=GOLDEN_VERSION))}
+    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT, version=GOLDEN_VERSION))}
     if is_rank0():
         atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
 
@@ -3324,8 +3316,7 @@ def golden_run(cfg):
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
-    draft = load_draft(cfg["draft"], target,
-                       aux_convention=cfg.get("aux_convention", "specforge"))
+    draft = load_draft(cfg["draft"], target, aux_convention=cfg.get("aux_convention", "specforge"))
     device = target.lm_head.weight.device
     rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
     prompts = [torch.tensor([ids], device=device) for ids in rows]
@@ -3372,8 +3363,7 @@ def greedy_with_comm(target, ids, max_new_tokens, eos):
     return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
 
 
-def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
-                     repeats=2):
+def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None, repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
     all-reduces each sends per token at this run's world size."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
@@ -3622,8 +3612,8 @@ def cmd_generate(args):
     t0 = time.perf_counter()
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
-        eos_token_id=eos_ids(tokenizer, target_dir), scheme=args.scheme, preset=preset)
+        top_k=args.top_k, tree=tree_shape(args), seed=args.seed, scheme=args.scheme, preset=preset,
+        eos_token_id=eos_ids(tokenizer, target_dir))
     seconds = time.perf_counter() - t0
     if args.show_tree:
         for i, r in enumerate(result.rounds):
@@ -3731,9 +3721,8 @@ def train_command(args, target, inputs, examples):
     steps = args.steps or max(1, args.epochs * len(train) // args.batch)
     every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
-                      ttt_steps=args.ttt_steps, eval_every=every, save_every=every,
-                      seed=args.seed, bf16=args.autocast == "bf16",
-                      until_fail=args.loss == "until-fail")
+                      ttt_steps=args.ttt_steps, eval_every=every, save_every=every, seed=args.seed,
+                      bf16=args.autocast == "bf16", until_fail=args.loss == "until-fail")
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
     print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
 
@@ -3747,11 +3736,10 @@ def cmd_train(args):
     train_command(args, target, live_inputs(target, pad_id_of(args.target, args)), examples)
 
 
-AUX_CONVENTION_FLAG = dict(
-    default="specforge", choices=AUX_CONVENTIONS,
-    help="how to read the drafter's eagle_aux_hidden_state_layer_ids: specforge (output of "
-         "layer k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 only "
-         "when the first id is 1), sglang-legacy (+1 always)")
+AUX_CONVENTION_FLAG = dict(default="specforge", choices=AUX_CONVENTIONS, help="how to read the "
+                           "drafter's eagle_aux_hidden_state_layer_ids: specforge (output of layer "
+                           "k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 "
+                           "only when the first id is 1), sglang-legacy (+1 always)")
 
 
 # --exact (make_exact) is opt-in: in fp32 the plain path already keeps greedy speculation
@@ -3928,8 +3916,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(*extensions, description="EAGLE-3 reference: with no command, run the tiny "
                  "end-to-end demo (train a drafter, decode, report).", default=None):
-    """The reference's parser; each extension(sub, commands) may add commands or flags to
-    generate, golden and train (commands: {name: its parser})."""
+    """The reference's parser; each extension(sub, commands) may add commands or flags."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
     shared = list(flag_groups())   # models, tree, sampling
