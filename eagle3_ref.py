@@ -1628,8 +1628,7 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
     one float64 uniform per draft, then one Exp(1) vector for the recovered token."""
     g, V, state = randomness.generator, logits.shape[-1], randomness.generator.get_state()
     draws = dict(bonus_exponentials=torch.empty(V).exponential_(generator=g),
-                 draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64,
-                                           generator=g),
+                 draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64, generator=g),
                  exponentials=torch.empty(V).exponential_(generator=g), generator_state=state)
     p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
     bonus = int((p[-1] * (1 / draws["bonus_exponentials"])).argmax())
@@ -1954,8 +1953,7 @@ def attend_rows(q, k, v, bias, scale=None):
     B, H, T, _ = q.shape
     S = k.shape[2]
     if T == S:   # the prefill: every key is new, one call over fresh copies
-        return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale
-                      ).to(q.dtype)
+        return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale).to(q.dtype)
     start = S - T                                        # the new slots come last
     seen = (bias == 0).reshape(-1, T, S).expand(B, T, S)                         # (B, T, S)
     y = q.new_empty(B, H, T, v.shape[-1], dtype=torch.float32)                   # (B, H, T, .)
