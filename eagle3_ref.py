@@ -1628,8 +1628,7 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
     one float64 uniform per draft, then one Exp(1) vector for the recovered token."""
     g, V, state = randomness.generator, logits.shape[-1], randomness.generator.get_state()
     draws = dict(bonus_exponentials=torch.empty(V).exponential_(generator=g),
-                 draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64,
-                                           generator=g),
+                 draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64, generator=g),
                  exponentials=torch.empty(V).exponential_(generator=g), generator_state=state)
     p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
     bonus = int((p[-1] * (1 / draws["bonus_exponentials"])).argmax())
@@ -1954,8 +1953,7 @@ def attend_rows(q, k, v, bias, scale=None):
     B, H, T, _ = q.shape
     S = k.shape[2]
     if T == S:   # the prefill: every key is new, one call over fresh copies
-        return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale
-                      ).to(q.dtype)
+        return attend(fp32_copy(q), fp32_copy(k), fp32_copy(v), fp32_copy(bias), scale).to(q.dtype)
     start = S - T                                        # the new slots come last
     seen = (bias == 0).reshape(-1, T, S).expand(B, T, S)                         # (B, T, S)
     y = q.new_empty(B, H, T, v.shape[-1], dtype=torch.float32)                   # (B, H, T, .)
@@ -2053,16 +2051,13 @@ def check_head_dim(head_dim, where):
              f"even (set head_dim, or heads that divide hidden_size into even widths)")
 
 
-def yarn_mscale(factor, mscale):
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def mla_config(c):
     """MLA sizes of a DeepseekV3Config; the softmax scale as transformers computes it."""
     scale = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
     rope = c.rope_parameters or {}
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+        factor, mscale = rope["factor"], rope["mscale_all_dim"]   # YaRN's mscale, squared
+        scale *= (0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0) ** 2
     # transformers builds q_a/kv_a_layernorm without an eps: 1e-6 whatever rms_norm_eps
     # says (SGLang and vLLM use rms_norm_eps; they differ for Kimi-K2.5's 1e-5)
     return MLAConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
@@ -2085,10 +2080,9 @@ def moe_config(c):
     if kept * (E // G) < K:
         fail(f"routing cannot select num_experts_per_tok={K} experts: topk_group * "
              f"n_routed_experts / n_group = {kept} * {E} / {G} = {kept * E // G} allowed")
-    return MoEConfig(n_routed=E, n_shared=c.n_shared_experts, top_k=K, n_group=G,
-                     topk_group=kept, width=c.moe_intermediate_size,
-                     norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,
-                     first_dense=c.first_k_dense_replace)
+    return MoEConfig(n_routed=E, n_shared=c.n_shared_experts, top_k=K, n_group=G, topk_group=kept,
+                     width=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                     scaling=c.routed_scaling_factor, first_dense=c.first_k_dense_replace)
 
 
 def target_config(c):
@@ -2114,10 +2108,9 @@ def target_config(c):
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
         n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        tie_embeddings=bool(c.tie_word_embeddings), max_positions=max_positions,
-        inv_freq=inv_freq, rope_scale=rope_scale,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps, qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3", tie_embeddings=bool(c.tie_word_embeddings),
+        max_positions=max_positions, inv_freq=inv_freq, rope_scale=rope_scale,
         mla=mla_config(c) if deepseek else None, moe=moe_config(c) if deepseek else None)
 
 
@@ -2448,9 +2441,8 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     return DraftConfig(
         hidden_size=c.hidden_size, n_heads=c.num_attention_heads,
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
-        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-        target_hidden_size=target_hidden, aux_layers=aux_layers,
+        intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab_size, target_hidden_size=target_hidden, aux_layers=aux_layers,
         has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
 
 
@@ -2556,13 +2548,12 @@ def save_draft(draft, path, state=None):
 def draft_config_for(target, draft_vocab_size):
     """A new drafter shaped like one target layer (as the released drafters are)."""
     c = target.cfg
-    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-               num_hidden_layers=1, hidden_size=c.hidden_size,
-               intermediate_size=c.intermediate_size, num_attention_heads=c.n_heads,
-               num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.rms_eps,
-               rope_theta=DRAFT_ROPE_BASE, max_position_embeddings=c.max_positions,
-               vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size,
-               tie_word_embeddings=False)
+    raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+               hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+               num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+               rms_norm_eps=c.rms_eps, rope_theta=DRAFT_ROPE_BASE,
+               max_position_embeddings=c.max_positions, vocab_size=c.vocab_size,
+               draft_vocab_size=draft_vocab_size, tie_word_embeddings=False)
     return read_draft_config(raw, c)
 
 
@@ -2610,9 +2601,8 @@ def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_lay
     gradient is the gradient of the global loss."""
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
     rows = slice(*slice_bounds(len(x.input_ids), rank, world))
-    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows],
-                    x.target_logits[rows], steps, denominator=x.input_ids.numel(),
-                    until_fail=until_fail)
+    return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows], x.target_logits[rows],
+                    steps, denominator=x.input_ids.numel(), until_fail=until_fail)
 
 
 def new_optimizer(draft, cfg):
@@ -2678,8 +2668,7 @@ class Progress:
 
 
 def conversation(line, where):
-    roles = dict(human="user", user="user", gpt="assistant", assistant="assistant",
-                 system="system")
+    roles = dict(human="user", user="user", gpt="assistant", assistant="assistant", system="system")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -2756,8 +2745,7 @@ def padded_greedy(target, prompts, max_new_tokens, eos_token_id):
         ended |= token == eos_token_id
         if ended.all() or n + 1 == T + max_new_tokens:
             break
-        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache,
-                           n, ())
+        logits, _ = target(token[:, None], (n - pads)[:, None], real[:, None, :n + 1], cache, n, ())
     rows = torch.stack(out, 1).tolist()                                          # (B, new)
     return [r[:r.index(eos_token_id) + 1] if eos_token_id in r else r for r in rows]
 
@@ -3115,12 +3103,6 @@ class Pretrain(NamedTuple):
 PRETRAIN = Pretrain()
 
 
-def pack_rows(token_lists, row_len):
-    """Concatenate tokenised conversations and cut the stream into (rows, row_len)."""
-    stream = torch.tensor([t for tokens in token_lists for t in tokens])
-    return stream[:len(stream) // row_len * row_len].view(-1, row_len)
-
-
 def next_token_accuracy(target, token_lists):
     """Held-out top-1 accuracy of the target on its own language (all positions)."""
     hits = total = 0
@@ -3152,22 +3134,20 @@ def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
     bar.done()
 
 
-def save_target(target, hf_config, tokenizer, path):
-    """A real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
+def build_lm(path, hf_config, tokenizer, texts, steps, seed):
+    """Pretrain a tiny LM (random init, next-token loss on the corpus cut into rows) and save
+    it as a real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
     from safetensors.torch import save_file
+    lm = init_weights(Target(target_config(hf_config)), seed)
+    stream = torch.tensor([t for text in texts for t in tokenizer(text).input_ids])
+    n = len(stream) // PRETRAIN.row_len * PRETRAIN.row_len
+    rows = stream[:n].view(-1, PRETRAIN.row_len)                              # (rows, row_len)
+    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in target.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in lm.state_dict().items()}
     tokenizer.save_pretrained(path)
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, hf_config.to_dict()))
-
-
-def build_lm(path, hf_config, tokenizer, texts, steps, seed):
-    """Pretrain a tiny LM: random init, packed corpus rows, next-token loss, saved HF dir."""
-    lm = init_weights(Target(target_config(hf_config)), seed)
-    rows = pack_rows([tokenizer(t).input_ids for t in texts], PRETRAIN.row_len)
-    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
-    save_target(lm, hf_config, tokenizer, path)
 
 
 def pretraining_texts(seed):
@@ -3263,8 +3243,7 @@ def golden_batch_tensors(prompts, results, preset):
 
 def write_golden(path, header, tensors):
     from safetensors.torch import save_file
-    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT,
-                                             version=GOLDEN_VERSION))}
+    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT, version=GOLDEN_VERSION))}
     if is_rank0():
         atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
 
@@ -3335,8 +3314,7 @@ def golden_run(cfg):
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
-    draft = load_draft(cfg["draft"], target,
-                       aux_convention=cfg.get("aux_convention", "specforge"))
+    draft = load_draft(cfg["draft"], target, aux_convention=cfg.get("aux_convention", "specforge"))
     device = target.lm_head.weight.device
     rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
     prompts = [torch.tensor([ids], device=device) for ids in rows]
@@ -3383,8 +3361,7 @@ def greedy_with_comm(target, ids, max_new_tokens, eos):
     return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
 
 
-def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None,
-                     repeats=2):
+def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None, repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
     all-reduces each sends per token at this run's world size."""
     rounds, n_tokens, forwards, lossless = [], 0, 0, True
@@ -3430,18 +3407,14 @@ class Demo(NamedTuple):
 DEMO = Demo()
 
 
-def tiny_paths():
-    return os.path.join(TINY_DIR, "target"), os.path.join(TINY_DIR, "draft")
-
-
 def ensure_tiny_target():
-    """Build the tiny target once (rank 0), reuse it afterwards."""
-    target_dir, _ = tiny_paths()
+    """Build the tiny target once (rank 0), reuse it afterwards -> (target dir, draft dir)."""
+    target_dir, draft_dir = os.path.join(TINY_DIR, "target"), os.path.join(TINY_DIR, "draft")
     if is_rank0() and not os.path.isfile(os.path.join(target_dir, "config.json")):
         build_tiny_target(target_dir, DEMO.seed)
     if world_info()[1] > 1:
         dist.barrier()
-    return target_dir
+    return target_dir, draft_dir
 
 
 def demo_prompts(n, offset):
@@ -3456,12 +3429,6 @@ def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
     return [Example(p + r, [0] * len(p) + [1] * len(r)) for p, r in zip(prompt_ids, replies)]
 
 
-def tiny_draft_config(target, draft_vocab_size):
-    raw = dict(read_json(os.path.join(TINY_CONFIGS, "tiny_demo_draft.json")),
-               vocab_size=target.cfg.vocab_size, draft_vocab_size=draft_vocab_size)
-    return read_draft_config(raw, target.cfg)
-
-
 def train_tiny_draft(target, tokenizer, out_dir):
     """Target replies -> vocab map -> TTT training -> the best drafter's held-out accuracy."""
     def replies(n, offset):
@@ -3470,8 +3437,9 @@ def train_tiny_draft(target, tokenizer, out_dir):
     held_out = replies(DEMO.eval_prompts, DEMO.eval_offset)
     counts = count_reply_tokens(train, target.cfg.vocab_size)
     vocab_map = build_vocab_mapping(counts, DEMO.draft_vocab)
-    draft = fresh_draft(tiny_draft_config(target, DEMO.draft_vocab), target, DEMO.seed,
-                        vocab_map)
+    raw = dict(read_json(os.path.join(TINY_CONFIGS, "tiny_demo_draft.json")),
+               vocab_size=target.cfg.vocab_size, draft_vocab_size=DEMO.draft_vocab)
+    draft = fresh_draft(read_draft_config(raw, target.cfg), target, DEMO.seed, vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
                         TrainConfig(), out_dir)
     return draft, best_point(curve)["step_accuracy"]
@@ -3480,8 +3448,7 @@ def train_tiny_draft(target, tokenizer, out_dir):
 def ensure_tiny_models():
     """The tiny target and a drafter trained for it (built on first use)."""
     from transformers import AutoTokenizer
-    target_dir, draft_dir = tiny_paths()
-    ensure_tiny_target()
+    target_dir, draft_dir = ensure_tiny_target()
     if not os.path.isfile(os.path.join(draft_dir, "config.json")):
         target = load_target(target_dir, dtype=torch.float32)
         train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
@@ -3492,8 +3459,7 @@ def main_demo(exact=False):
     """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
     from transformers import AutoTokenizer
     t0 = time.time()
-    target_dir, draft_dir = tiny_paths()
-    ensure_tiny_target()
+    target_dir, draft_dir = ensure_tiny_target()
     target = load_target(target_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     held_out_text = synthetic_corpus(DEMO.target_eval_texts, DEMO.seed + DEMO.target_eval_offset)
@@ -3593,16 +3559,6 @@ def preset_of(args):
     return preset
 
 
-def reported_tau(result, preset):
-    """The accept length as the preset's engine reports it: mean(accepted + 1) as decided
-    (official, vLLM), or the tokens each round actually emitted (SGLang)."""
-    if not result.rounds:
-        return 0.0
-    if preset.tau_emitted:
-        return (len(result.tokens) - 1) / len(result.rounds)
-    return sum(result.accept_lengths) / len(result.accept_lengths)
-
-
 def render_tree(tree, path, tokenizer):
     """ASCII drawing of a draft tree; '*' marks the accepted path."""
     kids = children_of(tree.parents)
@@ -3654,17 +3610,18 @@ def cmd_generate(args):
     t0 = time.perf_counter()
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
-        eos_token_id=eos_ids(tokenizer, target_dir), scheme=args.scheme, preset=preset)
+        top_k=args.top_k, tree=tree_shape(args), seed=args.seed, scheme=args.scheme, preset=preset,
+        eos_token_id=eos_ids(tokenizer, target_dir))
     seconds = time.perf_counter() - t0
     if args.show_tree:
         for i, r in enumerate(result.rounds):
             print0(f"round {i + 1}: accepted {r.accepted}, bonus {tokenizer.decode([r.bonus])!r}")
             print0(render_tree(r.tree, r.path, tokenizer))
     print0(tokenizer.decode(result.tokens))
-    tau = sum(result.accept_lengths) / max(1, len(result.accept_lengths))
-    engine = (f" | {preset.name} reports {reported_tau(result, preset):.2f}"
-              if preset.tau_emitted else "")   # the engine counts accept length its way
+    rounds = max(1, len(result.rounds))
+    tau = sum(result.accept_lengths) / rounds   # mean(accepted + 1), as official and vLLM
+    engine = (f" | {preset.name} reports {(len(result.tokens) - 1) / rounds:.2f}"
+              if preset.tau_emitted else "")    # SGLang: the tokens each round emitted
     print0(f"tau {tau:.2f}{engine} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
     if args.comm:
@@ -3762,9 +3719,8 @@ def train_command(args, target, inputs, examples):
     steps = args.steps or max(1, args.epochs * len(train) // args.batch)
     every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
-                      ttt_steps=args.ttt_steps, eval_every=every, save_every=every,
-                      seed=args.seed, bf16=args.autocast == "bf16",
-                      until_fail=args.loss == "until-fail")
+                      ttt_steps=args.ttt_steps, eval_every=every, save_every=every, seed=args.seed,
+                      bf16=args.autocast == "bf16", until_fail=args.loss == "until-fail")
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
     print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
 
@@ -3778,11 +3734,10 @@ def cmd_train(args):
     train_command(args, target, live_inputs(target, pad_id_of(args.target, args)), examples)
 
 
-AUX_CONVENTION_FLAG = dict(
-    default="specforge", choices=AUX_CONVENTIONS,
-    help="how to read the drafter's eagle_aux_hidden_state_layer_ids: specforge (output of "
-         "layer k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 only "
-         "when the first id is 1), sglang-legacy (+1 always)")
+AUX_CONVENTION_FLAG = dict(default="specforge", choices=AUX_CONVENTIONS, help="how to read the "
+                           "drafter's eagle_aux_hidden_state_layer_ids: specforge (output of layer "
+                           "k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 "
+                           "only when the first id is 1), sglang-legacy (+1 always)")
 
 
 # --exact (make_exact) is opt-in: in fp32 the plain path already keeps greedy speculation
@@ -3832,13 +3787,6 @@ def flag_groups():
                           help="1: draft the tree's levels one RoPE position late, as SGLang "
                                "before sgl-project/sglang#25015")
     return models, tree, sampling
-
-
-def add_commands(sub):
-    """generate, golden, train -> {name: its parser}, for the workbench to add to."""
-    shared = list(flag_groups())   # models, tree, sampling
-    return dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
-                train=add_train(sub))
 
 
 def add_generate(sub, shared):
@@ -3917,20 +3865,6 @@ def check_numbers(args, positive=POSITIVE_FLAGS):
             fail(f"--{name.replace('_', '-')} {value} must be > 0")
 
 
-def check_output(out, is_file):
-    if is_file and os.path.isdir(out):
-        fail(f"--out {out!r} is a directory; expected the path of the file to write")
-    if not is_file and os.path.exists(out) and not os.path.isdir(out):
-        fail(f"--out {out!r} is a file; expected a directory to write into")
-    parent = os.path.dirname(os.path.abspath(out))
-    if is_file and not os.path.isdir(parent):
-        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
-    while not os.path.exists(parent):  # a dir output is created with its missing parents
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
-
-
 def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
     """Every path a command reads exists, is of its kind and readable, and --out can be
     written: checked before anything loads, so a typo is one line naming the flag."""
@@ -3949,8 +3883,20 @@ def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
         if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
             fail(f"{flag} {path!r} is not readable: check its permissions")
     out = getattr(args, "out", None)
-    if out is not None:
-        check_output(out, args.command in file_outputs)
+    if out is None:
+        return
+    is_file = args.command in file_outputs   # else a dir, created with its missing parents
+    if is_file and os.path.isdir(out):
+        fail(f"--out {out!r} is a directory; expected the path of the file to write")
+    if not is_file and os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--out {out!r} is a file; expected a directory to write into")
+    parent = os.path.dirname(os.path.abspath(out))
+    if is_file and not os.path.isdir(parent):
+        fail(f"--out {out!r}: its directory {parent!r} does not exist; create it first")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
 
 
 def check_args(args):
@@ -3971,7 +3917,9 @@ def build_parser(*extensions, description="EAGLE-3 reference: with no command, r
     """The reference's parser; each extension(sub, commands) may add commands or flags."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
-    commands = add_commands(sub)
+    shared = list(flag_groups())   # models, tree, sampling
+    commands = dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
+                    train=add_train(sub))
     for extend in extensions:
         extend(sub, commands)
     if default is None:   # the main job is this parser's own
