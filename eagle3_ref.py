@@ -2918,7 +2918,9 @@ def tau_sim(point):
 
 
 def best_point(curve):
-    return max(curve, key=tau_sim, default=None)
+    """The point of best tau_sim; of equals the latest (held-out sets too small to tell them
+    apart then keep the most training)."""
+    return max(reversed(curve), key=tau_sim, default=None)
 
 
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):

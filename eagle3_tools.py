@@ -41,7 +41,7 @@ import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time, broadcast0,
+    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time, broadcast0,
     broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
@@ -809,12 +809,13 @@ def capture_file(out, i):
 
 
 @torch.inference_mode()
-def capture_features(target, examples, out, aux_layers):
-    """Write every sample not yet on disk (atomic files: a killed capture resumes) -> how many.
-    Rank 0 decides what is left and writes; every rank runs the tensor-parallel forward."""
+def capture_features(target, examples, out, aux_layers, first=0):
+    """Write every sample not yet on disk as data_{first + i} (atomic files: a killed capture
+    resumes) -> how many. Rank 0 decides what is left and writes; every rank runs the
+    tensor-parallel forward."""
     device, D = target.lm_head.weight.device, target.cfg.hidden_size
-    missing = torch.tensor([not os.path.isfile(capture_file(out, i)) for i in range(len(examples))],
-                           dtype=torch.long, device=device)
+    missing = torch.tensor([not os.path.isfile(capture_file(out, first + i))
+                            for i in range(len(examples))], dtype=torch.long, device=device)
     todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
     for done, i in enumerate(todo, 1):
@@ -824,8 +825,8 @@ def capture_features(target, examples, out, aux_layers):
                       hidden_state=target.model.norm(aux[..., -D:]).cpu(),
                       aux_hidden_state=aux[..., :-D].contiguous().cpu())
         if is_rank0():
-            os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
-            atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
+            os.makedirs(os.path.dirname(capture_file(out, first + i)), exist_ok=True)
+            atomic_write(capture_file(out, first + i), lambda f: torch.save(sample, f))
         bar.show(done)
     bar.done()
     return len(todo)
@@ -926,21 +927,35 @@ def cmd_capture(args):
                                  args.limit, truncate=args.truncate)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
-    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
-                aux_layers=list(aux_layers), samples=len(examples),
-                long="truncated" if args.truncate else "dropped", max_len=args.max_len)
+    data = os.path.abspath(args.data)
+    info = dict(target=os.path.abspath(args.target), data=data, aux_layers=list(aux_layers),
+                samples=len(examples), long="truncated" if args.truncate else "dropped",
+                max_len=args.max_len)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     had = read_json(info_file) if os.path.isfile(info_file) else {}
     for key in ("aux_layers", "long", "max_len"):   # sample i is the i-th kept conversation
         if had.get(key, info[key]) != info[key]:
             fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
                  f"{info[key]!r}: capture into another directory")
+    # each data file owns a range of sample numbers: a second file goes after the first
+    sources = had.get("sources") or ([dict(data=had["data"], first=0, samples=had["samples"])]
+                                     if had else [])
+    mine = next((src for src in sources if src["data"] == data), None)
+    if mine is None:
+        mine = dict(data=data, first=sum(src["samples"] for src in sources),
+                    samples=len(examples))
+        sources.append(mine)
+    elif mine["samples"] != len(examples):
+        fail(f"{args.out!r} holds {mine['samples']} samples of {args.data!r}, this run keeps "
+             f"{len(examples)} (another --limit or file content?): capture into another dir")
+    info.update(data=sources[0]["data"], sources=sources,
+                samples=sum(src["samples"] for src in sources))
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
         atomic_write(info_file, lambda f: write_json(f, info))
-    written = capture_features(target, examples, args.out, aux_layers)
+    written = capture_features(target, examples, args.out, aux_layers, mine["first"])
     print0(f"captured {written} samples ({len(examples) - written} were already there) into "
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
 
@@ -1494,7 +1509,9 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
 
 
 def cmd_regenerate(args):
-    rows = read_prompt_file(args.prompts)[:args.limit]
+    rows = read_prompt_file(args.prompts)[args.offset:][:args.limit]
+    if not rows:
+        fail(f"--offset {args.offset} leaves no prompts in {args.prompts!r}")
     if os.path.isfile(args.out):
         print0(f"{args.out} is complete; delete it to regenerate")
         return
@@ -1545,13 +1562,14 @@ def cmd_curve(args):
                  f"with held-out evaluations")
         curves[run] = read_json(path)["points"]
     print0(f"{'run':40s} {'step':>6s} {'minutes':>8s} {'acc0':>6s} {'tau 3 drafts':>12s} "
-           f"{'tau all':>8s}  (greedy chain tau on the held-out replies)")
+           f"{'tau all':>8s}  (greedy chain tau on the held-out replies; kept: the drafter "
+           f"train left, the best tau all)")
     for run, curve in curves.items():
         for p in curve:
             tau = p["chain_tau"]
             print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
                    f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
-                   f"{tau[-1]:8.2f}")
+                   f"{tau[-1]:8.2f}" + ("  kept" if p is best_point(curve) else ""))
     if args.png:
         draw_curves(curves, args.png)
 
@@ -1600,15 +1618,30 @@ class Tee:
         self.out.flush()
 
 
+STAGES_IN_PROCESS = False   # tests set it: their monkeypatched settings reach every stage
+
+
 def run_command(argv):
-    """One of our commands, in this process, checked as main checks it -> its last stdout
-    line (the commands end with a JSON object or a summary)."""
+    """One of our commands, checked as main checks it -> its last stdout line (the commands
+    end with a JSON object or a summary). Each runs in a process of its own, so its memory
+    goes back when it ends (in one process the default real-demo peaked at 8.6-11.2 GB)."""
     import contextlib
-    args = build_parser().parse_args(argv)
-    check_tool_args(args)
+    import subprocess
     tee = Tee(sys.stdout)
-    with contextlib.redirect_stdout(tee):
-        args.run(args)
+    if STAGES_IN_PROCESS:
+        args = build_parser().parse_args(argv)
+        check_tool_args(args)
+        with contextlib.redirect_stdout(tee):
+            args.run(args)
+    else:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            tee.write(line)
+            tee.flush()
+        if proc.wait():
+            fail(f"stage {argv[0]} exited with code {proc.returncode} (its error is above); "
+                 f"run real-demo again to resume there")
     return ("".join(tee.lines).strip().splitlines() or [""])[-1]
 
 
@@ -1684,23 +1717,29 @@ def cmd_real_demo(args):
     os.makedirs(args.out, exist_ok=True)
     record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
     print0(f"real demo in {args.out}: {plan}")
-    for name, argv in real_stages(args, plan, p):
+    stages = real_stages(args, plan, p)
+    if args.stop_after and args.stop_after not in dict(stages):
+        fail(f"--stop-after {args.stop_after!r} is not a stage of this plan; its stages: "
+             f"{', '.join(name for name, _ in stages)}")
+    for name, argv in stages:
         if name in record:
             print0(f"[{name}] done before ({record[name]['seconds']:.0f} s), skipped")
-            continue
-        print0(f"[{name}] {' '.join(argv)}")
-        t0 = time.time()
-        last = run_command(argv)
-        result = json.loads(last) if last.startswith("{") else last
-        record[name] = dict(seconds=round(time.time() - t0, 1), result=result)
-        atomic_write(p["stages"], lambda f: write_json(f, record))
+        else:
+            print0(f"[{name}] {' '.join(argv)}")
+            t0 = time.time()
+            last = run_command(argv)
+            result = json.loads(last) if last.startswith("{") else last
+            record[name] = dict(seconds=round(time.time() - t0, 1), result=result)
+            atomic_write(p["stages"], lambda f: write_json(f, record))
+        if name == args.stop_after:
+            break
     written = {k: v for k, v in p.items() if os.path.exists(v)}   # no PNG without matplotlib
+    result = {k: record[k]["result"] if k in record else None
+              for k in ("train", "finetune", "evaluate")}
     print0(json.dumps(dict(plan=plan._asdict(), outputs=written,
                            seconds={k: v["seconds"] for k, v in record.items()},
                            total_minutes=round(sum(v["seconds"] for v in record.values()) / 60, 1),
-                           train=record["train"]["result"],
-                           finetune=record["finetune"]["result"] if plan.finetune else None,
-                           evaluate=record["evaluate"]["result"])))
+                           stopped_after=args.stop_after, **result)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -2219,6 +2258,8 @@ def add_real_commands(sub):
                             "target!", "prompts!", "out!", "limit", "dtype", remote=True,
                             out="chat JSONL to write (train --data reads it)",
                             limit="only the first N prompts")])
+    rg.add_argument("--offset", type=int, default=0, help="skip the first N prompts (then "
+                    "--limit): a second reply file continues where the first ended")
     rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
     rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
@@ -2240,6 +2281,9 @@ def add_real_commands(sub):
     rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
                     help="then fine-tune on the target's own replies to this many training "
                          "prompts (0: no fine-tuning; own replies and bf16 only)")
+    rd.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (convert, "
+                    "prompts, regenerate, capture, train, capture-finetune, finetune, evaluate, "
+                    "golden, curve); a later run goes on from there")
     rd.add_argument("--out", default=REAL_DIR)
     rd.set_defaults(run=cmd_real_demo)
 

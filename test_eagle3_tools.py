@@ -69,10 +69,12 @@ def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
     png = tmp_path / "curve.png"
     proc = cli_here("curve", tmp_path / "short", tmp_path / "long", "--png", png)
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split()[-5:] for line in proc.stdout.splitlines()
+    rows = [line.split()[1:] for line in proc.stdout.splitlines()
             if line.split()[0].endswith(("short", "long"))]
-    assert rows == [["10", "1.5", "0.100", "1.20", "1.20"], ["20", "3.0", "0.200", "1.50", "1.50"],
-                    ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40"]]
+    assert rows == [["10", "1.5", "0.100", "1.20", "1.20"],             # kept: the best tau all
+                    ["20", "3.0", "0.200", "1.50", "1.50", "kept"],
+                    ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40",
+                                                             "kept"]]
     try:
         import matplotlib  # noqa: F401  (optional: without it there is a note instead)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -176,6 +178,26 @@ def test_capture_limit_takes_the_first_conversations_and_a_larger_one_keeps_them
     assert "captured 4 samples (5 were already there)" in code.stdout
     assert files() == sorted(f"data_{i}.ckpt" for i in range(9))
     assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
+
+
+def test_capture_adds_a_second_data_file_after_the_first(train_chat_target, captured, tmp_path):
+    # the fixture's data split in two files captured into one dir: the same 18 samples, the
+    # second file's numbered after the first's; each file reruns as a resume
+    c, out = train_chat_target, tmp_path / "features"
+    lines = open(captured.data).read().splitlines(keepends=True)
+    parts = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    parts[0].write_text("".join(lines[:7]))
+    parts[1].write_text("".join(lines[7:]))
+    for part in parts:
+        cli_here("capture", "--target", c.dir, "--data", part, "--out", out)
+    info = json.load(open(out / "capture.json"))
+    n_a = len(E.training_examples(c.tok, str(parts[0]), 2048))
+    assert [(s["data"], s["first"], s["samples"]) for s in info["sources"]] == [
+        (str(parts[0]), 0, n_a), (str(parts[1]), n_a, 18 - n_a)] and info["samples"] == 18
+    assert all(same_sample(out, captured, i) for i in range(18))
+    again = cli_here("capture", "--target", c.dir, "--data", parts[1], "--out", out)
+    assert f"captured 0 samples ({18 - n_a} were already there)" in again.stdout
+    assert len(T.captured_examples(str(out))) == 18
 
 
 def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_target, captured,
@@ -1387,6 +1409,33 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
 
 
+def test_regenerate_offset_continues_where_a_first_file_ended(tiny_gguf, tmp_path):
+    _, converted = tiny_gguf
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in REGEN_PROMPTS))
+    argv = ["regenerate", "--target", converted, "--prompts", prompts, "--max-new-tokens", 6]
+    for name, part in (("all", []), ("first", ["--limit", 4]), ("rest", ["--offset", 4])):
+        assert cli_here(*argv, *part, "--out", tmp_path / f"{name}.jsonl").returncode == 0
+    read = lambda name: (tmp_path / f"{name}.jsonl").read_text()
+    assert read("first") + read("rest") == read("all") and read("rest").count("\n") == 2
+    line = S.refused(cli_here(*argv, "--offset", 6, "--out", tmp_path / "none.jsonl"))
+    assert "--offset 6" in line
+
+
+def test_real_demo_stages_run_in_processes_of_their_own(tmp_path, monkeypatch):
+    # the stage's stdout comes back, its last line the result; the parent's code is not
+    # what runs (a broken copy here changes nothing); a failing stage stops with one line
+    run = tmp_path / "run"
+    run.mkdir()
+    point = dict(step=5, train_seconds=60.0, step_accuracy=[0.5], chain_tau=[1.5])
+    (run / E.CURVE_FILE).write_text(json.dumps(dict(points=[point])))
+    monkeypatch.setattr(T, "cmd_curve", lambda args: 1 / 0)
+    assert T.run_command(["curve", str(run)]).split()[-6:] == [
+        "5", "1.0", "0.500", "1.50", "1.50", "kept"]
+    with pytest.raises(E.Eagle3Error, match="stage curve exited with code 2"):
+        T.run_command(["curve", str(tmp_path / "missing")])
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
     """A random EAGLE-3 drafter for the converted tiny model."""
@@ -1464,12 +1513,17 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
     monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
+    monkeypatch.setattr(T, "STAGES_IN_PROCESS", True)   # so that the settings above hold
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
             str(tmp_path / "run"), "--budget", "16p", "--replies", replies]
+    proc = cli_here(*argv, "--stop-after", "capture")                # then on from there
+    early, out = last_json(proc), proc.stdout
+    assert list(early["seconds"])[-1] == "capture" and early["stopped_after"] == "capture"
+    assert early["train"] is None and "features" in early["outputs"]
     proc = cli_here(*argv)
-    first, out = last_json(proc), proc.stdout
+    first, out = last_json(proc), out + proc.stdout
     if replies == "own":   # own replies, then a fine-tune on the target's (bf16 only)
         stages = ["convert", "prompts", "capture", "train", "regenerate", "capture-finetune",
                   "finetune", "evaluate", "golden", "curve"]
@@ -1477,9 +1531,11 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden",
                   "curve"]
     assert list(first["seconds"]) == stages
+    assert early["seconds"].items() <= first["seconds"].items()
+    assert proc.stdout.count("skipped") == list(stages).index("capture") + 1
     assert first["plan"]["replies"] == replies
-    assert len(first["train"]["step_accuracy"]) == small.ttt_steps
-    assert len(first["train"]["chain_tau"]) == small.ttt_steps
+    assert len(first["train"]["best"]["step_accuracy"]) == small.ttt_steps
+    assert len(first["train"]["best"]["chain_tau"]) == small.ttt_steps
     held = sum(1 for _ in open(os.path.join(tmp_path, "run", "eval_prompts.jsonl")))
     assert first["evaluate"]["prompts"] == min(held, small.eval_prompts)
     assert first["evaluate"]["lossless"]
@@ -1499,7 +1555,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         assert sum(1 for _ in open(outputs["tune_replies"])) == 16
         tuned = json.load(open(os.path.join(outputs["tune_features"], "capture.json")))
         assert tuned["dtype"] == "bfloat16" and tuned["data"] == outputs["tune_replies"]
-        assert len(first["finetune"]["step_accuracy"]) == small.ttt_steps
+        assert len(first["finetune"]["last"]["step_accuracy"]) == small.ttt_steps
         from safetensors.torch import load_file     # it trained from the base drafter: its
         base, tuned_w = (load_file(os.path.join(outputs[k], "model.safetensors"))  # vocab map
                          for k in ("base_draft", "draft"))           # kept, every weight moved
