@@ -43,9 +43,9 @@ from test_eagle3_scaffold import (
     TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, built_once, chat_data,
     check_bad_input, check_path_flag, children, cli, cli_env, cli_here, cli_path_flags,
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
-    inverse_cdf, path_to, pick, random_prompt, random_tree, refused, run_cli, sent, sharpen,
-    shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target, train_config,
-    train_conversations, train_draft, train_generate_setup, train_render,
+    inverse_cdf, path_to, pick, random_prompt, random_tree, refused, reply_token_counts, run_cli,
+    sent, sharpen, shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target,
+    train_config, train_conversations, train_draft, train_generate_setup, train_render,
     train_step, train_top_ids, ttt_batch, verify, zoo)
 
 
@@ -448,9 +448,6 @@ def tp_worker(job, rank):
         seed=5, preset=preset)] for preset in E.PRESETS for temperature in (0.0, 0.9)}
     # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
     # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
-    case = job["targets"][0]
-    target = E.load_target(case["dir"])
-    draft = E.load_draft(case["draft"], target)
     if rank == 1:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -2275,13 +2272,6 @@ def train_collate(examples, pad_id):
     return ids, mask
 
 
-def train_hf_features(hf, ids):
-    """transformers' logits and the EAGLE-3 features (inputs of layers 2, L//2, L-3)."""
-    with torch.no_grad():
-        out = hf(ids, output_hidden_states=True)
-    return out.logits, torch.cat([out.hidden_states[i] for i in TRAIN_AUX], -1)
-
-
 def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, decay=0.8):
     """The TTT loss on reference_drafter's steps -> (total, losses, hits, counts)."""
     t2d = draft.t2d.detach()
@@ -2480,7 +2470,9 @@ def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
     t = train_target
     draft = tiny_draft(t.target, 21, t.kept, std=0.02)
     ids, mask = train_collate(t.examples, TRAIN_PAD)
-    logits, aux = train_hf_features(t.hf, ids)
+    with torch.no_grad():
+        out = t.hf(ids, output_hidden_states=True)
+    logits, aux = out.logits, hf_aux(out.hidden_states, TRAIN_AUX)
     floor = train_teacher_floor(draft.t2d, mask, logits, steps=3)
     before, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
     train_draft(t.target, draft, t.examples, [], train_config(steps=20), str(tmp_path), TRAIN_PAD)
@@ -2651,10 +2643,7 @@ def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train
     conversations: the CLI holds out the first max(1, n // 50) conversations (here 1)."""
     c = train_chat_target
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
-    counts = Counter()
-    for messages in train_cli_run.chats[1:]:
-        tokens, mask = train_render(c.tok, messages)
-        counts.update(t for t, m in zip(tokens, mask) if m)
+    counts = reply_token_counts(c.tok, train_cli_run.chats[1:])
     assert len(counts) > 64  # a real choice: more distinct reply tokens than draft slots
     expected = train_top_ids([counts[v] for v in range(c.vocab)], 64)
     draft = E.load_draft(train_cli_run.out, E.load_target(c.dir, dtype=torch.float32))
@@ -2686,10 +2675,7 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     # The official code and SpecForge freeze embed_tokens, the target's or the drafter's own.
     c = train_chat_target
     target = E.load_target(c.dir, dtype=torch.float32)
-    counts = Counter()
-    for messages in train_conversations():       # a draft vocab of frequent reply tokens
-        tokens, mask = train_render(c.tok, messages)
-        counts.update(t for t, m in zip(tokens, mask) if m)
+    counts = reply_token_counts(c.tok, train_conversations())   # frequent reply tokens
     kept = train_top_ids([counts[v] for v in range(c.vocab)], 64)
     draft = tiny_draft(target, 5, kept, own_embedding=True)
     E.save_draft(draft, str(tmp_path / "init"))
