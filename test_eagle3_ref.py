@@ -272,7 +272,7 @@ def ds_fp8(zoo, tmp_path_factory):
     return SimpleNamespace(dir=str(root), reference=reference)
 
 
-def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
+def test_fp8_checkpoint_loads_to_the_dequantised_model_at_world_size_1_and_2(ds_fp8, ds_tp_run):
     with safe_open(os.path.join(ds_fp8.dir, "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.3.mlp.experts.1.up_proj.weight").dtype == \
             torch.float8_e4m3fn
@@ -280,6 +280,9 @@ def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
     assert_routing_is_robust(ds_fp8.reference, ids)
     assert_close(E.load_target(ds_fp8.dir)(ids)[0][0], hf_forward(ds_fp8.reference, ids)[0],
                  "fp8 logits")
+    reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
+    for rank in ds_tp_run.ranks:
+        assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
 
 
 def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
@@ -587,12 +590,6 @@ def test_deepseek_tensor_parallel_equals_one_process_shards_and_counts_its_colle
         assert rank[name]["all_reduces"] == 2 * LAYERS
         assert_comm_counts(rank[name]["comm"], zoo.target(name).cfg, 8)
     assert torch.equal(ds_tp_run.ranks[0][name]["logits"], ds_tp_run.ranks[1][name]["logits"])
-
-
-def test_fp8_checkpoint_at_world_size_2_equals_the_dequantised_model(ds_fp8, ds_tp_run):
-    reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
-    for rank in ds_tp_run.ranks:
-        assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
 
 
 def test_world_size_1_counts_nothing_as_sent(speculation):
@@ -1071,7 +1068,7 @@ def test_drafter_is_fed_target_features_of_its_aux_layers(zoo):
     assert_close(fed, hf_aux(hidden_states, (1, 4, 7))[:fed.shape[0]])
 
 
-def test_speculative_generate_stops_at_first_eos(speculation):
+def test_speculative_generate_alone_and_batched_stops_at_first_eos(speculation):
     s = speculation["llama"]
     text = s.reference["memorized"].tolist()
     first = next(i for i in range(8, 32) if text[i] not in text[:i])   # a token new at i >= 8
@@ -1080,6 +1077,13 @@ def test_speculative_generate_stops_at_first_eos(speculation):
                                     tree=E.TreeShape(3, 3, 12), eos_token_id=text[first])
     assert result.tokens.tolist() == expected
     assert E.greedy_generate(s.target, s.prompts["memorized"], 32, text[first]).tolist() == expected
+    # in a batch, a row that finishes early stops emitting while the others go on
+    eos, prompts = text[5], [s.prompts["memorized"]] + BATCH_PROMPTS[1:3]   # row 0's 6th token
+    results = E.speculative_generate_batch(s.target, s.draft, prompts, 20,
+                                           tree=E.TreeShape(2, 2, 6), eos_token_id=eos)
+    for ids, r in zip(prompts, results):
+        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
+    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
 
 
 DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
@@ -1575,16 +1579,13 @@ def test_warped_probs_top_p_drops_token_exactly_at_the_cut():
                                rtol=0, atol=1e-12)
 
 
-def test_sample_inverse_cdf_hand_example():
+def test_sample_inverse_cdf_on_a_hand_example_never_picks_a_zero_probability_token():
     p = torch.tensor([0.25, 0.0, 0.5, 0.125, 0.0, 0.125], dtype=torch.float64)
     # CDF [.25, .25, .75, .875, .875, 1]; token i owns [cdf(i-1), cdf(i)), empty for p = 0
     cases = {0.0: 0, 0.2: 0, 0.25: 2, 0.74: 2, 0.75: 3, 0.874: 3, 0.875: 5, 0.999: 5}
     assert {u: E.sample_inverse_cdf(p, u) for u in cases} == cases
     assert {u: E.sample_inverse_cdf(8 * p, u) for u in cases} == cases  # u scales with sum
-
-
-def test_sample_inverse_cdf_never_picks_zero_probability_token():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)             # never a zero-probability token
     below_one = float(np.nextafter(1.0, 0.0))
     for _ in range(50):
         p = torch.rand(12, generator=g, dtype=torch.float64)
@@ -1615,9 +1616,10 @@ def test_the_seed_alone_decides_the_tokens_and_the_trace_records_its_uniforms(
         assert used == list(itertools.islice(coins(seed), len(used)))
 
 
-def test_sample_generate_replays_inverse_cdf_of_exact_law(vocab6_target, vocab6_exact_law):
-    """sample_generate's i-th token = inverse CDF, at the i-th seeded uniform, of
-    transformers' warped distribution given the tokens before it."""
+def test_sample_generate_replays_inverse_cdf_of_exact_law_and_its_first_token_fits_it(
+        vocab6_target, vocab6_exact_law):
+    # token i = inverse CDF, at the i-th seeded uniform, of transformers' warped
+    # distribution given the tokens before it
     law = vocab6_exact_law(T07_P09)
     for seed in range(100):
         u1, u2, u3 = itertools.islice(coins(seed), 3)
@@ -1632,10 +1634,7 @@ def test_sample_generate_replays_inverse_cdf_of_exact_law(vocab6_target, vocab6_
         return E.sample_generate(vocab6_target, PROMPT, 24, temperature=0.8, top_p=0.9,
                                  top_k=3, seed=5).tolist()
     assert run() == run()
-
-
-def test_sample_generate_first_token_matches_enumeration(vocab6_target, vocab6_exact_law):
-    law = vocab6_exact_law(T1).p1
+    law = vocab6_exact_law(T1).p1           # and 1000 first tokens: chi-square against the law
     samples = [tuple(E.sample_generate(vocab6_target, PROMPT, 1, seed=seed).tolist())
                for seed in range(1000)]
     p = chi_square_p(samples, law)
@@ -1646,7 +1645,9 @@ def test_sample_generate_first_token_matches_enumeration(vocab6_target, vocab6_e
 # tensor parallelism: rank 0 decides, every rank emits its decisions
 
 
-def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
+def test_tensor_parallel_ranks_emit_rank0s_greedy_and_sampled_decisions(speculation, tp_run,
+                                                                         vocab6_target,
+                                                                         vocab6_drafts):
     s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
     expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
     rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
@@ -1656,6 +1657,16 @@ def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
     for shape, (tokens0, _), (tokens1, _) in zip(TP_SHAPES, rank0["speculative"],
                                                   rank1["speculative"]):
         assert tokens0.tolist() == tokens1.tolist() == expected, shape
+    # sampled, shared seed: both ranks emit W = 1's tokens; own seeds: rank 1 emits rank 0's
+    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
+    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
+    for name, tokens in single.items():
+        assert rank0[name] == rank1[name], name
+        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
+    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
+    for name in ("tree", "plain"):                 # (not chain)
+        assert rank1[name] == single[name], f"{name}: rank 1 decided"
+        assert rank0[name] == single[name], name
 
 
 TP_SEED = 11
@@ -1682,20 +1693,6 @@ def sampled_on_rank(target_dir, rank):
             "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
 
 
-def test_tensor_parallel_sampled_tokens_are_rank0s_on_every_rank(tp_run, vocab6_target,
-                                                                 vocab6_drafts):
-    """Shared seed: both ranks emit W = 1's tokens; own seeds: rank 1 emits rank 0's (not chain)."""
-    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
-    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
-    for name, tokens in single.items():
-        assert rank0[name] == rank1[name], name
-        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
-    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
-    for name in ("tree", "plain"):
-        assert rank1[name] == single[name], f"{name}: rank 1 decided"
-        assert rank0[name] == single[name], name
-
-
 # ----------------------------------------------------------------------------------------
 # variant: batches of prompts of different lengths, one verify forward for all trees
 
@@ -1703,7 +1700,14 @@ BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, preset):
+def test_each_presets_greedy_speculation_alone_and_in_a_batch_of_4_equals_greedy_decoding(
+        speculation, preset):
+    for name in ("llama", "qwen3"):
+        s = speculation[name]
+        for kind in ("memorized", "fresh"):
+            result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
+                                            tree=E.TreeShape(3, 3, 12), preset=preset)
+            assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
     s = speculation["llama"]
     prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
     results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
@@ -1711,17 +1715,6 @@ def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, 
     for ids, r in zip(prompts, results):
         assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
     assert max(results[3].accept_lengths) >= 3
-
-
-def test_batch_rows_that_finish_early_stop_emitting(speculation):
-    s = speculation["llama"]
-    eos = int(s.reference["memorized"][5])           # the 6th greedy token of row 0
-    results = E.speculative_generate_batch(s.target, s.draft, [s.prompts["memorized"]] +
-                                           BATCH_PROMPTS[1:3], 20, tree=E.TreeShape(2, 2, 6),
-                                           eos_token_id=eos)
-    for ids, r in zip([s.prompts["memorized"]] + BATCH_PROMPTS[1:3], results):
-        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
-    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
@@ -1976,16 +1969,6 @@ def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target,
         expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
                           n_tokens=REPLAY_TOKENS)
         assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
-
-
-@pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_each_preset_greedy_equals_plain_greedy(speculation, preset):
-    for name in ("llama", "qwen3"):
-        s = speculation[name]
-        for kind in ("memorized", "fresh"):
-            result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
-                                            tree=E.TreeShape(3, 3, 12), preset=preset)
-            assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
 
 
 def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_are_one_late():
@@ -3310,19 +3293,12 @@ def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_sa
 # a golden trace is what it claims to be
 
 
-def test_golden_greedy_tokens_equal_transformers_greedy_decoding_and_use_no_uniforms(
-        golden_traces, golden_models):
-    t = golden_trace(golden_traces, "greedy")["tensors"]
-    expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
-    assert t["input_ids"].tolist() == GOLDEN_PROMPT
-    assert t["tokens"].tolist() == expected.tolist()
-    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
-    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
-
-
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
-    """Each round's root is the last token so far; its path and bonus the next tokens, then cut."""
+def test_golden_rounds_concatenate_to_the_output_and_tree_fields_follow_from_parent_links(
+        golden_traces, kind):
+    # Each round's root is the last token so far; its path and bonus the next tokens, then
+    # cut. positions, mask and retrieve_indices rebuilt by walking parents; the accepted
+    # path is a root-first chain of parent links.
     t = golden_trace(golden_traces, kind)["tensors"]
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
@@ -3334,13 +3310,6 @@ def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
         assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
     assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
     assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
-
-
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
-    """positions, mask and retrieve_indices rebuilt by walking parents; the accepted path
-    is a root-first chain of parent links."""
-    t = golden_trace(golden_traces, kind)["tensors"]
     nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
     for r in range(len(t["accept_lengths"])):
         parents = golden_round(t, r, "parents").tolist()
@@ -3359,9 +3328,15 @@ def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
         assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
 
 
-def test_golden_greedy_path_is_the_longest_argmax_match_and_bonus_the_argmax(golden_traces):
+def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_no_uniforms(
+        golden_traces, golden_models):
     t = golden_trace(golden_traces, "greedy")["tensors"]
-    depths = []
+    expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
+    assert t["input_ids"].tolist() == GOLDEN_PROMPT
+    assert t["tokens"].tolist() == expected.tolist()
+    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
+    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
+    depths = []         # each path the longest argmax match, the bonus the argmax
     for r in range(len(t["accept_lengths"])):
         tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents")
         argmax = golden_round(t, r, "logits").argmax(-1)
@@ -3395,26 +3370,15 @@ def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, go
             assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
 
 
-def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_traces):
-    """first_uniforms, then each round's uniforms: one seeded generator (seed 7), one
-    float64 draw at a time; a round draws one per tried sibling plus one for the bonus."""
+def test_golden_sampled_uniforms_are_the_seeded_stream_and_acceptance_replays_from_them(
+        golden_traces, golden_models):
+    # first_uniforms, then each round's: one seeded generator (seed 7), one float64 draw at
+    # a time. Replayed with transformers' warpers: try children in node order, accept x iff
+    # u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF. A round uses up
+    # its uniforms: one per tried sibling, one for the bonus.
     t = golden_trace(golden_traces, "sampled")["tensors"]
-    rounds = range(len(t["accept_lengths"]))
     assert_uniforms_are_the_seeded_stream(t, seed=7)
     assert len(t["first_uniforms"]) == 1
-    for r in rounds:
-        parents, path = golden_round(t, r, "parents").tolist(), golden_round(t, r, "path").tolist()
-        tried = sum(children(parents, node).index(child) + 1
-                    for node, child in zip(path, path[1:]))
-        tried += len(children(parents, path[-1]))  # every child of the last node failed
-        assert len(golden_round(t, r, "uniforms")) == tried + 1, f"round {r}"
-
-
-def test_golden_sampled_acceptance_replays_from_stored_logits_and_uniforms(golden_traces,
-                                                                          golden_models):
-    """Replays the documented coins with transformers' warpers: try children in node order,
-    accept x iff u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF."""
-    t = golden_trace(golden_traces, "sampled")["tensors"]
     with torch.no_grad():
         prefill = golden_models["hf"](torch.tensor([GOLDEN_PROMPT])).logits[0, -1]
     assert int(t["tokens"][0]) == inverse_cdf(golden_warped(prefill),
@@ -3568,7 +3532,8 @@ def test_batch_golden_trace_is_bit_identical_across_two_runs(batch_golden, prese
     assert rows == {"row00", "row01", "row02"}
 
 
-def test_batch_golden_records_each_engines_random_numbers_in_its_layout(batch_golden):
+def test_batch_golden_records_each_engines_random_numbers_and_check_names_a_flipped_token(
+        batch_golden):
     (_, _, (_, sg)), (_, _, (_, vl)) = batch_golden.runs["sglang"][0], batch_golden.runs["vllm"][0]
     nodes = sg["row00.round0000.tree_tokens"].shape[0]
     assert sg["row00.round0000.coins"].shape == (nodes,) and sg["row00.round0000.coins"].dtype == \
@@ -3585,9 +3550,7 @@ def test_batch_golden_records_each_engines_random_numbers_in_its_layout(batch_go
     g.set_state(vl["row01.round0002.generator_state"])
     assert torch.equal(torch.empty(GOLDEN_VOCAB).exponential_(generator=g),
                        vl["row01.round0002.bonus_exponentials"])
-
-
-def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(batch_golden):
+    # --check names the row, round, field and index of a flipped token
     flipped, untouched = batch_golden.check
     assert untouched.returncode == 0 and untouched.stdout.strip() == "match", untouched.stderr
     assert flipped.returncode == 1, flipped.stdout + flipped.stderr[-2000:]
