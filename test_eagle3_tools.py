@@ -107,21 +107,30 @@ def same_sample(out, captured, i):
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
-                                                                        captured):
+def test_capture_writes_specforge_fields_equal_to_the_targets_features_read_also_gzipped(
+        train_chat_target, captured, tmp_path):
     c, examples = train_chat_target, captured.examples
     assert len(examples) == 18
     for i, ex in enumerate(examples):
         sample = captured_sample(captured.dir, i)
         assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
-        T = len(ex.tokens)
+        n = len(ex.tokens)
         assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
             ex.reply_mask
-        assert sample["hidden_state"].shape == (1, T, 32)
-        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
+        assert sample["hidden_state"].shape == (1, n, 32)
+        assert sample["aux_hidden_state"].shape == (1, n, 3 * 32)
         logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
         assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
         assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
+    import gzip                        # read back gzipped, as SpecForge writes them
+    group = tmp_path / "rows_0-2000"
+    group.mkdir()
+    for i in range(3):
+        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
+            g.write(f.read())
+    assert [ex.tokens for ex in T.captured_examples(str(tmp_path))] == [
+        ex.tokens for ex in examples[:3]]
 
 
 def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
@@ -215,18 +224,6 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     first_reply = min(ex.reply_mask.index(1) for ex in full)
     assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
     assert len(E.training_examples(c.tok, captured.data, first_reply + 1, truncate=True)) >= 1
-
-
-def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
-    import gzip
-    group = tmp_path / "rows_0-2000"
-    group.mkdir()
-    for i in range(3):
-        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
-            g.write(f.read())
-    examples = T.captured_examples(str(tmp_path))
-    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
 
 
 def test_offline_training_from_features_equals_online_training_step_for_step(
@@ -484,31 +481,22 @@ def remapped(vocab_tools):
     return old, new, shared
 
 
-def test_remap_draft_keeps_logits_of_tokens_shared_by_both_vocabularies(vocab_tools,
-                                                                       remapped):
-    old, new, shared = remapped
+def test_remap_draft_keeps_shared_rows_and_the_body_starts_new_rows_and_maps_the_top_tokens(
+        vocab_tools, remapped):
+    old, new, shared = remapped        # the logits of tokens shared by both vocabularies
     assert 0 < len(shared) < 96  # some tokens carried, some new
     i, j = (torch.tensor(x) for x in zip(*shared))
     assert torch.equal(new.lm_head.weight[j], old.lm_head.weight[i])
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(new.logits(h)[:, j], old.logits(h)[:, i], rtol=0, atol=1e-6)
     assert f"{len(shared)} of 96 lm_head rows carried over" in vocab_tools["remap"].stdout
-
-
-def test_remap_draft_initialises_rows_of_tokens_new_to_the_drafter(remapped):
-    old, new, shared = remapped
     fresh = sorted(set(range(96)) - {j for _, j in shared})
     rows = new.lm_head.weight[fresh]
     assert rows.abs().sum(-1).min() > 0
     nearest = torch.cdist(rows, old.lm_head.weight).min()
     assert nearest > 0, "a new token's row is a copy of an old row"
-
-
-def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target(vocab_tools,
-                                                                                remapped):
-    """load_draft validates d2t/t2d for target 2; the kept ids are the 96 most frequent
-    reply tokens of the data under the new tokenizer (ties: smaller id), ascending."""
-    _, new, _ = remapped
+    # load_draft validated d2t/t2d for target 2; the kept ids are the 96 most frequent
+    # reply tokens of the data under the new tokenizer (ties: smaller id), ascending
     tok2 = vocab_tools["tok2"]
     counts = [0] * len(tok2)
     for p, r in vocab_tools["pairs2"]:
@@ -520,20 +508,15 @@ def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target
     assert new.t2d.nonzero().flatten().tolist() == kept
     config = json.load(open(os.path.join(vocab_tools["draft2"], "config.json")))
     assert (config["vocab_size"], config["draft_vocab_size"]) == (len(tok2), 96)
-
-
-def test_remap_draft_carries_over_the_drafter_body_unchanged(vocab_tools):
-    assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
-    tensors = []
+    tensors = []                       # the drafter's body carried over unchanged
     for d in ("draft1", "draft2"):
         with safe_open(os.path.join(vocab_tools[d], "model.safetensors"), framework="pt") as f:
             tensors.append({k: f.get_tensor(k) for k in f.keys()})
-    old, new = tensors
-    assert sorted(old) == sorted(new)
-    body = [k for k in old if k not in ("lm_head.weight", "d2t", "t2d")]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    body = [k for k in tensors[0] if k not in ("lm_head.weight", "d2t", "t2d")]
     assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
     for k in body:
-        assert torch.equal(old[k], new[k]), f"{k} changed"
+        assert torch.equal(tensors[0][k], tensors[1][k]), f"{k} changed"
 
 
 def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
@@ -698,7 +681,7 @@ def table_row(lines, label):
     return [float(x) for x in row[len(label):].split()]
 
 
-def test_cost_rows_equal_a_hand_computation_from_injected_timings():
+def test_cost_rows_and_a_slices_full_depth_equal_a_hand_computation_from_injected_timings():
     shapes = [("chain 2", E.TreeShape(1, 1, 3)), ("tree", E.TreeShape(4, 2, 9))]
     timings = T.CostTimings(decode=0.010, verify={3: 0.013, 9: 0.021}, allreduce={},
                             draft={"chain 2": 0.002, "tree": 0.008},
@@ -712,10 +695,8 @@ def test_cost_rows_equal_a_hand_computation_from_injected_timings():
         assert r["speedup"][1.5] == pytest.approx(1.5 / cost)
         assert r["speedup"][3.0] == pytest.approx(3.0 / cost)
     assert rows["tree"]["speedup"][3.0] == pytest.approx(1.0)   # tau = break-even: no gain
-
-
-def test_cost_plan_slice_scales_the_layers_share_of_each_forward_and_nothing_else():
-    # 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers -> 2 + 8 * 4 = 34 ms
+    # a slice, 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers
+    # -> 2 + 8 * 4 = 34 ms
     sliced = T.CostTimings(decode=0.010, verify={4: 0.014}, allreduce={}, draft={"c": 0.003},
                            accept={"c": 0.001})
     full = T.full_depth(sliced, {1: 0.002, 4: 0.006}, built=2, layers=8)
@@ -837,7 +818,8 @@ def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
                                             abs=0.006)
 
 
-def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
+def test_projected_speedup_and_eval_drafts_verdict_set_the_chain_tau_against_measured_costs(
+        tmp_path, monkeypatch):
     stats = E.ChainStats(step_accuracy=[], accept_rate=[], expected_tau=[1.6, 2.0, 2.3],
                          replayed_tau=[1.5, 1.9, 2.2])
     costs = dict(shapes=[dict(shape="chain 2", tree=[1, 1, 3], round_cost=1.2),
@@ -850,9 +832,7 @@ def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
     assert rows["chain 3"]["tau"] == 2.2 and "slower" in rows["chain 3"]["verdict"]
     for label in ("chain 8", "tree 10/7/60"):   # the probe ran 3 steps; trees it cannot score
         assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
-
-
-def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch):
+    # eval-draft --costs: a verdict per measured shape
     stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
     for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
                            load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
@@ -990,9 +970,10 @@ class RowCounted(torch.nn.Module):
         return y * (1 + 2 ** -4) if x.numel() > x.shape[-1] else y
 
 
-def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone(train_chat_target):
-    """On the exact path every operation but the planted one keeps each row's bits; the
-    planted one differs in every row of every call of M >= 2: 6*7/2 - 1 of 21 rows."""
+def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone_and_counts_by_hand(
+        train_chat_target):
+    # On the exact path every operation but the planted one keeps each row's bits; the
+    # planted one differs in every row of every call of M >= 2: 6*7/2 - 1 of 21 rows.
     target = E.load_target(train_chat_target.dir, dtype=torch.bfloat16)
     mlp = target.model.layers[0].mlp
     mlp.up_proj = RowCounted(mlp.up_proj)
@@ -1003,11 +984,8 @@ def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone(train
             "model.layers.0.mlp.down_proj", "model.norm", "lm_head"} <= set(flips)
     assert flips.pop("model.layers.0.mlp.up_proj") == T.RowFlips(differ=20, rows=21, first_m=2)
     assert all(f == T.RowFlips(0, 21, None) for f in flips.values()), flips
-
-
-def test_row_flips_count_by_hand():
-    """Row j of an M-row call is compared with row j alone for M = 1..3 (6 rows): a call
-    that breaks only row 1 once three rows share it is one differing row, first at M = 3."""
+    # by hand: row j of an M-row call against row j alone for M = 1..3 (6 rows); a call
+    # that breaks only row 1 once three rows share it is one differing row, first at M = 3
     alone = lambda j: torch.tensor([float(j)])                          # noqa: E731
     rows = lambda M: torch.tensor([[0.0], [1.5 if M == 3 else 1.0], [2.0]][:M])  # noqa: E731
     assert T.row_flips(rows, alone, 3) == T.RowFlips(differ=1, rows=6, first_m=3)
@@ -1420,7 +1398,8 @@ def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_d
                                                "eagle3"}
 
 
-def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
+def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_native(
+        monkeypatch):
     monkeypatch.setattr(T, "native_bf16", lambda: True)
     plan = T.REAL_PLAN
     assert T.parse_budget("500p").prompts == 500
@@ -1440,10 +1419,7 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
     for bad in ("soon", "3p", f"{T.TRAIN_PROMPTS + 1}p"):
         with pytest.raises(E.Eagle3Error, match=repr(bad)):
             T.parse_budget(bad)
-
-
-def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
-    monkeypatch.setattr(T, "native_bf16", lambda: True)
+    # the plan multiplies in bf16 only where the machine does
     assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
