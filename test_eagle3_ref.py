@@ -1367,21 +1367,13 @@ def monte_carlo(replay, accept=None, seed=2024):
 
 @pytest.mark.parametrize("sampling_name", SAMPLINGS)
 @pytest.mark.parametrize("case_name", CASES)
-def test_sampled_speculation_is_lossless(case_name, sampling_name, vocab6_replay,
-                                         vocab6_exact_law):
-    sampling = SAMPLINGS[sampling_name]
-    samples = monte_carlo(vocab6_replay(CASES[case_name], sampling))
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
-
-
-@pytest.mark.parametrize("sampling_name", SAMPLINGS)
-@pytest.mark.parametrize("case_name", CASES)
-def test_speculative_generate_replays_round_by_round(case_name, sampling_name, vocab6_target,
-                                                     vocab6_drafts, vocab6_replay):
-    """The real loop gives, seed for seed, the replay the chi-square tests sample (many rounds)."""
+def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_round(
+        case_name, sampling_name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, s = CASES[case_name], SAMPLINGS[sampling_name]
     replay = vocab6_replay(case, s)
+    p = chi_square_p(monte_carlo(replay), vocab6_exact_law(s).joint)
+    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
+    # the real loop gives, seed for seed, the replay the chi-square samples (many rounds)
     for seed in range(REPLAY_SEEDS):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
@@ -1454,39 +1446,30 @@ HAND_P = torch.tensor([[0.10, 0.40, 0.30, 0.20],    # after node 0 (root)
 
 
 @pytest.mark.parametrize("uniforms, top_k, temperature, expected", [
-    # root: node 1 (token 1): 0.35 < p0(1) = 0.4 -> accept; node 2 is never tried
-    # node 1: node 3 (token 3): 0.5 > p1(3) = 0.1 -> reject; residual [.4, .3, .2, 0] / .9,
-    #   CDF [.444, .778, 1, 1]
-    # bonus: 0.8 lies in [.778, 1) -> token 2
+    # node 1: .35 < p0(1) = .4 accept (node 2 never tried); node 3: .5 > p1(3) = .1 reject;
+    # bonus .8 in the residual [.4, .3, .2, 0] / .9, CDF [.444, .778, 1, 1] -> token 2
     pytest.param([0.35, 0.5, 0.8], 0, 1.0, ([0, 1], 1, 2), id="first-child-accepted"),
-    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [.1, 0, .3, .2] / .6 = [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.45 < 1/2 -> accept (the unrenormalised 0.3 would reject)
-    # node 2 is a leaf: bonus from p2, CDF [.05, .1, .2, 1]: 0.6 -> token 3
+    # node 1: .6 > .4 reject, p0 -> [1/6, 0, 1/2, 1/3]; node 2: .45 < 1/2 accept (the
+    # unrenormalised .3 would reject); a leaf: bonus .6 in p2's CDF [.05, .1, .2, 1] -> 3
     pytest.param([0.6, 0.45, 0.6], 0, 1.0, ([0, 2], 1, 3),
                  id="second-child-tested-with-renormalised-probability"),
-    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.7 > 1/2 -> reject; p0 -> [1/6, 0, 0, 1/3] / (1/2)
-    #   = [1/3, 0, 0, 2/3]
-    # bonus: 0.4 in the residual CDF [1/3, 1/3, 1/3, 1] -> token 3
-    #   (the unmodified p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
+    # node 1: .6 > .4 reject, p0 -> [1/6, 0, 1/2, 1/3]; node 2: .7 > 1/2 reject, p0 ->
+    # [1/3, 0, 0, 2/3]; bonus .4 in its CDF [1/3, 1/3, 1/3, 1] -> token 3 (the unmodified
+    # p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
     pytest.param([0.6, 0.7, 0.4], 0, 1.0, ([0], 0, 3),
                  id="all-children-rejected-bonus-from-residual"),
-    # root: node 1: 0.35 < 0.4 -> accept; node 1: node 3 (token 3): 0.05 < 0.1 -> accept
-    # node 3 is a leaf: bonus from p3, CDF [.7, .8, .9, 1]: 0.75 -> token 1
-    #   (node 1's distribution, CDF [.4, .7, .9, 1], would give token 2)
+    # node 1: .35 < .4 accept; node 3: .05 < .1 accept; a leaf: bonus .75 in p3's CDF
+    # [.7, .8, .9, 1] -> token 1 (node 1's CDF [.4, .7, .9, 1] would give token 2)
     pytest.param([0.35, 0.05, 0.75], 0, 1.0, ([0, 1, 3], 2, 1),
                  id="leaf-bonus-from-unmodified-distribution"),
-    # top_k = 2: p0 -> tokens {1, 2} kept: [0, 4/7, 3/7, 0]; p1 -> tokens {0, 1}: [4/7, 3/7, 0, 0]
-    # root: node 1 (token 1): 0.5 < 4/7 -> accept (0.5 > the unwarped 0.4)
-    # node 1: node 3 (token 3): 0.01 > 0 -> reject (top-k removed token 3); residual = p1
-    # bonus: 0.6 in CDF [4/7, 1, 1, 1] -> token 1
+    # top_k = 2: p0 -> [0, 4/7, 3/7, 0], p1 -> [4/7, 3/7, 0, 0]. node 1: .5 < 4/7 accept
+    # (.5 > the unwarped .4); node 3: .01 > 0 reject (top-k removed token 3); residual = p1,
+    # bonus .6 in its CDF [4/7, 1, 1, 1] -> token 1
     pytest.param([0.5, 0.01, 0.6], 2, 1.0, ([0, 1], 1, 1),
                  id="drafts-tested-against-warped-distribution"),
-    # top_k = 2 leaves node 1's distribution [4/7, 3/7, 0, 0]: its child, token 3, has
-    # probability 0 and must be rejected whatever the coin. torch.rand draws from [0, 1),
-    # so u = 0.0 is a possible coin, and the rule "accept iff u <= p(x)" accepts at 0 <= 0.
-    # root: node 1: 0.5 < 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
-    # bonus: 0.6 in node 1's CDF [4/7, 1, 1, 1] -> token 1
+    # top_k = 2 gives token 3 probability 0 after node 1: it must be rejected whatever the
+    # coin, also u = 0.0 (torch.rand draws from [0, 1); "accept iff u <= p(x)" takes 0 <= 0).
+    # node 1: .5 < 4/7 accept; node 3: 0.0, reject; bonus .6 in CDF [4/7, 1, 1, 1] -> 1
     pytest.param([0.5, 0.0, 0.6], 2, 1.0, ([0, 1], 1, 1),
                  id="zero-probability-draft-never-accepted"),
     # logits = 0.5 log p at temperature 0.5 -> the warped distribution is p again, so the
@@ -1509,9 +1492,8 @@ CHAIN_P = [[0.25, 0.30, 0.25, 0.20], [0.10, 0.10, 0.10, 0.70], [0.10, 0.20, 0.30
 
 
 @pytest.mark.parametrize("p, q, drafts, top_k, uniforms, expected", [
-    # x1 = 1: 0.45 * q(1) = 0.27 <= p(1) = 0.3 -> accept (0.45 > p(1): a q = 1 rule rejects)
-    # x2 = 3: 0.99 * 0.4 = 0.396 < 0.7 -> accept
-    # bonus from the last row, CDF [.1, .3, .6, 1]: 0.5 -> token 2
+    # x1 = 1: .45 * q(1) = .27 <= p(1) = .3 accept (.45 > p(1): a q = 1 rule rejects);
+    # x2 = 3: .99 * .4 = .396 < .7 accept; bonus .5 in the last row's CDF [.1, .3, .6, 1] -> 2
     pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.45, 0.99, 0.5], ([0, 1, 2], 2, 2),
                  id="accepts-iff-u-times-q-below-p"),
     # x1 = 1: 0.6 * 0.6 = 0.36 > 0.3 -> reject; x2 is never tested
@@ -1519,18 +1501,14 @@ CHAIN_P = [[0.25, 0.30, 0.25, 0.20], [0.10, 0.10, 0.10, 0.70], [0.10, 0.20, 0.30
     #   [.15, .15, .2, .3] -> token 2 (p itself, CDF [.25, .55, ...], gives the rejected 1)
     pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.6, 0.52], ([0], 0, 2),
                  id="rejection-samples-residual-p-minus-q"),
-    # x1 = 1: 0.45 * 0.6 = 0.27 < 0.3 -> accept
-    # x2 = 3: 0.9 * q2(3) = 0.63 > p2(3) = 0.4 -> reject
-    # residual max(0, p2 - q2) = [.2, .1, 0, 0] (sum .3): 0.7 * .3 = .21 in CDF [.2, .3, .3, .3]
-    #   -> token 1
+    # x1 = 1: .45 * .6 = .27 < .3 accept; x2 = 3: .9 * q2(3) = .63 > p2(3) = .4 reject;
+    # residual max(0, p2 - q2) = [.2, .1, 0, 0]: .7 * .3 = .21 in CDF [.2, .3, .3, .3] -> 1
     pytest.param([CHAIN_P[0], [0.30, 0.20, 0.10, 0.40], CHAIN_P[2]],
                  [CHAIN_Q[0], [0.10, 0.10, 0.10, 0.70]], [1, 3], 0, [0.45, 0.9, 0.7],
                  ([0, 1], 1, 1), id="second-rejection-uses-its-own-rows"),
-    # top_k = 2 keeps tokens 0, 1 of p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]. The
-    # drafter proposed token 2 (q(2) = .5): the target gives it probability 0, so it must
-    # be rejected whatever the coin; but u = 0.0 (a possible torch.rand draw) passes
-    # "accept iff u * q(x) <= p(x)" as 0 <= 0.
-    # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): 0.5 * .5 = .25 -> token 0
+    # top_k = 2: p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]; the draft 2 (q(2) = .5) has
+    # p = 0 and must be rejected also at u = 0.0 (which passes u * q(x) <= p(x) as 0 <= 0);
+    # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): .5 * .5 = .25 -> token 0
     pytest.param([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4],
                  [[0.2, 0.3, 0.5, 0.0], [0.25] * 4], [2, 0], 2, [0.0, 0.5], ([0], 0, 0),
                  id="zero-probability-draft-never-accepted"),
@@ -1898,15 +1876,6 @@ def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
     return [replay(uniforms, accept=accept) for _ in range(TRIALS)]
 
 
-@pytest.mark.parametrize("name", list(PRESET_CASES))
-def test_each_presets_sampled_verification_is_lossless(name, vocab6_replay, vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
-    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset)
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
-
-
 def sglang_residual_ignoring_rejections(preset, generator):
     """Broken: the final token drawn from p itself, as if no child had been rejected."""
     def accept(logits, tree, uniforms, sampling):
@@ -1954,13 +1923,15 @@ def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_repl
 
 
 @pytest.mark.parametrize("name", list(PRESET_CASES))
-def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target, vocab6_drafts,
-                                                            vocab6_replay):
-    """The real loop under each preset draws its random numbers as the replay above does,
-    so the chi-square tests sample speculative_generate itself."""
+def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays_it(
+        name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, order = PRESET_CASES[name]
     sampling = T1_K4_P08[order]
     replay = vocab6_replay(case, sampling)
+    p = chi_square_p(preset_monte_carlo(replay, case.preset), vocab6_exact_law(sampling).joint)
+    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
+    # the real loop under the preset draws its random numbers as the replay does, so the
+    # chi-square samples speculative_generate itself
     for seed in range(20):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
@@ -4245,11 +4216,8 @@ class RowCountRounding(torch.nn.Module):
 
 def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
     # The negative control of the test above. Whether plain bf16 parts depends on the CPU's
-    # bf16 kernels (an AVX2 EPYC parted in 52 of 162 of these runs; a CPU whose kernels round
-    # a row alike at every M parts in none), so the control plants the fault instead: the
-    # exact target's lm_head rounds multi-row calls coarsely, and the same harness must see
-    # speculation part from greedy decoding. The exact path's bitwise verify rows are
-    # checked against the plain path's on every machine in the next test.
+    # kernels (an AVX2 EPYC: 52 of 162 runs; others none), so the fault is planted: an
+    # lm_head that rounds multi-row calls coarsely must make the same harness see a parting.
     _, exact, _, exact_draft = bf16_pair("llama")
     prompts = exact_prompts(0) + memorized_prompts()[:1]    # llama's: 0 partings above
     exact.lm_head = RowCountRounding(exact.lm_head, step=1.0)
@@ -4258,10 +4226,9 @@ def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
 
 
 def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_pair):
-    # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
-    # probabilities acceptance draws against -- equal, bit for bit, those of the decode
-    # step at that position along the output. The control: the same check sees the rows
-    # of a target with a planted row-dependent lm_head differ.
+    # Sampled: at every accepted node the verify row's logits (so the warped probabilities
+    # acceptance draws against) are the decode step's, bit for bit; a planted row-dependent
+    # lm_head (the control) makes the same check see them differ.
     plain, exact, plain_draft, exact_draft = bf16_pair("llama")
     planted = E.make_exact(plain)
     planted.lm_head = RowCountRounding(planted.lm_head, step=1.0)
@@ -4289,10 +4256,9 @@ def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_p
 
 
 def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf16_pair):
-    # The same prompt alone and at a random slot of a batch of 4 prompts of other lengths
-    # (a dense target and an MLA + MoE one): bitwise the same tokens and the same verify
-    # logits every round, and every row of the batch equals its own greedy decoding. The
-    # plain bf16 batch rounds the needle otherwise somewhere (the negative control).
+    # One prompt alone and at a random slot of a batch of 4 of other lengths (dense, and
+    # MLA + MoE): the same tokens and verify logits bit for bit, every row its own greedy
+    # decoding; the plain bf16 batch rounds the needle otherwise somewhere (the control).
     g = torch.Generator().manual_seed(11)
     needle = random_prompt(77, 7)
     logits_differ = 0
@@ -4322,7 +4288,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
     assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
 
 
-def test_make_exact_twice_is_a_no_op(zoo):
+def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_one_line(zoo):
     target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     modules = list(target.modules())
     assert E.make_exact(target) is target
@@ -4333,10 +4299,7 @@ def test_make_exact_twice_is_a_no_op(zoo):
     ids = random_prompt(5, 6)
     once = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     assert torch.equal(target(ids)[0], once(ids)[0])          # served as once, bit for bit
-
-
-def test_make_exact_refuses_a_drafter_and_a_layer_it_cannot_serve_in_one_line(zoo):
-    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
+    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)  # what it cannot serve
     with pytest.raises(E.Eagle3Error, match="serves a target"):
         E.make_exact(tiny_draft(target, 0))
 
@@ -4433,9 +4396,8 @@ class PlainParted(UserWarning):
 
 @pytest.mark.fuzz
 def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tmp_path):
-    # The fuzzer's case served in bf16 (at W = 1): on the exact path greedy speculation,
-    # alone and as row 0 of a batch of two, equals the same target's greedy decoding token
-    # for token; the plain bf16 path's partings are reported as the negative control.
+    # The fuzzer's case in bf16 (W = 1), exact path: greedy speculation alone and as row 0
+    # of a batch of two equals greedy decoding; plain bf16's partings are reported (control).
     case = fuzz_case(fuzz_seed)
     hf = fuzz_hf_model(case)
     hf.save_pretrained(tmp_path / "target")
@@ -4460,10 +4422,14 @@ def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tm
         assert rows[0].tokens.tolist() == greedy, f"exact bf16 batch row 0; {case.describe()}"
 
 
-def test_golden_exact_records_the_switch_and_check_reruns_the_exact_path(zoo, tmp_path):
-    # golden --exact in bf16 writes exact: true in the header's config, --check re-runs it
-    # on the exact path (a match); the same file read as a plain run (the key absent, as in
-    # every trace written before it existed) diverges, so the key is what --check followed.
+def test_exact_is_a_switch_off_by_default_golden_records_it_and_check_reruns_the_exact_path(
+        zoo, tmp_path):
+    parser = E.build_parser()                # of generate, golden and the main job
+    for argv in (["generate", "--prompt", "hi"], ["golden"], []):
+        assert parser.parse_args(argv).exact is False
+        assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
+    # golden --exact in bf16 writes exact: true in the header, --check re-runs it (a match);
+    # the file without the key (as traces before it) diverges: --check followed the key.
     target = E.load_target(zoo.dir("llama"))
     E.save_draft(tiny_draft(target, 2), tmp_path / "draft")
     trace = tmp_path / "exact.safetensors"
@@ -4480,13 +4446,6 @@ def test_golden_exact_records_the_switch_and_check_reruns_the_exact_path(zoo, tm
     save_file(tensors, plain, metadata={"eagle3_golden": json.dumps(header)})
     check = cli_here("golden", "--check", plain)
     assert check.returncode == 1 and "first divergence" in check.stdout, check.stdout
-
-
-def test_exact_is_a_switch_of_generate_golden_and_the_main_job_off_by_default():
-    parser = E.build_parser()
-    for argv in (["generate", "--prompt", "hi"], ["golden"], []):
-        assert parser.parse_args(argv).exact is False
-        assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
 
 
 WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker,
