@@ -59,7 +59,7 @@ from test_eagle3_scaffold import (
 
 
 @pytest.mark.parametrize("name", TARGETS)
-def test_target_logits_and_aux_features_equal_transformers(zoo, name):
+def test_target_logits_aux_features_and_greedy_decoding_equal_transformers(zoo, name):
     # the aux features are the residuals entering layers 2, L//2 and L-3
     ids = random_prompt(1, length=40)
     ref_logits, hidden_states = hf_forward(zoo.hf(name), ids)
@@ -69,6 +69,10 @@ def test_target_logits_and_aux_features_equal_transformers(zoo, name):
     L = LAYERS
     expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
     assert_close(aux[0], expected)
+    ids = random_prompt(5)
+    expected = hf_greedy(zoo.hf(name), ids, 40)
+    assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
+    assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("ids, expected", [
@@ -95,14 +99,6 @@ def test_sharded_and_bin_checkpoints_load_like_transformers(zoo, tmp_path, name,
     ref_logits, _ = hf_forward(model, ids)
     logits, _ = E.load_target(str(tmp_path))(ids)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
-
-
-@pytest.mark.parametrize("name", TARGETS)
-def test_greedy_generate_equals_transformers_generate(zoo, name):
-    ids = random_prompt(5)
-    expected = hf_greedy(zoo.hf(name), ids, 40)
-    assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
-    assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
 
 
 # ----------------------------------------------------------------------------------------
@@ -184,17 +180,6 @@ def assert_routing_is_robust(hf, ids):
     assert gap > MIN_ROUTING_GAP, f"routing near-tie (gap {gap:.2e}): pick another seed/prompt"
 
 
-@pytest.mark.parametrize("name", DS_TARGETS)
-def test_deepseek_logits_and_aux_equal_transformers(zoo, name):
-    hf, target = zoo.hf(name), zoo.target(name)
-    ids = random_prompt(40, length=16)
-    assert_routing_is_robust(hf, ids)
-    logits, hidden_states = hf_forward(hf, ids)
-    ours_logits, ours_aux = target(ids)
-    assert_close(ours_logits[0], logits, "logits")
-    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
-
-
 def test_deepseek_softmax_scale_and_latent_eps_are_transformers(zoo):
     # (dn + dr)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2, and 1e-6 for the latent
     # norms although rms_norm_eps is 1e-5
@@ -204,8 +189,14 @@ def test_deepseek_softmax_scale_and_latent_eps_are_transformers(zoo):
 
 
 @pytest.mark.parametrize("name", DS_TARGETS)
-def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(zoo, name):
+def test_deepseek_logits_aux_cache_of_the_latent_and_tree_nodes_equal_transformers(zoo, name):
     hf, target = zoo.hf(name), zoo.target(name)
+    ids = random_prompt(40, length=16)
+    assert_routing_is_robust(hf, ids)
+    logits, hidden_states = hf_forward(hf, ids)
+    ours_logits, ours_aux = target(ids)
+    assert_close(ours_logits[0], logits, "logits")
+    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
     cfg = target.cfg.mla
     prefix = random_prompt(41, length=10)
     cache = target.new_cache(32)
@@ -606,7 +597,8 @@ def test_world_size_1_counts_nothing_as_sent(speculation):
 # ========================================================================================
 
 
-def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculation, tmp_path):
+def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees_without_a_map_too(
+        speculation, tmp_path):
     s = speculation["qwen3"]                                      # has d2t/t2d
     E.save_draft(s.draft, str(tmp_path))
     with open(tmp_path / "config.json") as f:
@@ -626,6 +618,26 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculatio
     trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
     for a, b in zip(*trees):
         assert torch.equal(a, b)
+    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
+    # must draft exactly as the same weights with an explicit identity map.
+    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
+    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
+    E.save_draft(s.draft, bare)
+    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
+    shutil.copytree(bare, mapped)
+    edit_draft_dir(mapped, state=lambda w: w.update(
+        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
+    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
+    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
+    for kind, prompt in s.prompts.items():
+        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
+        assert a.accept_lengths == b.accept_lengths
+        for ra, rb in zip(a.rounds, b.rounds):
+            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
+        if kind == "memorized":
+            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
 
 
 def official_draft_dir(path, target, draft_vocab_size=20):
@@ -712,29 +724,6 @@ def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, probl
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(E.Eagle3Error, match=message):
         E.load_draft(str(tmp_path), target)
-
-
-def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation, tmp_path):
-    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
-    # must draft exactly as the same weights with an explicit identity map.
-    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
-    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
-    E.save_draft(s.draft, bare)
-    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
-    shutil.copytree(bare, mapped)
-    edit_draft_dir(mapped, state=lambda w: w.update(
-        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
-    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
-    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
-    for kind, prompt in s.prompts.items():
-        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
-        assert a.accept_lengths == b.accept_lengths
-        for ra, rb in zip(a.rounds, b.rounds):
-            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
-        if kind == "memorized":
-            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
 
 
 def reference_drafter(draft, aux, input_ids, steps, H, Hkv, hs, eps=1e-6, theta=10000.0):
@@ -2649,7 +2638,8 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
 # ========================================================================================
 
 
-def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width():
+def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the_tokenizer(
+        train_chat_target):
     # depth >= 8 layers (aux layers 2, L//2, L-3 distinct and apart); the drafter is one layer
     # of the target's width
     with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")) as f:
@@ -2659,12 +2649,8 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width():
     L = target["num_hidden_layers"]
     assert L >= 8 and len({2, L // 2, L - 3}) == 3
     assert draft["num_hidden_layers"] == 1 and draft["hidden_size"] == target["hidden_size"]
-
-
-def test_tiny_tokenizer_saves_as_a_model_dir_and_round_trips_the_synthetic_chats(
-        train_chat_target):
-    # trained with the `tokenizers` library on the corpus generated in code, it loads back
-    # with transformers' AutoTokenizer like a real model's and decodes every chat it encodes
+    # the tokenizer, trained with the `tokenizers` library on the corpus generated in code,
+    # loads back with transformers' AutoTokenizer like a real model's and decodes every chat
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(train_chat_target.dir)
     assert len(tok) == len(train_chat_target.tok) < train_chat_target.vocab + 64
@@ -2754,7 +2740,7 @@ def config_dir(tmp_path, family="deepseek_v3", **overrides):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("family, world, overrides, message", [
+@pytest.mark.parametrize("family, world, overrides, message", [   # world None: the config
     ("llama", 3, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
                      r"by the world size 3"),       # neither head count divides
     ("llama", 4, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
@@ -2765,24 +2751,21 @@ def config_dir(tmp_path, family="deepseek_v3", **overrides):
                                                     r"divisible"),
     ("deepseek_v3", 2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not "
                                                        r"divisible by the world size 2"),
-], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width"])
-def test_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family, world, overrides,
-                                                           message):
-    cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
+    ("deepseek_v3", None, dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json "
+                                                     r"must be even"),
+    ("deepseek_v3", None, dict(num_experts_per_tok=3, topk_group=1),
+     r"cannot select num_experts_per_tok=3 experts: topk_group \* n_routed_experts / n_group = "
+     r"1 \* 8 / 4 = 2"),
+    ("deepseek_v3", None, dict(n_group=3), r"n_routed_experts=8, n_group=3"),
+], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width", "ds-odd-rope-dim",
+        "ds-routing-cannot-select", "ds-groups-do-not-split"])
+def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family,
+                                                                           world, overrides,
+                                                                           message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.check_tp_sizes(cfg, world)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json must be even"),
-    (dict(num_experts_per_tok=3, topk_group=1), r"cannot select num_experts_per_tok=3 experts: "
-                                                r"topk_group \* n_routed_experts / n_group = "
-                                                r"1 \* 8 / 4 = 2"),
-    (dict(n_group=3), r"n_routed_experts=8, n_group=3"),
-], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
-def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.read_target_config(config_dir(tmp_path, **overrides))
+        cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
+        if world:
+            E.check_tp_sizes(cfg, world)
 
 
 def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
@@ -3265,11 +3248,12 @@ def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_sa
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_rounds_concatenate_to_the_output_and_tree_fields_follow_from_parent_links(
-        golden_traces, kind):
+def test_golden_rounds_concatenate_to_the_output_tree_fields_follow_parents_logits_are_hfs(
+        golden_traces, golden_models, kind):
     # Each round's root is the last token so far; its path and bonus the next tokens, then
     # cut. positions, mask and retrieve_indices rebuilt by walking parents; the accepted
-    # path is a root-first chain of parent links.
+    # path is a root-first chain of parent links. Node i of round r is scored (transformers)
+    # after prompt + output before the root + its ancestors.
     t = golden_trace(golden_traces, kind)["tensors"]
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
@@ -3297,6 +3281,15 @@ def test_golden_rounds_concatenate_to_the_output_and_tree_fields_follow_from_par
         assert golden_round(t, r, "retrieve_indices").tolist() == rows
         path = golden_round(t, r, "path").tolist()
         assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
+        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
+        tokens, logits = golden_round(t, r, "tree_tokens"), golden_round(t, r, "logits")
+        assert logits.shape == (N, GOLDEN_VOCAB) and logits.dtype == torch.float32
+        for i in range(N):
+            ids = torch.tensor([prefix + tokens[chains[i]].tolist()])
+            with torch.no_grad():
+                expected = golden_models["hf"](ids).logits[0, -1]
+            diff = float((logits[i] - expected).abs().max())
+            assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
 
 
 def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_no_uniforms(
@@ -3320,25 +3313,6 @@ def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_n
         assert golden_round(t, r, "bonus").tolist() == [int(argmax[last])]
         depths.append(len(path) - 1)
     assert max(depths) >= 2, f"accepted depths {depths}: the trace never goes below level 1"
-
-
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, golden_models,
-                                                               kind):
-    """Node i of round r is scored after prompt + output before the root + its ancestors."""
-    t = golden_trace(golden_traces, kind)["tensors"]
-    hf = golden_models["hf"]
-    for r in range(len(t["accept_lengths"])):
-        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
-        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents").tolist()
-        logits = golden_round(t, r, "logits")
-        assert logits.shape == (len(tokens), GOLDEN_VOCAB) and logits.dtype == torch.float32
-        for i in range(len(tokens)):
-            ids = torch.tensor([prefix + tokens[path_to(parents, i)].tolist()])
-            with torch.no_grad():
-                expected = hf(ids).logits[0, -1]
-            diff = float((logits[i] - expected).abs().max())
-            assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
 
 
 def test_golden_sampled_uniforms_are_the_seeded_stream_and_acceptance_replays_from_them(
@@ -4023,18 +3997,6 @@ def file_parts():
     return [node for node in body if node.lineno < wall], part2
 
 
-def test_part_one_refers_to_no_name_defined_in_part_two():
-    part1, part2 = file_parts()
-    defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    # the wall sits where it should: the method above, the IO and tools below
-    assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
-    assert {"load_target", "load_draft", "save_draft", "main"} <= part2
-    crossings = sorted({(getattr(node, "name", f"line {node.lineno}"), ref.id)
-                        for node in part1 for ref in ast.walk(node)
-                        if isinstance(ref, ast.Name) and ref.id in part2})
-    assert not crossings, f"Part I refers to Part II: {crossings}"
-
-
 PROJECT_MODULES = ("eagle3_ref", "eagle3_tools", "test_eagle3_ref", "test_eagle3_scaffold",
                    "test_eagle3_tools")
 
@@ -4049,8 +4011,17 @@ def imported_modules(path):
              if isinstance(n, ast.ImportFrom) and n.module})
 
 
-def test_the_reference_imports_no_other_project_file_and_nothing_imports_the_workbench():
-    here = os.path.dirname(os.path.abspath(E.__file__))
+def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_project_file():
+    part1, part2 = file_parts()
+    defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    # the wall sits where it should: the method above, the IO and tools below
+    assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
+    assert {"load_target", "load_draft", "save_draft", "main"} <= part2
+    crossings = sorted({(getattr(node, "name", f"line {node.lineno}"), ref.id)
+                        for node in part1 for ref in ast.walk(node)
+                        if isinstance(ref, ast.Name) and ref.id in part2})
+    assert not crossings, f"Part I refers to Part II: {crossings}"
+    here = os.path.dirname(os.path.abspath(E.__file__))  # no project import, none of the tools
     assert not imported_modules(E.__file__) & set(PROJECT_MODULES)
     for name in os.listdir(here):
         if name.endswith(".py") and not name.startswith("test_") and name != "eagle3_tools.py":
