@@ -428,8 +428,8 @@ def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_covera
     assert fit["coverage"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_tools,
-                                                                          tmp_path):
+def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compares_strings(
+        vocab_tools, tmp_path):
     # The map train would build from other data of the same kind shares almost all tokens
     # with the drafter's, but one different token early in the sorted vocabulary shifts
     # every later d2t offset: low positional agreement, high overlap -> "remap".
@@ -449,10 +449,7 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
     assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
     assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
     assert "remap the lm_head rows (remap-draft)" in proc.stdout
-
-
-def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
-        vocab_tools):
+    # --against-draft of another tokenizer compares token strings
     tok1, tok2 = vocab_tools["tok1"], vocab_tools["tok2"]
     report = last_json(cli_here(
         "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
@@ -721,9 +718,10 @@ def test_measured_costs_come_from_the_injected_clock_piece_by_piece(tmp_path):
     assert rows[1]["round_cost"] == pytest.approx((7 + 2 + 0.4) / 4)
 
 
-def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested_dtype(
+def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_bf16_with_no_fp32_copy(
         tmp_path, monkeypatch):
-    cfg = E.read_target_config(str(cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")))
+    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
+    cfg = E.read_target_config(str(path))
     draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 32000)
     built_on, real = [], E.Target
 
@@ -746,12 +744,8 @@ def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested
     assert models.draft.lm_head.weight.shape == (32000, 576)
     assert float(models.target.model.layers[3].mlp.up_proj.weight.float().std()) == \
         pytest.approx(T.COST_INIT_STD, rel=0.05)
-
-
-def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
     # In a fresh process the peak RSS grows by the bf16 weights, not by an fp32 detour
     # (SmolLM2-135M: 0.27 GB in bf16, 0.54 GB in fp32, drafter ~0.05 GB more).
-    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
     script = (
         "import types, torch, eagle3_ref as E, eagle3_tools as T\n"
         "def peak():  # VmHWM, the peak resident set, in bytes\n"
@@ -871,8 +865,8 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
 # ========================================================================================
 
 
-def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
-                                                                           train_generate_setup):
+def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hides_slots(
+        train_chat_target, train_generate_setup):
     """bf16 verify rows against decode steps replayed node by node along each root path
     (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
     forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
@@ -909,6 +903,17 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
         assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
                                                         c.tok.eos_token_id).tolist()
         assert max(out.accept_lengths) > 1                                 # drafts accepted
+    # its rows read exactly the slots their mask shows: a query that may not see some
+    # cached slot gets the plain forward's logits (fp32), not the prefix's
+    mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
+    mask[0, 3] = False
+    hidden = []
+    for layout in ("rows", "invariant"):
+        model = T.use_layout(E.load_target(c.dir, dtype=torch.float32), layout)
+        cache = model.new_cache(n + 1)
+        model(prompt, cache=cache, aux_layers=())
+        hidden.append(model(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())[0])
+    S.assert_close(hidden[1], hidden[0], "a query that does not see slot 3")
 
 
 def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
@@ -933,21 +938,6 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
         torch.set_num_threads(threads)
 
 
-def test_the_invariant_layout_serves_a_mask_that_hides_cached_slots(train_chat_target):
-    """Its rows read exactly the slots their mask shows: a query that may not see some
-    cached slot gets the plain forward's logits (fp32), not the prefix's."""
-    c = train_chat_target
-    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    n = prompt.shape[1]
-    mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
-    mask[0, 3] = False
-    logits = []
-    for layout in ("rows", "invariant"):
-        model = T.use_layout(E.load_target(c.dir, dtype=torch.float32), layout)
-        cache = model.new_cache(n + 1)
-        model(prompt, cache=cache, aux_layers=())
-        logits.append(model(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())[0])
-    S.assert_close(logits[1], logits[0], "a query that does not see slot 3")
 
 
 # ========================================================================================
