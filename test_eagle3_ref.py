@@ -43,9 +43,9 @@ from test_eagle3_scaffold import (
     TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, built_once, chat_data,
     check_bad_input, check_path_flag, children, cli, cli_env, cli_here, cli_path_flags,
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
-    inverse_cdf, path_to, pick, random_prompt, random_tree, refused, run_cli, sent, sharpen,
-    shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target, train_config,
-    train_conversations, train_draft, train_generate_setup, train_render,
+    inverse_cdf, path_to, pick, random_prompt, random_tree, refused, reply_token_counts, run_cli,
+    sent, sharpen, shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target,
+    train_config, train_conversations, train_draft, train_generate_setup, train_render,
     train_step, train_top_ids, ttt_batch, verify, zoo)
 
 
@@ -59,7 +59,7 @@ from test_eagle3_scaffold import (
 
 
 @pytest.mark.parametrize("name", TARGETS)
-def test_target_logits_and_aux_features_equal_transformers(zoo, name):
+def test_target_logits_aux_features_and_greedy_decoding_equal_transformers(zoo, name):
     # the aux features are the residuals entering layers 2, L//2 and L-3
     ids = random_prompt(1, length=40)
     ref_logits, hidden_states = hf_forward(zoo.hf(name), ids)
@@ -69,6 +69,10 @@ def test_target_logits_and_aux_features_equal_transformers(zoo, name):
     L = LAYERS
     expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
     assert_close(aux[0], expected)
+    ids = random_prompt(5)
+    expected = hf_greedy(zoo.hf(name), ids, 40)
+    assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
+    assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("ids, expected", [
@@ -95,14 +99,6 @@ def test_sharded_and_bin_checkpoints_load_like_transformers(zoo, tmp_path, name,
     ref_logits, _ = hf_forward(model, ids)
     logits, _ = E.load_target(str(tmp_path))(ids)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
-
-
-@pytest.mark.parametrize("name", TARGETS)
-def test_greedy_generate_equals_transformers_generate(zoo, name):
-    ids = random_prompt(5)
-    expected = hf_greedy(zoo.hf(name), ids, 40)
-    assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
-    assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
 
 
 # ----------------------------------------------------------------------------------------
@@ -184,17 +180,6 @@ def assert_routing_is_robust(hf, ids):
     assert gap > MIN_ROUTING_GAP, f"routing near-tie (gap {gap:.2e}): pick another seed/prompt"
 
 
-@pytest.mark.parametrize("name", DS_TARGETS)
-def test_deepseek_logits_and_aux_equal_transformers(zoo, name):
-    hf, target = zoo.hf(name), zoo.target(name)
-    ids = random_prompt(40, length=16)
-    assert_routing_is_robust(hf, ids)
-    logits, hidden_states = hf_forward(hf, ids)
-    ours_logits, ours_aux = target(ids)
-    assert_close(ours_logits[0], logits, "logits")
-    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
-
-
 def test_deepseek_softmax_scale_and_latent_eps_are_transformers(zoo):
     # (dn + dr)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2, and 1e-6 for the latent
     # norms although rms_norm_eps is 1e-5
@@ -204,8 +189,14 @@ def test_deepseek_softmax_scale_and_latent_eps_are_transformers(zoo):
 
 
 @pytest.mark.parametrize("name", DS_TARGETS)
-def test_deepseek_cache_holds_the_latent_and_tree_nodes_get_their_paths_logits(zoo, name):
+def test_deepseek_logits_aux_cache_of_the_latent_and_tree_nodes_equal_transformers(zoo, name):
     hf, target = zoo.hf(name), zoo.target(name)
+    ids = random_prompt(40, length=16)
+    assert_routing_is_robust(hf, ids)
+    logits, hidden_states = hf_forward(hf, ids)
+    ours_logits, ours_aux = target(ids)
+    assert_close(ours_logits[0], logits, "logits")
+    assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
     cfg = target.cfg.mla
     prefix = random_prompt(41, length=10)
     cache = target.new_cache(32)
@@ -272,7 +263,7 @@ def ds_fp8(zoo, tmp_path_factory):
     return SimpleNamespace(dir=str(root), reference=reference)
 
 
-def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
+def test_fp8_checkpoint_loads_to_the_dequantised_model_at_world_size_1_and_2(ds_fp8, ds_tp_run):
     with safe_open(os.path.join(ds_fp8.dir, "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.3.mlp.experts.1.up_proj.weight").dtype == \
             torch.float8_e4m3fn
@@ -280,6 +271,9 @@ def test_fp8_checkpoint_loads_to_the_dequantised_model(ds_fp8):
     assert_routing_is_robust(ds_fp8.reference, ids)
     assert_close(E.load_target(ds_fp8.dir)(ids)[0][0], hf_forward(ds_fp8.reference, ids)[0],
                  "fp8 logits")
+    reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
+    for rank in ds_tp_run.ranks:
+        assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
 
 
 def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
@@ -448,9 +442,6 @@ def tp_worker(job, rank):
         seed=5, preset=preset)] for preset in E.PRESETS for temperature in (0.0, 0.9)}
     # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
     # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
-    case = job["targets"][0]
-    target = E.load_target(case["dir"])
-    draft = E.load_draft(case["draft"], target)
     if rank == 1:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
@@ -592,12 +583,6 @@ def test_deepseek_tensor_parallel_equals_one_process_shards_and_counts_its_colle
     assert torch.equal(ds_tp_run.ranks[0][name]["logits"], ds_tp_run.ranks[1][name]["logits"])
 
 
-def test_fp8_checkpoint_at_world_size_2_equals_the_dequantised_model(ds_fp8, ds_tp_run):
-    reference = hf_forward(ds_fp8.reference, ds_tp_run.job["prompt"])[0]
-    for rank in ds_tp_run.ranks:
-        assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
-
-
 def test_world_size_1_counts_nothing_as_sent(speculation):
     s = speculation["llama"]
     result = E.speculative_generate(s.target, s.draft, s.prompts["memorized"], 16,
@@ -612,7 +597,8 @@ def test_world_size_1_counts_nothing_as_sent(speculation):
 # ========================================================================================
 
 
-def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculation, tmp_path):
+def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees_without_a_map_too(
+        speculation, tmp_path):
     s = speculation["qwen3"]                                      # has d2t/t2d
     E.save_draft(s.draft, str(tmp_path))
     with open(tmp_path / "config.json") as f:
@@ -632,6 +618,26 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees(speculatio
     trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
     for a, b in zip(*trees):
         assert torch.equal(a, b)
+    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
+    # must draft exactly as the same weights with an explicit identity map.
+    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
+    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
+    E.save_draft(s.draft, bare)
+    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
+    shutil.copytree(bare, mapped)
+    edit_draft_dir(mapped, state=lambda w: w.update(
+        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
+    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
+    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
+    for kind, prompt in s.prompts.items():
+        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
+        assert a.accept_lengths == b.accept_lengths
+        for ra, rb in zip(a.rounds, b.rounds):
+            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
+        if kind == "memorized":
+            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
 
 
 def official_draft_dir(path, target, draft_vocab_size=20):
@@ -718,29 +724,6 @@ def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, probl
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(E.Eagle3Error, match=message):
         E.load_draft(str(tmp_path), target)
-
-
-def test_full_vocab_drafter_without_vocab_map_loads_as_the_identity(speculation, tmp_path):
-    # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
-    # must draft exactly as the same weights with an explicit identity map.
-    s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
-    bare, mapped = str(tmp_path / "bare"), str(tmp_path / "mapped")
-    E.save_draft(s.draft, bare)
-    edit_draft_dir(bare, config=lambda raw: raw.update(draft_vocab_size=VOCAB))
-    shutil.copytree(bare, mapped)
-    edit_draft_dir(mapped, state=lambda w: w.update(
-        d2t=torch.zeros(VOCAB, dtype=torch.long), t2d=torch.ones(VOCAB, dtype=torch.bool)))
-    bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
-    assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
-    for kind, prompt in s.prompts.items():
-        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
-        assert a.accept_lengths == b.accept_lengths
-        for ra, rb in zip(a.rounds, b.rounds):
-            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
-        if kind == "memorized":
-            assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
 
 
 def reference_drafter(draft, aux, input_ids, steps, H, Hkv, hs, eps=1e-6, theta=10000.0):
@@ -1074,7 +1057,7 @@ def test_drafter_is_fed_target_features_of_its_aux_layers(zoo):
     assert_close(fed, hf_aux(hidden_states, (1, 4, 7))[:fed.shape[0]])
 
 
-def test_speculative_generate_stops_at_first_eos(speculation):
+def test_speculative_generate_alone_and_batched_stops_at_first_eos(speculation):
     s = speculation["llama"]
     text = s.reference["memorized"].tolist()
     first = next(i for i in range(8, 32) if text[i] not in text[:i])   # a token new at i >= 8
@@ -1083,6 +1066,13 @@ def test_speculative_generate_stops_at_first_eos(speculation):
                                     tree=E.TreeShape(3, 3, 12), eos_token_id=text[first])
     assert result.tokens.tolist() == expected
     assert E.greedy_generate(s.target, s.prompts["memorized"], 32, text[first]).tolist() == expected
+    # in a batch, a row that finishes early stops emitting while the others go on
+    eos, prompts = text[5], [s.prompts["memorized"]] + BATCH_PROMPTS[1:3]   # row 0's 6th token
+    results = E.speculative_generate_batch(s.target, s.draft, prompts, 20,
+                                           tree=E.TreeShape(2, 2, 6), eos_token_id=eos)
+    for ids, r in zip(prompts, results):
+        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
+    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
 
 
 DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
@@ -1366,21 +1356,13 @@ def monte_carlo(replay, accept=None, seed=2024):
 
 @pytest.mark.parametrize("sampling_name", SAMPLINGS)
 @pytest.mark.parametrize("case_name", CASES)
-def test_sampled_speculation_is_lossless(case_name, sampling_name, vocab6_replay,
-                                         vocab6_exact_law):
-    sampling = SAMPLINGS[sampling_name]
-    samples = monte_carlo(vocab6_replay(CASES[case_name], sampling))
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
-
-
-@pytest.mark.parametrize("sampling_name", SAMPLINGS)
-@pytest.mark.parametrize("case_name", CASES)
-def test_speculative_generate_replays_round_by_round(case_name, sampling_name, vocab6_target,
-                                                     vocab6_drafts, vocab6_replay):
-    """The real loop gives, seed for seed, the replay the chi-square tests sample (many rounds)."""
+def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_round(
+        case_name, sampling_name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, s = CASES[case_name], SAMPLINGS[sampling_name]
     replay = vocab6_replay(case, s)
+    p = chi_square_p(monte_carlo(replay), vocab6_exact_law(s).joint)
+    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
+    # the real loop gives, seed for seed, the replay the chi-square samples (many rounds)
     for seed in range(REPLAY_SEEDS):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
@@ -1453,39 +1435,30 @@ HAND_P = torch.tensor([[0.10, 0.40, 0.30, 0.20],    # after node 0 (root)
 
 
 @pytest.mark.parametrize("uniforms, top_k, temperature, expected", [
-    # root: node 1 (token 1): 0.35 < p0(1) = 0.4 -> accept; node 2 is never tried
-    # node 1: node 3 (token 3): 0.5 > p1(3) = 0.1 -> reject; residual [.4, .3, .2, 0] / .9,
-    #   CDF [.444, .778, 1, 1]
-    # bonus: 0.8 lies in [.778, 1) -> token 2
+    # node 1: .35 < p0(1) = .4 accept (node 2 never tried); node 3: .5 > p1(3) = .1 reject;
+    # bonus .8 in the residual [.4, .3, .2, 0] / .9, CDF [.444, .778, 1, 1] -> token 2
     pytest.param([0.35, 0.5, 0.8], 0, 1.0, ([0, 1], 1, 2), id="first-child-accepted"),
-    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [.1, 0, .3, .2] / .6 = [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.45 < 1/2 -> accept (the unrenormalised 0.3 would reject)
-    # node 2 is a leaf: bonus from p2, CDF [.05, .1, .2, 1]: 0.6 -> token 3
+    # node 1: .6 > .4 reject, p0 -> [1/6, 0, 1/2, 1/3]; node 2: .45 < 1/2 accept (the
+    # unrenormalised .3 would reject); a leaf: bonus .6 in p2's CDF [.05, .1, .2, 1] -> 3
     pytest.param([0.6, 0.45, 0.6], 0, 1.0, ([0, 2], 1, 3),
                  id="second-child-tested-with-renormalised-probability"),
-    # root: node 1 (token 1): 0.6 > 0.4 -> reject; p0 -> [1/6, 0, 1/2, 1/3]
-    # root: node 2 (token 2): 0.7 > 1/2 -> reject; p0 -> [1/6, 0, 0, 1/3] / (1/2)
-    #   = [1/3, 0, 0, 2/3]
-    # bonus: 0.4 in the residual CDF [1/3, 1/3, 1/3, 1] -> token 3
-    #   (the unmodified p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
+    # node 1: .6 > .4 reject, p0 -> [1/6, 0, 1/2, 1/3]; node 2: .7 > 1/2 reject, p0 ->
+    # [1/3, 0, 0, 2/3]; bonus .4 in its CDF [1/3, 1/3, 1/3, 1] -> token 3 (the unmodified
+    # p0, CDF [.1, .5, .8, 1], would give the rejected token 1)
     pytest.param([0.6, 0.7, 0.4], 0, 1.0, ([0], 0, 3),
                  id="all-children-rejected-bonus-from-residual"),
-    # root: node 1: 0.35 < 0.4 -> accept; node 1: node 3 (token 3): 0.05 < 0.1 -> accept
-    # node 3 is a leaf: bonus from p3, CDF [.7, .8, .9, 1]: 0.75 -> token 1
-    #   (node 1's distribution, CDF [.4, .7, .9, 1], would give token 2)
+    # node 1: .35 < .4 accept; node 3: .05 < .1 accept; a leaf: bonus .75 in p3's CDF
+    # [.7, .8, .9, 1] -> token 1 (node 1's CDF [.4, .7, .9, 1] would give token 2)
     pytest.param([0.35, 0.05, 0.75], 0, 1.0, ([0, 1, 3], 2, 1),
                  id="leaf-bonus-from-unmodified-distribution"),
-    # top_k = 2: p0 -> tokens {1, 2} kept: [0, 4/7, 3/7, 0]; p1 -> tokens {0, 1}: [4/7, 3/7, 0, 0]
-    # root: node 1 (token 1): 0.5 < 4/7 -> accept (0.5 > the unwarped 0.4)
-    # node 1: node 3 (token 3): 0.01 > 0 -> reject (top-k removed token 3); residual = p1
-    # bonus: 0.6 in CDF [4/7, 1, 1, 1] -> token 1
+    # top_k = 2: p0 -> [0, 4/7, 3/7, 0], p1 -> [4/7, 3/7, 0, 0]. node 1: .5 < 4/7 accept
+    # (.5 > the unwarped .4); node 3: .01 > 0 reject (top-k removed token 3); residual = p1,
+    # bonus .6 in its CDF [4/7, 1, 1, 1] -> token 1
     pytest.param([0.5, 0.01, 0.6], 2, 1.0, ([0, 1], 1, 1),
                  id="drafts-tested-against-warped-distribution"),
-    # top_k = 2 leaves node 1's distribution [4/7, 3/7, 0, 0]: its child, token 3, has
-    # probability 0 and must be rejected whatever the coin. torch.rand draws from [0, 1),
-    # so u = 0.0 is a possible coin, and the rule "accept iff u <= p(x)" accepts at 0 <= 0.
-    # root: node 1: 0.5 < 4/7 -> accept; node 1: node 3 (token 3): 0.0, must reject
-    # bonus: 0.6 in node 1's CDF [4/7, 1, 1, 1] -> token 1
+    # top_k = 2 gives token 3 probability 0 after node 1: it must be rejected whatever the
+    # coin, also u = 0.0 (torch.rand draws from [0, 1); "accept iff u <= p(x)" takes 0 <= 0).
+    # node 1: .5 < 4/7 accept; node 3: 0.0, reject; bonus .6 in CDF [4/7, 1, 1, 1] -> 1
     pytest.param([0.5, 0.0, 0.6], 2, 1.0, ([0, 1], 1, 1),
                  id="zero-probability-draft-never-accepted"),
     # logits = 0.5 log p at temperature 0.5 -> the warped distribution is p again, so the
@@ -1508,9 +1481,8 @@ CHAIN_P = [[0.25, 0.30, 0.25, 0.20], [0.10, 0.10, 0.10, 0.70], [0.10, 0.20, 0.30
 
 
 @pytest.mark.parametrize("p, q, drafts, top_k, uniforms, expected", [
-    # x1 = 1: 0.45 * q(1) = 0.27 <= p(1) = 0.3 -> accept (0.45 > p(1): a q = 1 rule rejects)
-    # x2 = 3: 0.99 * 0.4 = 0.396 < 0.7 -> accept
-    # bonus from the last row, CDF [.1, .3, .6, 1]: 0.5 -> token 2
+    # x1 = 1: .45 * q(1) = .27 <= p(1) = .3 accept (.45 > p(1): a q = 1 rule rejects);
+    # x2 = 3: .99 * .4 = .396 < .7 accept; bonus .5 in the last row's CDF [.1, .3, .6, 1] -> 2
     pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.45, 0.99, 0.5], ([0, 1, 2], 2, 2),
                  id="accepts-iff-u-times-q-below-p"),
     # x1 = 1: 0.6 * 0.6 = 0.36 > 0.3 -> reject; x2 is never tested
@@ -1518,18 +1490,14 @@ CHAIN_P = [[0.25, 0.30, 0.25, 0.20], [0.10, 0.10, 0.10, 0.70], [0.10, 0.20, 0.30
     #   [.15, .15, .2, .3] -> token 2 (p itself, CDF [.25, .55, ...], gives the rejected 1)
     pytest.param(CHAIN_P, CHAIN_Q, [1, 3], 0, [0.6, 0.52], ([0], 0, 2),
                  id="rejection-samples-residual-p-minus-q"),
-    # x1 = 1: 0.45 * 0.6 = 0.27 < 0.3 -> accept
-    # x2 = 3: 0.9 * q2(3) = 0.63 > p2(3) = 0.4 -> reject
-    # residual max(0, p2 - q2) = [.2, .1, 0, 0] (sum .3): 0.7 * .3 = .21 in CDF [.2, .3, .3, .3]
-    #   -> token 1
+    # x1 = 1: .45 * .6 = .27 < .3 accept; x2 = 3: .9 * q2(3) = .63 > p2(3) = .4 reject;
+    # residual max(0, p2 - q2) = [.2, .1, 0, 0]: .7 * .3 = .21 in CDF [.2, .3, .3, .3] -> 1
     pytest.param([CHAIN_P[0], [0.30, 0.20, 0.10, 0.40], CHAIN_P[2]],
                  [CHAIN_Q[0], [0.10, 0.10, 0.10, 0.70]], [1, 3], 0, [0.45, 0.9, 0.7],
                  ([0, 1], 1, 1), id="second-rejection-uses-its-own-rows"),
-    # top_k = 2 keeps tokens 0, 1 of p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]. The
-    # drafter proposed token 2 (q(2) = .5): the target gives it probability 0, so it must
-    # be rejected whatever the coin; but u = 0.0 (a possible torch.rand draw) passes
-    # "accept iff u * q(x) <= p(x)" as 0 <= 0.
-    # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): 0.5 * .5 = .25 -> token 0
+    # top_k = 2: p = [.5, .3, .15, .05] -> [.625, .375, 0, 0]; the draft 2 (q(2) = .5) has
+    # p = 0 and must be rejected also at u = 0.0 (which passes u * q(x) <= p(x) as 0 <= 0);
+    # residual max(0, p - q) = [.425, .075, 0, 0] (sum .5): .5 * .5 = .25 -> token 0
     pytest.param([[0.5, 0.3, 0.15, 0.05], [0.25] * 4, [0.25] * 4],
                  [[0.2, 0.3, 0.5, 0.0], [0.25] * 4], [2, 0], 2, [0.0, 0.5], ([0], 0, 0),
                  id="zero-probability-draft-never-accepted"),
@@ -1578,16 +1546,13 @@ def test_warped_probs_top_p_drops_token_exactly_at_the_cut():
                                rtol=0, atol=1e-12)
 
 
-def test_sample_inverse_cdf_hand_example():
+def test_sample_inverse_cdf_on_a_hand_example_never_picks_a_zero_probability_token():
     p = torch.tensor([0.25, 0.0, 0.5, 0.125, 0.0, 0.125], dtype=torch.float64)
     # CDF [.25, .25, .75, .875, .875, 1]; token i owns [cdf(i-1), cdf(i)), empty for p = 0
     cases = {0.0: 0, 0.2: 0, 0.25: 2, 0.74: 2, 0.75: 3, 0.874: 3, 0.875: 5, 0.999: 5}
     assert {u: E.sample_inverse_cdf(p, u) for u in cases} == cases
     assert {u: E.sample_inverse_cdf(8 * p, u) for u in cases} == cases  # u scales with sum
-
-
-def test_sample_inverse_cdf_never_picks_zero_probability_token():
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)             # never a zero-probability token
     below_one = float(np.nextafter(1.0, 0.0))
     for _ in range(50):
         p = torch.rand(12, generator=g, dtype=torch.float64)
@@ -1618,9 +1583,10 @@ def test_the_seed_alone_decides_the_tokens_and_the_trace_records_its_uniforms(
         assert used == list(itertools.islice(coins(seed), len(used)))
 
 
-def test_sample_generate_replays_inverse_cdf_of_exact_law(vocab6_target, vocab6_exact_law):
-    """sample_generate's i-th token = inverse CDF, at the i-th seeded uniform, of
-    transformers' warped distribution given the tokens before it."""
+def test_sample_generate_replays_inverse_cdf_of_exact_law_and_its_first_token_fits_it(
+        vocab6_target, vocab6_exact_law):
+    # token i = inverse CDF, at the i-th seeded uniform, of transformers' warped
+    # distribution given the tokens before it
     law = vocab6_exact_law(T07_P09)
     for seed in range(100):
         u1, u2, u3 = itertools.islice(coins(seed), 3)
@@ -1635,10 +1601,7 @@ def test_sample_generate_replays_inverse_cdf_of_exact_law(vocab6_target, vocab6_
         return E.sample_generate(vocab6_target, PROMPT, 24, temperature=0.8, top_p=0.9,
                                  top_k=3, seed=5).tolist()
     assert run() == run()
-
-
-def test_sample_generate_first_token_matches_enumeration(vocab6_target, vocab6_exact_law):
-    law = vocab6_exact_law(T1).p1
+    law = vocab6_exact_law(T1).p1           # and 1000 first tokens: chi-square against the law
     samples = [tuple(E.sample_generate(vocab6_target, PROMPT, 1, seed=seed).tolist())
                for seed in range(1000)]
     p = chi_square_p(samples, law)
@@ -1649,7 +1612,9 @@ def test_sample_generate_first_token_matches_enumeration(vocab6_target, vocab6_e
 # tensor parallelism: rank 0 decides, every rank emits its decisions
 
 
-def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
+def test_tensor_parallel_ranks_emit_rank0s_greedy_and_sampled_decisions(speculation, tp_run,
+                                                                         vocab6_target,
+                                                                         vocab6_drafts):
     s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
     expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
     rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
@@ -1659,6 +1624,16 @@ def test_tensor_parallel_ranks_emit_rank0_decisions(speculation, tp_run):
     for shape, (tokens0, _), (tokens1, _) in zip(TP_SHAPES, rank0["speculative"],
                                                   rank1["speculative"]):
         assert tokens0.tolist() == tokens1.tolist() == expected, shape
+    # sampled, shared seed: both ranks emit W = 1's tokens; own seeds: rank 1 emits rank 0's
+    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
+    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
+    for name, tokens in single.items():
+        assert rank0[name] == rank1[name], name
+        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
+    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
+    for name in ("tree", "plain"):                 # (not chain)
+        assert rank1[name] == single[name], f"{name}: rank 1 decided"
+        assert rank0[name] == single[name], name
 
 
 TP_SEED = 11
@@ -1685,20 +1660,6 @@ def sampled_on_rank(target_dir, rank):
             "own seed": tp_outputs(tp_target, tp_draft, TP_SEED + 100 * rank, ("tree", "plain"))}
 
 
-def test_tensor_parallel_sampled_tokens_are_rank0s_on_every_rank(tp_run, vocab6_target,
-                                                                 vocab6_drafts):
-    """Shared seed: both ranks emit W = 1's tokens; own seeds: rank 1 emits rank 0's (not chain)."""
-    single = tp_outputs(vocab6_target, vocab6_drafts["full"], TP_SEED)
-    rank0, rank1 = (rank["sampled"]["shared"] for rank in tp_run.ranks)
-    for name, tokens in single.items():
-        assert rank0[name] == rank1[name], name
-        assert rank0[name] == tokens, f"{name}: W = 2 differs from W = 1"
-    rank0, rank1 = (rank["sampled"]["own seed"] for rank in tp_run.ranks)
-    for name in ("tree", "plain"):
-        assert rank1[name] == single[name], f"{name}: rank 1 decided"
-        assert rank0[name] == single[name], name
-
-
 # ----------------------------------------------------------------------------------------
 # variant: batches of prompts of different lengths, one verify forward for all trees
 
@@ -1706,7 +1667,14 @@ BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, preset):
+def test_each_presets_greedy_speculation_alone_and_in_a_batch_of_4_equals_greedy_decoding(
+        speculation, preset):
+    for name in ("llama", "qwen3"):
+        s = speculation[name]
+        for kind in ("memorized", "fresh"):
+            result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
+                                            tree=E.TreeShape(3, 3, 12), preset=preset)
+            assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
     s = speculation["llama"]
     prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
     results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
@@ -1714,17 +1682,6 @@ def test_batch_of_4_greedy_rows_each_equal_their_own_greedy_decode(speculation, 
     for ids, r in zip(prompts, results):
         assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
     assert max(results[3].accept_lengths) >= 3
-
-
-def test_batch_rows_that_finish_early_stop_emitting(speculation):
-    s = speculation["llama"]
-    eos = int(s.reference["memorized"][5])           # the 6th greedy token of row 0
-    results = E.speculative_generate_batch(s.target, s.draft, [s.prompts["memorized"]] +
-                                           BATCH_PROMPTS[1:3], 20, tree=E.TreeShape(2, 2, 6),
-                                           eos_token_id=eos)
-    for ids, r in zip([s.prompts["memorized"]] + BATCH_PROMPTS[1:3], results):
-        assert r.tokens.tolist() == E.greedy_generate(s.target, ids, 20, eos).tolist()
-    assert results[0].tokens.tolist()[-1] == eos and len(results[0].tokens) <= 6
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
@@ -1908,15 +1865,6 @@ def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
     return [replay(uniforms, accept=accept) for _ in range(TRIALS)]
 
 
-@pytest.mark.parametrize("name", list(PRESET_CASES))
-def test_each_presets_sampled_verification_is_lossless(name, vocab6_replay, vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
-    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset)
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
-
-
 def sglang_residual_ignoring_rejections(preset, generator):
     """Broken: the final token drawn from p itself, as if no child had been rejected."""
     def accept(logits, tree, uniforms, sampling):
@@ -1964,13 +1912,15 @@ def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_repl
 
 
 @pytest.mark.parametrize("name", list(PRESET_CASES))
-def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target, vocab6_drafts,
-                                                            vocab6_replay):
-    """The real loop under each preset draws its random numbers as the replay above does,
-    so the chi-square tests sample speculative_generate itself."""
+def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays_it(
+        name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, order = PRESET_CASES[name]
     sampling = T1_K4_P08[order]
     replay = vocab6_replay(case, sampling)
+    p = chi_square_p(preset_monte_carlo(replay, case.preset), vocab6_exact_law(sampling).joint)
+    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
+    # the real loop under the preset draws its random numbers as the replay does, so the
+    # chi-square samples speculative_generate itself
     for seed in range(20):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
@@ -1979,16 +1929,6 @@ def test_preset_speculative_generate_replays_round_by_round(name, vocab6_target,
         expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
                           n_tokens=REPLAY_TOKENS)
         assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
-
-
-@pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_each_preset_greedy_equals_plain_greedy(speculation, preset):
-    for name in ("llama", "qwen3"):
-        s = speculation[name]
-        for kind in ("memorized", "fresh"):
-            result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
-                                            tree=E.TreeShape(3, 3, 12), preset=preset)
-            assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
 
 
 def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_are_one_late():
@@ -2275,13 +2215,6 @@ def train_collate(examples, pad_id):
     return ids, mask
 
 
-def train_hf_features(hf, ids):
-    """transformers' logits and the EAGLE-3 features (inputs of layers 2, L//2, L-3)."""
-    with torch.no_grad():
-        out = hf(ids, output_hidden_states=True)
-    return out.logits, torch.cat([out.hidden_states[i] for i in TRAIN_AUX], -1)
-
-
 def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, decay=0.8):
     """The TTT loss on reference_drafter's steps -> (total, losses, hits, counts)."""
     t2d = draft.t2d.detach()
@@ -2480,7 +2413,9 @@ def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
     t = train_target
     draft = tiny_draft(t.target, 21, t.kept, std=0.02)
     ids, mask = train_collate(t.examples, TRAIN_PAD)
-    logits, aux = train_hf_features(t.hf, ids)
+    with torch.no_grad():
+        out = t.hf(ids, output_hidden_states=True)
+    logits, aux = out.logits, hf_aux(out.hidden_states, TRAIN_AUX)
     floor = train_teacher_floor(draft.t2d, mask, logits, steps=3)
     before, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
     train_draft(t.target, draft, t.examples, [], train_config(steps=20), str(tmp_path), TRAIN_PAD)
@@ -2653,10 +2588,7 @@ def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train
     conversations: the CLI holds out the first max(1, n // 50) conversations (here 1)."""
     c = train_chat_target
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
-    counts = Counter()
-    for messages in train_cli_run.chats[1:]:
-        tokens, mask = train_render(c.tok, messages)
-        counts.update(t for t, m in zip(tokens, mask) if m)
+    counts = reply_token_counts(c.tok, train_cli_run.chats[1:])
     assert len(counts) > 64  # a real choice: more distinct reply tokens than draft slots
     expected = train_top_ids([counts[v] for v in range(c.vocab)], 64)
     draft = E.load_draft(train_cli_run.out, E.load_target(c.dir, dtype=torch.float32))
@@ -2689,10 +2621,7 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     # The official code and SpecForge freeze embed_tokens, the target's or the drafter's own.
     c = train_chat_target
     target = E.load_target(c.dir, dtype=torch.float32)
-    counts = Counter()
-    for messages in train_conversations():       # a draft vocab of frequent reply tokens
-        tokens, mask = train_render(c.tok, messages)
-        counts.update(t for t, m in zip(tokens, mask) if m)
+    counts = reply_token_counts(c.tok, train_conversations())   # frequent reply tokens
     kept = train_top_ids([counts[v] for v in range(c.vocab)], 64)
     draft = tiny_draft(target, 5, kept, own_embedding=True)
     E.save_draft(draft, str(tmp_path / "init"))
@@ -2712,7 +2641,8 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
 # ========================================================================================
 
 
-def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width():
+def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the_tokenizer(
+        train_chat_target):
     # depth >= 8 layers (aux layers 2, L//2, L-3 distinct and apart); the drafter is one layer
     # of the target's width
     with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")) as f:
@@ -2722,12 +2652,8 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width():
     L = target["num_hidden_layers"]
     assert L >= 8 and len({2, L // 2, L - 3}) == 3
     assert draft["num_hidden_layers"] == 1 and draft["hidden_size"] == target["hidden_size"]
-
-
-def test_tiny_tokenizer_saves_as_a_model_dir_and_round_trips_the_synthetic_chats(
-        train_chat_target):
-    # trained with the `tokenizers` library on the corpus generated in code, it loads back
-    # with transformers' AutoTokenizer like a real model's and decodes every chat it encodes
+    # the tokenizer, trained with the `tokenizers` library on the corpus generated in code,
+    # loads back with transformers' AutoTokenizer like a real model's and decodes every chat
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(train_chat_target.dir)
     assert len(tok) == len(train_chat_target.tok) < train_chat_target.vocab + 64
@@ -2817,7 +2743,7 @@ def config_dir(tmp_path, family="deepseek_v3", **overrides):
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("family, world, overrides, message", [
+@pytest.mark.parametrize("family, world, overrides, message", [   # world None: the config
     ("llama", 3, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
                      r"by the world size 3"),       # neither head count divides
     ("llama", 4, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
@@ -2828,24 +2754,21 @@ def config_dir(tmp_path, family="deepseek_v3", **overrides):
                                                     r"divisible"),
     ("deepseek_v3", 2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not "
                                                        r"divisible by the world size 2"),
-], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width"])
-def test_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family, world, overrides,
-                                                           message):
-    cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
+    ("deepseek_v3", None, dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json "
+                                                     r"must be even"),
+    ("deepseek_v3", None, dict(num_experts_per_tok=3, topk_group=1),
+     r"cannot select num_experts_per_tok=3 experts: topk_group \* n_routed_experts / n_group = "
+     r"1 \* 8 / 4 = 2"),
+    ("deepseek_v3", None, dict(n_group=3), r"n_routed_experts=8, n_group=3"),
+], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width", "ds-odd-rope-dim",
+        "ds-routing-cannot-select", "ds-groups-do-not-split"])
+def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family,
+                                                                           world, overrides,
+                                                                           message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.check_tp_sizes(cfg, world)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json must be even"),
-    (dict(num_experts_per_tok=3, topk_group=1), r"cannot select num_experts_per_tok=3 experts: "
-                                                r"topk_group \* n_routed_experts / n_group = "
-                                                r"1 \* 8 / 4 = 2"),
-    (dict(n_group=3), r"n_routed_experts=8, n_group=3"),
-], ids=["odd-rope-dim", "routing-cannot-select", "groups-do-not-split"])
-def test_bad_deepseek_configs_are_refused(tmp_path, overrides, message):
-    with pytest.raises(E.Eagle3Error, match=message):
-        E.read_target_config(config_dir(tmp_path, **overrides))
+        cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
+        if world:
+            E.check_tp_sizes(cfg, world)
 
 
 def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
@@ -3327,19 +3250,13 @@ def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_sa
 # a golden trace is what it claims to be
 
 
-def test_golden_greedy_tokens_equal_transformers_greedy_decoding_and_use_no_uniforms(
-        golden_traces, golden_models):
-    t = golden_trace(golden_traces, "greedy")["tensors"]
-    expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
-    assert t["input_ids"].tolist() == GOLDEN_PROMPT
-    assert t["tokens"].tolist() == expected.tolist()
-    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
-    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
-
-
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
-    """Each round's root is the last token so far; its path and bonus the next tokens, then cut."""
+def test_golden_rounds_concatenate_to_the_output_tree_fields_follow_parents_logits_are_hfs(
+        golden_traces, golden_models, kind):
+    # Each round's root is the last token so far; its path and bonus the next tokens, then
+    # cut. positions, mask and retrieve_indices rebuilt by walking parents; the accepted
+    # path is a root-first chain of parent links. Node i of round r is scored (transformers)
+    # after prompt + output before the root + its ancestors.
     t = golden_trace(golden_traces, kind)["tensors"]
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
@@ -3351,13 +3268,6 @@ def test_golden_rounds_concatenate_to_the_output(golden_traces, kind):
         assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
     assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
     assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
-
-
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
-    """positions, mask and retrieve_indices rebuilt by walking parents; the accepted path
-    is a root-first chain of parent links."""
-    t = golden_trace(golden_traces, kind)["tensors"]
     nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
     for r in range(len(t["accept_lengths"])):
         parents = golden_round(t, r, "parents").tolist()
@@ -3374,11 +3284,26 @@ def test_golden_tree_fields_follow_from_parent_links(golden_traces, kind):
         assert golden_round(t, r, "retrieve_indices").tolist() == rows
         path = golden_round(t, r, "path").tolist()
         assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
+        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
+        tokens, logits = golden_round(t, r, "tree_tokens"), golden_round(t, r, "logits")
+        assert logits.shape == (N, GOLDEN_VOCAB) and logits.dtype == torch.float32
+        for i in range(N):
+            ids = torch.tensor([prefix + tokens[chains[i]].tolist()])
+            with torch.no_grad():
+                expected = golden_models["hf"](ids).logits[0, -1]
+            diff = float((logits[i] - expected).abs().max())
+            assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
 
 
-def test_golden_greedy_path_is_the_longest_argmax_match_and_bonus_the_argmax(golden_traces):
+def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_no_uniforms(
+        golden_traces, golden_models):
     t = golden_trace(golden_traces, "greedy")["tensors"]
-    depths = []
+    expected = hf_greedy(golden_models["hf"], GOLDEN_PROMPT, GOLDEN_NEW_TOKENS)
+    assert t["input_ids"].tolist() == GOLDEN_PROMPT
+    assert t["tokens"].tolist() == expected.tolist()
+    names = ["first_uniforms"] + [f"round{r:04d}.uniforms" for r in range(len(t["accept_lengths"]))]
+    assert all(t[n].shape == (0,) and t[n].dtype == torch.float64 for n in names)
+    depths = []         # each path the longest argmax match, the bonus the argmax
     for r in range(len(t["accept_lengths"])):
         tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents")
         argmax = golden_round(t, r, "logits").argmax(-1)
@@ -3393,45 +3318,15 @@ def test_golden_greedy_path_is_the_longest_argmax_match_and_bonus_the_argmax(gol
     assert max(depths) >= 2, f"accepted depths {depths}: the trace never goes below level 1"
 
 
-@pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
-def test_golden_logits_equal_transformers_on_each_nodes_prefix(golden_traces, golden_models,
-                                                               kind):
-    """Node i of round r is scored after prompt + output before the root + its ancestors."""
-    t = golden_trace(golden_traces, kind)["tensors"]
-    hf = golden_models["hf"]
-    for r in range(len(t["accept_lengths"])):
-        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
-        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents").tolist()
-        logits = golden_round(t, r, "logits")
-        assert logits.shape == (len(tokens), GOLDEN_VOCAB) and logits.dtype == torch.float32
-        for i in range(len(tokens)):
-            ids = torch.tensor([prefix + tokens[path_to(parents, i)].tolist()])
-            with torch.no_grad():
-                expected = hf(ids).logits[0, -1]
-            diff = float((logits[i] - expected).abs().max())
-            assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
-
-
-def test_golden_sampled_uniforms_are_the_seeded_stream_in_draw_order(golden_traces):
-    """first_uniforms, then each round's uniforms: one seeded generator (seed 7), one
-    float64 draw at a time; a round draws one per tried sibling plus one for the bonus."""
+def test_golden_sampled_uniforms_are_the_seeded_stream_and_acceptance_replays_from_them(
+        golden_traces, golden_models):
+    # first_uniforms, then each round's: one seeded generator (seed 7), one float64 draw at
+    # a time. Replayed with transformers' warpers: try children in node order, accept x iff
+    # u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF. A round uses up
+    # its uniforms: one per tried sibling, one for the bonus.
     t = golden_trace(golden_traces, "sampled")["tensors"]
-    rounds = range(len(t["accept_lengths"]))
     assert_uniforms_are_the_seeded_stream(t, seed=7)
     assert len(t["first_uniforms"]) == 1
-    for r in rounds:
-        parents, path = golden_round(t, r, "parents").tolist(), golden_round(t, r, "path").tolist()
-        tried = sum(children(parents, node).index(child) + 1
-                    for node, child in zip(path, path[1:]))
-        tried += len(children(parents, path[-1]))  # every child of the last node failed
-        assert len(golden_round(t, r, "uniforms")) == tried + 1, f"round {r}"
-
-
-def test_golden_sampled_acceptance_replays_from_stored_logits_and_uniforms(golden_traces,
-                                                                          golden_models):
-    """Replays the documented coins with transformers' warpers: try children in node order,
-    accept x iff u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF."""
-    t = golden_trace(golden_traces, "sampled")["tensors"]
     with torch.no_grad():
         prefill = golden_models["hf"](torch.tensor([GOLDEN_PROMPT])).logits[0, -1]
     assert int(t["tokens"][0]) == inverse_cdf(golden_warped(prefill),
@@ -3585,7 +3480,8 @@ def test_batch_golden_trace_is_bit_identical_across_two_runs(batch_golden, prese
     assert rows == {"row00", "row01", "row02"}
 
 
-def test_batch_golden_records_each_engines_random_numbers_in_its_layout(batch_golden):
+def test_batch_golden_records_each_engines_random_numbers_and_check_names_a_flipped_token(
+        batch_golden):
     (_, _, (_, sg)), (_, _, (_, vl)) = batch_golden.runs["sglang"][0], batch_golden.runs["vllm"][0]
     nodes = sg["row00.round0000.tree_tokens"].shape[0]
     assert sg["row00.round0000.coins"].shape == (nodes,) and sg["row00.round0000.coins"].dtype == \
@@ -3602,9 +3498,7 @@ def test_batch_golden_records_each_engines_random_numbers_in_its_layout(batch_go
     g.set_state(vl["row01.round0002.generator_state"])
     assert torch.equal(torch.empty(GOLDEN_VOCAB).exponential_(generator=g),
                        vl["row01.round0002.bonus_exponentials"])
-
-
-def test_batch_golden_check_names_row_round_field_and_index_of_a_flipped_token(batch_golden):
+    # --check names the row, round, field and index of a flipped token
     flipped, untouched = batch_golden.check
     assert untouched.returncode == 0 and untouched.stdout.strip() == "match", untouched.stderr
     assert flipped.returncode == 1, flipped.stdout + flipped.stderr[-2000:]
@@ -4106,18 +4000,6 @@ def file_parts():
     return [node for node in body if node.lineno < wall], part2
 
 
-def test_part_one_refers_to_no_name_defined_in_part_two():
-    part1, part2 = file_parts()
-    defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    # the wall sits where it should: the method above, the IO and tools below
-    assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
-    assert {"load_target", "load_draft", "save_draft", "main"} <= part2
-    crossings = sorted({(getattr(node, "name", f"line {node.lineno}"), ref.id)
-                        for node in part1 for ref in ast.walk(node)
-                        if isinstance(ref, ast.Name) and ref.id in part2})
-    assert not crossings, f"Part I refers to Part II: {crossings}"
-
-
 PROJECT_MODULES = ("eagle3_ref", "eagle3_tools", "test_eagle3_ref", "test_eagle3_scaffold",
                    "test_eagle3_tools")
 
@@ -4132,8 +4014,17 @@ def imported_modules(path):
              if isinstance(n, ast.ImportFrom) and n.module})
 
 
-def test_the_reference_imports_no_other_project_file_and_nothing_imports_the_workbench():
-    here = os.path.dirname(os.path.abspath(E.__file__))
+def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_project_file():
+    part1, part2 = file_parts()
+    defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    # the wall sits where it should: the method above, the IO and tools below
+    assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
+    assert {"load_target", "load_draft", "save_draft", "main"} <= part2
+    crossings = sorted({(getattr(node, "name", f"line {node.lineno}"), ref.id)
+                        for node in part1 for ref in ast.walk(node)
+                        if isinstance(ref, ast.Name) and ref.id in part2})
+    assert not crossings, f"Part I refers to Part II: {crossings}"
+    here = os.path.dirname(os.path.abspath(E.__file__))  # no project import, none of the tools
     assert not imported_modules(E.__file__) & set(PROJECT_MODULES)
     for name in os.listdir(here):
         if name.endswith(".py") and not name.startswith("test_") and name != "eagle3_tools.py":
@@ -4299,11 +4190,8 @@ class RowCountRounding(torch.nn.Module):
 
 def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
     # The negative control of the test above. Whether plain bf16 parts depends on the CPU's
-    # bf16 kernels (an AVX2 EPYC parted in 52 of 162 of these runs; a CPU whose kernels round
-    # a row alike at every M parts in none), so the control plants the fault instead: the
-    # exact target's lm_head rounds multi-row calls coarsely, and the same harness must see
-    # speculation part from greedy decoding. The exact path's bitwise verify rows are
-    # checked against the plain path's on every machine in the next test.
+    # kernels (an AVX2 EPYC: 52 of 162 runs; others none), so the fault is planted: an
+    # lm_head that rounds multi-row calls coarsely must make the same harness see a parting.
     _, exact, _, exact_draft = bf16_pair("llama")
     prompts = exact_prompts(0) + memorized_prompts()[:1]    # llama's: 0 partings above
     exact.lm_head = RowCountRounding(exact.lm_head, step=1.0)
@@ -4312,10 +4200,9 @@ def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
 
 
 def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_pair):
-    # Sampled decoding: at every accepted node the verify row's logits -- and so the warped
-    # probabilities acceptance draws against -- equal, bit for bit, those of the decode
-    # step at that position along the output. The control: the same check sees the rows
-    # of a target with a planted row-dependent lm_head differ.
+    # Sampled: at every accepted node the verify row's logits (so the warped probabilities
+    # acceptance draws against) are the decode step's, bit for bit; a planted row-dependent
+    # lm_head (the control) makes the same check see them differ.
     plain, exact, plain_draft, exact_draft = bf16_pair("llama")
     planted = E.make_exact(plain)
     planted.lm_head = RowCountRounding(planted.lm_head, step=1.0)
@@ -4343,10 +4230,9 @@ def test_exact_verify_rows_hand_acceptance_the_decode_steps_probabilities(bf16_p
 
 
 def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf16_pair):
-    # The same prompt alone and at a random slot of a batch of 4 prompts of other lengths
-    # (a dense target and an MLA + MoE one): bitwise the same tokens and the same verify
-    # logits every round, and every row of the batch equals its own greedy decoding. The
-    # plain bf16 batch rounds the needle otherwise somewhere (the negative control).
+    # One prompt alone and at a random slot of a batch of 4 of other lengths (dense, and
+    # MLA + MoE): the same tokens and verify logits bit for bit, every row its own greedy
+    # decoding; the plain bf16 batch rounds the needle otherwise somewhere (the control).
     g = torch.Generator().manual_seed(11)
     needle = random_prompt(77, 7)
     logits_differ = 0
@@ -4376,7 +4262,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
     assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
 
 
-def test_make_exact_twice_is_a_no_op(zoo):
+def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_one_line(zoo):
     target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     modules = list(target.modules())
     assert E.make_exact(target) is target
@@ -4387,10 +4273,7 @@ def test_make_exact_twice_is_a_no_op(zoo):
     ids = random_prompt(5, 6)
     once = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     assert torch.equal(target(ids)[0], once(ids)[0])          # served as once, bit for bit
-
-
-def test_make_exact_refuses_a_drafter_and_a_layer_it_cannot_serve_in_one_line(zoo):
-    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
+    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)  # what it cannot serve
     with pytest.raises(E.Eagle3Error, match="serves a target"):
         E.make_exact(tiny_draft(target, 0))
 
@@ -4487,9 +4370,8 @@ class PlainParted(UserWarning):
 
 @pytest.mark.fuzz
 def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tmp_path):
-    # The fuzzer's case served in bf16 (at W = 1): on the exact path greedy speculation,
-    # alone and as row 0 of a batch of two, equals the same target's greedy decoding token
-    # for token; the plain bf16 path's partings are reported as the negative control.
+    # The fuzzer's case in bf16 (W = 1), exact path: greedy speculation alone and as row 0
+    # of a batch of two equals greedy decoding; plain bf16's partings are reported (control).
     case = fuzz_case(fuzz_seed)
     hf = fuzz_hf_model(case)
     hf.save_pretrained(tmp_path / "target")
@@ -4514,10 +4396,14 @@ def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tm
         assert rows[0].tokens.tolist() == greedy, f"exact bf16 batch row 0; {case.describe()}"
 
 
-def test_golden_exact_records_the_switch_and_check_reruns_the_exact_path(zoo, tmp_path):
-    # golden --exact in bf16 writes exact: true in the header's config, --check re-runs it
-    # on the exact path (a match); the same file read as a plain run (the key absent, as in
-    # every trace written before it existed) diverges, so the key is what --check followed.
+def test_exact_is_a_switch_off_by_default_golden_records_it_and_check_reruns_the_exact_path(
+        zoo, tmp_path):
+    parser = E.build_parser()                # of generate, golden and the main job
+    for argv in (["generate", "--prompt", "hi"], ["golden"], []):
+        assert parser.parse_args(argv).exact is False
+        assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
+    # golden --exact in bf16 writes exact: true in the header, --check re-runs it (a match);
+    # the file without the key (as traces before it) diverges: --check followed the key.
     target = E.load_target(zoo.dir("llama"))
     E.save_draft(tiny_draft(target, 2), tmp_path / "draft")
     trace = tmp_path / "exact.safetensors"
@@ -4534,13 +4420,6 @@ def test_golden_exact_records_the_switch_and_check_reruns_the_exact_path(zoo, tm
     save_file(tensors, plain, metadata={"eagle3_golden": json.dumps(header)})
     check = cli_here("golden", "--check", plain)
     assert check.returncode == 1 and "first divergence" in check.stdout, check.stdout
-
-
-def test_exact_is_a_switch_of_generate_golden_and_the_main_job_off_by_default():
-    parser = E.build_parser()
-    for argv in (["generate", "--prompt", "hi"], ["golden"], []):
-        assert parser.parse_args(argv).exact is False
-        assert parser.parse_args(argv[:1] + ["--exact"] + argv[1:]).exact is True
 
 
 WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuzz_worker,

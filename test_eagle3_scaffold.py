@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from contextlib import redirect_stderr, redirect_stdout
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -462,6 +463,11 @@ def train_render(tok, messages):
             tokens += [tok.convert_tokens_to_ids(E.USER)] + body
             mask += [0] * (1 + len(body))
     return tokens, mask
+
+
+def reply_token_counts(tok, chats):
+    """Counter of the assistant tokens of `chats` under our rendering of the template."""
+    return Counter(t for m in chats for t, reply in zip(*train_render(tok, m)) if reply)
 
 
 TRAIN_CHATS = [  # multi-turn, with a system turn, in both file formats

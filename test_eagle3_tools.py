@@ -109,21 +109,30 @@ def same_sample(out, captured, i):
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_capture_writes_specforge_fields_equal_to_the_targets_features(train_chat_target,
-                                                                        captured):
+def test_capture_writes_specforge_fields_equal_to_the_targets_features_read_also_gzipped(
+        train_chat_target, captured, tmp_path):
     c, examples = train_chat_target, captured.examples
     assert len(examples) == 18
     for i, ex in enumerate(examples):
         sample = captured_sample(captured.dir, i)
         assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
-        T = len(ex.tokens)
+        n = len(ex.tokens)
         assert sample["input_ids"].tolist() == ex.tokens and sample["loss_mask"].tolist() == \
             ex.reply_mask
-        assert sample["hidden_state"].shape == (1, T, 32)
-        assert sample["aux_hidden_state"].shape == (1, T, 3 * 32)
+        assert sample["hidden_state"].shape == (1, n, 32)
+        assert sample["aux_hidden_state"].shape == (1, n, 3 * 32)
         logits, hidden_states = hf_forward(c.hf, torch.tensor([ex.tokens]))
         assert_close(sample["aux_hidden_state"][0], hf_aux(hidden_states, TRAIN_AUX), "aux")
         assert_close(sample["hidden_state"][0] @ c.hf.lm_head.weight.detach().T, logits, "logits")
+    import gzip                        # read back gzipped, as SpecForge writes them
+    group = tmp_path / "rows_0-2000"
+    group.mkdir()
+    for i in range(3):
+        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
+        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
+            g.write(f.read())
+    assert [ex.tokens for ex in T.captured_examples(str(tmp_path))] == [
+        ex.tokens for ex in examples[:3]]
 
 
 def test_capture_resumes_after_a_kill_without_duplicating_or_losing_samples(train_chat_target,
@@ -237,18 +246,6 @@ def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_tar
     first_reply = min(ex.reply_mask.index(1) for ex in full)
     assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
     assert len(E.training_examples(c.tok, captured.data, first_reply + 1, truncate=True)) >= 1
-
-
-def test_captured_features_read_gzipped_as_specforge_writes_them(captured, tmp_path):
-    import gzip
-    group = tmp_path / "rows_0-2000"
-    group.mkdir()
-    for i in range(3):
-        src = os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt")
-        with open(src, "rb") as f, gzip.open(group / f"data_{i}.ckpt.gz", "wb") as g:
-            g.write(f.read())
-    examples = T.captured_examples(str(tmp_path))
-    assert [ex.tokens for ex in examples] == [ex.tokens for ex in captured.examples[:3]]
 
 
 def test_offline_training_from_features_equals_online_training_step_for_step(
@@ -453,8 +450,8 @@ def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_covera
     assert fit["coverage"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_tools,
-                                                                          tmp_path):
+def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compares_strings(
+        vocab_tools, tmp_path):
     # The map train would build from other data of the same kind shares almost all tokens
     # with the drafter's, but one different token early in the sorted vocabulary shifts
     # every later d2t offset: low positional agreement, high overlap -> "remap".
@@ -474,10 +471,7 @@ def test_vocab_check_against_data_one_tokenizer_shifted_offsets_say_remap(vocab_
     assert report["positional"] < 0.5 * 96 and report["overlap"] >= 0.9 * 96
     assert not report["by_string"] and report["verdict"].startswith("same tokens, shifted offsets")
     assert "remap the lm_head rows (remap-draft)" in proc.stdout
-
-
-def test_vocab_check_against_a_drafter_of_another_tokenizer_compares_token_strings(
-        vocab_tools):
+    # --against-draft of another tokenizer compares token strings
     tok1, tok2 = vocab_tools["tok1"], vocab_tools["tok2"]
     report = last_json(cli_here(
         "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
@@ -506,31 +500,22 @@ def remapped(vocab_tools):
     return old, new, shared
 
 
-def test_remap_draft_keeps_logits_of_tokens_shared_by_both_vocabularies(vocab_tools,
-                                                                       remapped):
-    old, new, shared = remapped
+def test_remap_draft_keeps_shared_rows_and_the_body_starts_new_rows_and_maps_the_top_tokens(
+        vocab_tools, remapped):
+    old, new, shared = remapped        # the logits of tokens shared by both vocabularies
     assert 0 < len(shared) < 96  # some tokens carried, some new
     i, j = (torch.tensor(x) for x in zip(*shared))
     assert torch.equal(new.lm_head.weight[j], old.lm_head.weight[i])
     h = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(new.logits(h)[:, j], old.logits(h)[:, i], rtol=0, atol=1e-6)
     assert f"{len(shared)} of 96 lm_head rows carried over" in vocab_tools["remap"].stdout
-
-
-def test_remap_draft_initialises_rows_of_tokens_new_to_the_drafter(remapped):
-    old, new, shared = remapped
     fresh = sorted(set(range(96)) - {j for _, j in shared})
     rows = new.lm_head.weight[fresh]
     assert rows.abs().sum(-1).min() > 0
     nearest = torch.cdist(rows, old.lm_head.weight).min()
     assert nearest > 0, "a new token's row is a copy of an old row"
-
-
-def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target(vocab_tools,
-                                                                                remapped):
-    """load_draft validates d2t/t2d for target 2; the kept ids are the 96 most frequent
-    reply tokens of the data under the new tokenizer (ties: smaller id), ascending."""
-    _, new, _ = remapped
+    # load_draft validated d2t/t2d for target 2; the kept ids are the 96 most frequent
+    # reply tokens of the data under the new tokenizer (ties: smaller id), ascending
     tok2 = vocab_tools["tok2"]
     counts = [0] * len(tok2)
     for p, r in vocab_tools["pairs2"]:
@@ -542,20 +527,15 @@ def test_remap_draft_maps_the_datas_most_frequent_reply_tokens_of_the_new_target
     assert new.t2d.nonzero().flatten().tolist() == kept
     config = json.load(open(os.path.join(vocab_tools["draft2"], "config.json")))
     assert (config["vocab_size"], config["draft_vocab_size"]) == (len(tok2), 96)
-
-
-def test_remap_draft_carries_over_the_drafter_body_unchanged(vocab_tools):
-    assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
-    tensors = []
+    tensors = []                       # the drafter's body carried over unchanged
     for d in ("draft1", "draft2"):
         with safe_open(os.path.join(vocab_tools[d], "model.safetensors"), framework="pt") as f:
             tensors.append({k: f.get_tensor(k) for k in f.keys()})
-    old, new = tensors
-    assert sorted(old) == sorted(new)
-    body = [k for k in old if k not in ("lm_head.weight", "d2t", "t2d")]
+    assert sorted(tensors[0]) == sorted(tensors[1])
+    body = [k for k in tensors[0] if k not in ("lm_head.weight", "d2t", "t2d")]
     assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
     for k in body:
-        assert torch.equal(old[k], new[k]), f"{k} changed"
+        assert torch.equal(tensors[0][k], tensors[1][k]), f"{k} changed"
 
 
 def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_target, tmp_path):
@@ -720,7 +700,7 @@ def table_row(lines, label):
     return [float(x) for x in row[len(label):].split()]
 
 
-def test_cost_rows_equal_a_hand_computation_from_injected_timings():
+def test_cost_rows_and_a_slices_full_depth_equal_a_hand_computation_from_injected_timings():
     shapes = [("chain 2", E.TreeShape(1, 1, 3)), ("tree", E.TreeShape(4, 2, 9))]
     timings = T.CostTimings(decode=0.010, verify={3: 0.013, 9: 0.021}, allreduce={},
                             draft={"chain 2": 0.002, "tree": 0.008},
@@ -734,10 +714,8 @@ def test_cost_rows_equal_a_hand_computation_from_injected_timings():
         assert r["speedup"][1.5] == pytest.approx(1.5 / cost)
         assert r["speedup"][3.0] == pytest.approx(3.0 / cost)
     assert rows["tree"]["speedup"][3.0] == pytest.approx(1.0)   # tau = break-even: no gain
-
-
-def test_cost_plan_slice_scales_the_layers_share_of_each_forward_and_nothing_else():
-    # 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers -> 2 + 8 * 4 = 34 ms
+    # a slice, 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers
+    # -> 2 + 8 * 4 = 34 ms
     sliced = T.CostTimings(decode=0.010, verify={4: 0.014}, allreduce={}, draft={"c": 0.003},
                            accept={"c": 0.001})
     full = T.full_depth(sliced, {1: 0.002, 4: 0.006}, built=2, layers=8)
@@ -762,9 +740,10 @@ def test_measured_costs_come_from_the_injected_clock_piece_by_piece(tmp_path):
     assert rows[1]["round_cost"] == pytest.approx((7 + 2 + 0.4) / 4)
 
 
-def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested_dtype(
+def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_bf16_with_no_fp32_copy(
         tmp_path, monkeypatch):
-    cfg = E.read_target_config(str(cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")))
+    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
+    cfg = E.read_target_config(str(path))
     draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 32000)
     built_on, real = [], E.Target
 
@@ -787,12 +766,8 @@ def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_the_requested
     assert models.draft.lm_head.weight.shape == (32000, 576)
     assert float(models.target.model.layers[3].mlp.up_proj.weight.float().std()) == \
         pytest.approx(T.COST_INIT_STD, rel=0.05)
-
-
-def test_cost_plan_models_never_hold_an_fp32_copy_of_the_weights(tmp_path):
     # In a fresh process the peak RSS grows by the bf16 weights, not by an fp32 detour
     # (SmolLM2-135M: 0.27 GB in bf16, 0.54 GB in fp32, drafter ~0.05 GB more).
-    path = cost_config_dir(tmp_path, SMOLLM2_135M, "smollm2")
     script = (
         "import types, torch, eagle3_ref as E, eagle3_tools as T\n"
         "def peak():  # VmHWM, the peak resident set, in bytes\n"
@@ -859,7 +834,8 @@ def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
                                             abs=0.006)
 
 
-def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
+def test_projected_speedup_and_eval_drafts_verdict_set_the_chain_tau_against_measured_costs(
+        tmp_path, monkeypatch):
     stats = E.ChainStats(step_accuracy=[], accept_rate=[], expected_tau=[1.6, 2.0, 2.3],
                          replayed_tau=[1.5, 1.9, 2.2])
     costs = dict(shapes=[dict(shape="chain 2", tree=[1, 1, 3], round_cost=1.2),
@@ -872,9 +848,7 @@ def test_projected_speedup_sets_the_probes_chain_tau_against_measured_costs():
     assert rows["chain 3"]["tau"] == 2.2 and "slower" in rows["chain 3"]["verdict"]
     for label in ("chain 8", "tree 10/7/60"):   # the probe ran 3 steps; trees it cannot score
         assert rows[label]["tau"] is None and "needs tau >=" in rows[label]["verdict"]
-
-
-def test_eval_draft_with_costs_gives_a_verdict_per_measured_shape(tmp_path, monkeypatch):
+    # eval-draft --costs: a verdict per measured shape
     stats = E.ChainStats([0.5] * 7, [0.5] * 7, [1.5] * 7, [1.2, 1.4, 1.6, 1.7, 1.75, 1.8, 1.8])
     for name, stub in dict(load_target_head=lambda *a: SimpleNamespace(),
                            load_draft=lambda *a, **k: None, captured_examples=lambda p: [],
@@ -913,8 +887,8 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
 # ========================================================================================
 
 
-def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_chat_target,
-                                                                           train_generate_setup):
+def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hides_slots(
+        train_chat_target, train_generate_setup):
     """bf16 verify rows against decode steps replayed node by node along each root path
     (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
     forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
@@ -951,6 +925,17 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits(train_
         assert out.tokens.tolist() == E.greedy_generate(inv, prompt, 16,
                                                         c.tok.eos_token_id).tolist()
         assert max(out.accept_lengths) > 1                                 # drafts accepted
+    # its rows read exactly the slots their mask shows: a query that may not see some
+    # cached slot gets the plain forward's logits (fp32), not the prefix's
+    mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
+    mask[0, 3] = False
+    hidden = []
+    for layout in ("rows", "invariant"):
+        model = T.use_layout(E.load_target(c.dir, dtype=torch.float32), layout)
+        cache = model.new_cache(n + 1)
+        model(prompt, cache=cache, aux_layers=())
+        hidden.append(model(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())[0])
+    S.assert_close(hidden[1], hidden[0], "a query that does not see slot 3")
 
 
 def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
@@ -975,21 +960,6 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
         torch.set_num_threads(threads)
 
 
-def test_the_invariant_layout_serves_a_mask_that_hides_cached_slots(train_chat_target):
-    """Its rows read exactly the slots their mask shows: a query that may not see some
-    cached slot gets the plain forward's logits (fp32), not the prefix's."""
-    c = train_chat_target
-    prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    n = prompt.shape[1]
-    mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
-    mask[0, 3] = False
-    logits = []
-    for layout in ("rows", "invariant"):
-        model = T.use_layout(E.load_target(c.dir, dtype=torch.float32), layout)
-        cache = model.new_cache(n + 1)
-        model(prompt, cache=cache, aux_layers=())
-        logits.append(model(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())[0])
-    S.assert_close(logits[1], logits[0], "a query that does not see slot 3")
 
 
 # ========================================================================================
@@ -1012,9 +982,10 @@ class RowCounted(torch.nn.Module):
         return y * (1 + 2 ** -4) if x.numel() > x.shape[-1] else y
 
 
-def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone(train_chat_target):
-    """On the exact path every operation but the planted one keeps each row's bits; the
-    planted one differs in every row of every call of M >= 2: 6*7/2 - 1 of 21 rows."""
+def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone_and_counts_by_hand(
+        train_chat_target):
+    # On the exact path every operation but the planted one keeps each row's bits; the
+    # planted one differs in every row of every call of M >= 2: 6*7/2 - 1 of 21 rows.
     target = E.load_target(train_chat_target.dir, dtype=torch.bfloat16)
     mlp = target.model.layers[0].mlp
     mlp.up_proj = RowCounted(mlp.up_proj)
@@ -1025,11 +996,8 @@ def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone(train
             "model.layers.0.mlp.down_proj", "model.norm", "lm_head"} <= set(flips)
     assert flips.pop("model.layers.0.mlp.up_proj") == T.RowFlips(differ=20, rows=21, first_m=2)
     assert all(f == T.RowFlips(0, 21, None) for f in flips.values()), flips
-
-
-def test_row_flips_count_by_hand():
-    """Row j of an M-row call is compared with row j alone for M = 1..3 (6 rows): a call
-    that breaks only row 1 once three rows share it is one differing row, first at M = 3."""
+    # by hand: row j of an M-row call against row j alone for M = 1..3 (6 rows); a call
+    # that breaks only row 1 once three rows share it is one differing row, first at M = 3
     alone = lambda j: torch.tensor([float(j)])                          # noqa: E731
     rows = lambda M: torch.tensor([[0.0], [1.5 if M == 3 else 1.0], [2.0]][:M])  # noqa: E731
     assert T.row_flips(rows, alone, 3) == T.RowFlips(differ=1, rows=6, first_m=3)
@@ -1469,7 +1437,8 @@ def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_d
                                                "eagle3"}
 
 
-def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
+def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_native(
+        monkeypatch):
     monkeypatch.setattr(T, "native_bf16", lambda: True)
     plan = T.REAL_PLAN
     assert T.parse_budget("500p").prompts == 500
@@ -1489,10 +1458,7 @@ def test_budget_is_minutes_or_a_size_and_scales_the_prompts(monkeypatch):
     for bad in ("soon", "3p", f"{T.TRAIN_PROMPTS + 1}p"):
         with pytest.raises(E.Eagle3Error, match=repr(bad)):
             T.parse_budget(bad)
-
-
-def test_the_plan_multiplies_in_bf16_only_where_the_machine_does(monkeypatch):
-    monkeypatch.setattr(T, "native_bf16", lambda: True)
+    # the plan multiplies in bf16 only where the machine does
     assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
