@@ -4262,6 +4262,27 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
     assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
 
 
+def test_attend_rows_is_each_rows_softmax_over_its_slots_and_refuses_unshared_prefixes():
+    # B=2 rows of 3 queries after 5 cached slots, tree masks over the new ones: each row is
+    # the written-out fp32 softmax over the slots it sees; rows that see different cached
+    # slots (not a decode step, chain or tree after a prefill) are refused
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, n, 8, generator=g) for h, n in ((4, 3), (2, 8), (2, 8)))
+    new = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    seen = torch.cat([torch.ones(3, 5, dtype=torch.bool), new], 1)
+    seen = torch.stack([seen, torch.cat([seen[:, :5] & (torch.arange(5) != 2), new], 1)])
+    bias = torch.zeros(2, 1, 3, 8).masked_fill(~seen[:, None], -math.inf)
+    y = E.attend_rows(q, k, v, bias)
+    for b, h, t in itertools.product(range(2), range(4), range(3)):
+        slots = seen[b, t].nonzero()[:, 0]
+        w = torch.softmax(q[b, h, t] @ k[b, h // 2, slots].T / math.sqrt(8), -1)
+        assert_close(y[b, h, t], w @ v[b, h // 2, slots], f"row {b}, head {h}, query {t}")
+    seen[1, 2, 0] = False                                   # query 2 alone drops a cached slot
+    bias = torch.zeros(2, 1, 3, 8).masked_fill(~seen[:, None], -math.inf)
+    with pytest.raises(E.Eagle3Error, match="different ones"):
+        E.attend_rows(q, k, v, bias)
+
+
 def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_one_line(zoo):
     target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     modules = list(target.modules())
