@@ -1344,10 +1344,8 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
     return make
 
 
-def monte_carlo(replay, accept=None, seed=2024):
-    uniforms = coins(seed)
-    kwargs = {} if accept is None else dict(accept=accept)
-    return [replay(uniforms, **kwargs) for _ in range(TRIALS)]
+def monte_carlo(replay, uniforms, *accept):
+    return [replay(uniforms, *accept) for _ in range(TRIALS)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1360,7 +1358,7 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
         case_name, sampling_name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, s = CASES[case_name], SAMPLINGS[sampling_name]
     replay = vocab6_replay(case, s)
-    p = chi_square_p(monte_carlo(replay), vocab6_exact_law(s).joint)
+    p = chi_square_p(monte_carlo(replay, coins(2024)), vocab6_exact_law(s).joint)
     assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
     # the real loop gives, seed for seed, the replay the chi-square samples (many rounds)
     for seed in range(REPLAY_SEEDS):
@@ -1408,16 +1406,6 @@ def accept_chain_residual_ignoring_q(logits, drafts, q, uniforms, sampling):
     acc = E.accept_chain(logits, drafts, q, uniforms, sampling)
     p = E.warped_probs(logits[acc.accepted], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
-
-
-@pytest.mark.parametrize("case_name,broken", [
-    ("tree-3-1-4-vd4", accept_sampled_without_renormalising),
-    ("tree-2-2-5", accept_sampled_bonus_ignoring_rejections),
-    ("chain-2", accept_chain_residual_ignoring_q)], ids=lambda x: getattr(x, "__name__", x))
-def test_chi_square_rejects_broken_acceptance(case_name, broken, vocab6_replay, vocab6_exact_law):
-    samples = monte_carlo(vocab6_replay(CASES[case_name], T1), accept=broken)
-    p = chi_square_p(samples, vocab6_exact_law(T1).joint)
-    assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
 
 
 # ----------------------------------------------------------------------------------------
@@ -1840,11 +1828,12 @@ def test_vllm_rejection_sampling_on_the_hand_worked_chain(uniforms, bonus, expec
 # ----------------------------------------------------------------------------------------
 # losslessness of the engines' sampled verification, by chi-square against the enumeration
 
+TKP, TPK = T1_K4_P08["T-k-p"], T1_K4_P08["T-p-k"]
 PRESET_CASES = {  # name -> (Case, sampling)
-    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), "T-k-p"),
-    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), "T-k-p"),
-    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), "T-k-p"),
-    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), "T-p-k"),
+    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), TKP),
+    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), TKP),
+    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), TKP),
+    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), TPK),
 }
 
 
@@ -1859,10 +1848,10 @@ def preset_accept(preset, generator, **overrides):
     return accept
 
 
-def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
+def engine_draws(preset, seed, make_accept=preset_accept):
+    """(uniforms, accept) both drawing from one generator seeded with `seed`, as the real loop."""
     g = torch.Generator().manual_seed(seed)
-    uniforms, accept = E.uniform_stream(g), make_accept(preset, g)
-    return [replay(uniforms, accept=accept) for _ in range(TRIALS)]
+    return E.uniform_stream(g), make_accept(preset, g)
 
 
 def sglang_residual_ignoring_rejections(preset, generator):
@@ -1898,26 +1887,42 @@ def sglang_lossy_threshold_acc(preset, generator):
     return preset_accept(preset, generator, threshold_acc=0.5)
 
 
-@pytest.mark.parametrize("name, broken", [
-    ("sglang-tree-2-2-5", sglang_residual_ignoring_rejections),
-    ("sglang-tree-2-2-5", sglang_lossy_threshold_acc),
-    ("vllm-chain-3", vllm_recovered_keeping_the_draft)], ids=lambda x: getattr(x, "__name__", x))
-def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_replay,
-                                                       vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
-    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset, make_accept=broken)
+def on_coins(broken):
+    """The official acceptance's broken copies draw from the documented coins() stream."""
+    return lambda preset, seed: (coins(seed), broken)
+
+
+def on_engine_stream(make_broken):
+    return lambda preset, seed: engine_draws(preset, seed, make_broken)
+
+
+BROKEN = [  # (case, sampling, draws(preset, seed) -> (uniforms, broken acceptance))
+    (CASES["tree-3-1-4-vd4"], T1, on_coins(accept_sampled_without_renormalising)),
+    (CASES["tree-2-2-5"], T1, on_coins(accept_sampled_bonus_ignoring_rejections)),
+    (CASES["chain-2"], T1, on_coins(accept_chain_residual_ignoring_q)),
+    (*PRESET_CASES["sglang-tree-2-2-5"], on_engine_stream(sglang_residual_ignoring_rejections)),
+    (*PRESET_CASES["sglang-tree-2-2-5"], on_engine_stream(sglang_lossy_threshold_acc)),
+    (*PRESET_CASES["vllm-chain-3"], on_engine_stream(vllm_recovered_keeping_the_draft))]
+
+
+@pytest.mark.parametrize("case, sampling, draws", BROKEN, ids=[
+    "without_renormalising", "bonus_ignoring_rejections", "chain_residual_ignoring_q",
+    "sglang_residual_ignoring_rejections", "sglang_lossy_threshold_acc",
+    "vllm_recovered_keeping_the_draft"])
+def test_chi_square_rejects_broken_acceptance(case, sampling, draws, vocab6_replay,
+                                              vocab6_exact_law):
+    samples = monte_carlo(vocab6_replay(case, sampling), *draws(case.preset, 2024))
     p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
+    assert p < ALPHA, f"a broken acceptance passed the losslessness test (p = {p:.2e})"
 
 
 @pytest.mark.parametrize("name", list(PRESET_CASES))
 def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays_it(
         name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
+    case, sampling = PRESET_CASES[name]
     replay = vocab6_replay(case, sampling)
-    p = chi_square_p(preset_monte_carlo(replay, case.preset), vocab6_exact_law(sampling).joint)
+    samples = monte_carlo(replay, *engine_draws(case.preset, 2024))
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
     assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
     # the real loop under the preset draws its random numbers as the replay does, so the
     # chi-square samples speculative_generate itself
@@ -1925,9 +1930,7 @@ def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
             top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset)
-        g = torch.Generator().manual_seed(seed)
-        expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
-                          n_tokens=REPLAY_TOKENS)
+        expected = replay(*engine_draws(case.preset, seed), n_tokens=REPLAY_TOKENS)
         assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
 
 
