@@ -2778,11 +2778,19 @@ def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo
 # generation inputs
 
 GENERATORS = {  # the generation entry points must check their inputs alike
-    "greedy": lambda target, draft, ids, n: E.greedy_generate(target, ids, n),
-    "sample": lambda target, draft, ids, n: E.sample_generate(target, ids, n, seed=1),
-    "speculative": lambda target, draft, ids, n: E.speculative_generate(
-        target, draft, ids, n, tree=E.TreeShape(2, 2, 6)),
+    "greedy": lambda target, draft, ids, n, eos: E.greedy_generate(target, ids, n, eos),
+    "sample": lambda target, draft, ids, n, eos: E.sample_generate(target, ids, n, seed=1,
+                                                                   eos_token_id=eos),
+    "speculative": lambda target, draft, ids, n, eos: E.speculative_generate(
+        target, draft, ids, n, tree=E.TreeShape(2, 2, 6), eos_token_id=eos),
 }
+IN_VOCAB = rf"the target vocab \[0, {VOCAB}\)"
+
+
+def with_token(bad):
+    ids = random_prompt(0)
+    ids[0, 5] = bad
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -2791,46 +2799,32 @@ def plain_draft(zoo):
 
 
 @pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("bad", [VOCAB, -1])
-def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, generate, bad):
-    # a forward would fail deep in the embedding (IndexError), or read another row silently
-    ids = random_prompt(0)
-    ids[0, 5] = bad
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside the target vocab "
-                                            rf"\[0, {VOCAB}\)"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, ids, 5)
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
-        E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), ids, 2, 2, 6)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_eos_outside_the_vocab_is_refused(zoo, plain_draft, generate):
-    target = zoo.target("llama")
-    eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
-           "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
-           "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
-                                                         eos_token_id=VOCAB + 3)}[generate]
-    with pytest.raises(E.Eagle3Error, match=r"eos_token_id=-?\d+ is not a token id of the "
-                                            rf"target vocab \[0, {VOCAB}\)"):
-        eos()
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("prompt, n, message", [
-    (torch.zeros(1, 0, dtype=torch.long), 5, r"prompt is empty"),
-    (random_prompt(0).float(), 5, r"must be a torch.long tensor of token ids"),
+@pytest.mark.parametrize("prompt, n, eos, message", [
+    # an id outside the vocab would fail deep in the embedding (IndexError), or read another
+    # row silently
+    (with_token(VOCAB), 5, None, rf"token id {VOCAB}, outside {IN_VOCAB}"),
+    (with_token(-1), 5, None, rf"token id -1, outside {IN_VOCAB}"),
+    (random_prompt(0), 5, VOCAB + 3, rf"eos_token_id={VOCAB + 3} is not a token id of {IN_VOCAB}"),
+    (random_prompt(0), 5, [1, -2], rf"eos_token_id=-2 is not a token id of {IN_VOCAB}"),
+    (torch.zeros(1, 0, dtype=torch.long), 5, None, r"prompt is empty"),
+    (random_prompt(0).float(), 5, None, r"must be a torch.long tensor of token ids"),
     # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
-    (random_prompt(0), 501, r"exceeds the cache length 512"),
-    (random_prompt(0), 0, r"max_new_tokens=0 must be a positive"),
-    (random_prompt(0), -3, r"max_new_tokens=-3 must be a positive"),
-], ids=["empty-prompt", "not-token-ids", "over-cache-length", "zero-new-tokens",
-        "negative-new-tokens"])
-def test_bad_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n, message):
+    (random_prompt(0), 501, None, r"exceeds the cache length 512"),
+    (random_prompt(0), 0, None, r"max_new_tokens=0 must be a positive"),
+    (random_prompt(0), -3, None, r"max_new_tokens=-3 must be a positive"),
+], ids=["id-over-vocab", "id-negative", "eos-over-vocab", "eos-in-a-list", "empty-prompt",
+        "not-token-ids", "over-cache-length", "zero-new-tokens", "negative-new-tokens"])
+def test_bad_token_ids_eos_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n,
+                                                       eos, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n)
+        GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n, eos)
 
 
-def test_unbuildable_tree_shape_and_top_k_over_the_draft_vocab_are_refused(zoo, plain_draft):
+def test_draft_tree_refuses_unbuildable_shapes_top_k_over_its_vocab_and_ids_outside(zoo,
+                                                                                   plain_draft):
+    for bad in (VOCAB, -1):
+        with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
+            E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), with_token(bad), 2, 2, 6)
     # top_k=2, depth=1: a pool of 2 + 1*4 = 6 candidates, so at most 7 nodes with the root
     with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
         E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
