@@ -285,6 +285,7 @@ def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
         json.dump(config_edit(config), f)
     state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
     save_file(dict(state, **(extra or {})), dst / "model.safetensors")
+    return dst
 
 
 def kimi_k2_config(config):
@@ -2667,13 +2668,6 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the
 # the target's config and weights
 
 
-def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=VOCAB)))
-    supported = r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"
-    with pytest.raises(E.Eagle3Error, match=supported):
-        E.load_target(str(tmp_path))
-
-
 def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
     # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
     # transformers' own validation catches the target's explicit head_dim (in one line of
@@ -2689,33 +2683,53 @@ def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
         E.read_draft_config(draft_config(cfg, num_attention_heads=HIDDEN), cfg)
 
 
-def edited_checkpoint(zoo, tmp_path, edit):
-    """A copy of the tiny llama checkpoint whose weights went through `edit(state)`."""
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    state = load_file(tmp_path / "model.safetensors")
-    edit(state)
-    save_file(state, tmp_path / "model.safetensors")
+def config_dir(tmp_path, family="deepseek_v3", **overrides):
+    """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
+    ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**TINY, **ds, **overrides, "model_type": family}))
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.pop("model.layers.3.mlp.up_proj.weight"),
+def truncate_half(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def llama_copy(zoo, path, edit=lambda state: None):
+    """The tiny llama checkpoint copied into `path`, its weights passed through `edit(state)`."""
+    shutil.copytree(zoo.dir("llama"), path, dirs_exist_ok=True)
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+    return path
+
+
+def cut_in_half(zoo, path):
+    truncate_half(llama_copy(zoo, path) / "model.safetensors")
+    return path
+
+
+INT4 = dict(quant_method="compressed-tensors", format="pack-quantized",
+            config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
+
+
+@pytest.mark.parametrize("build, message", [  # build(zoo, tmp_path) -> the target dir
+    (lambda zoo, path: config_dir(path, "gpt2"),
+     r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"),
+    (lambda zoo, path: llama_copy(zoo, path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight")),
      r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"),
-    (lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}),
+    (lambda zoo, path: llama_copy(
+        zoo, path, lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)})),
      r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"),
-], ids=["missing", "unexpected"])
-def test_missing_or_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path, edit, message):
+    (cut_in_half, r"model\.safetensors.*corrupt"),
+    (lambda zoo, path: ds_rewrite_dir(zoo.dir("kimi"), path / "int4",
+                                      lambda c: dict(kimi_k2_config(c), quantization_config=INT4)),
+     r"quant_method='compressed-tensors', format='pack-quantized'.*only FP8"),
+], ids=["unknown-model-type", "missing-key", "unexpected-key", "corrupt-file", "int4"])
+def test_bad_target_dir_is_refused_naming_the_problem(zoo, tmp_path, build, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(edited_checkpoint(zoo, tmp_path, edit))
-
-
-def test_corrupt_safetensors_file_is_refused(zoo, tmp_path):
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    weights = tmp_path / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.truncate(weights.stat().st_size // 2)
-    with pytest.raises(E.Eagle3Error, match=r"model\.safetensors.*corrupt"):
-        E.load_target(str(tmp_path))
+        E.load_target(str(build(zoo, tmp_path)))
 
 
 def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, zoo):
@@ -2726,14 +2740,6 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
     official_draft_dir(str(tmp_path / "draft"), zoo.target("llama"))
     with pytest.raises(E.Eagle3Error, match=r"aux layers \(2, 3, 3\) for a 6-layer target"):
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
-
-
-def config_dir(tmp_path, family="deepseek_v3", **overrides):
-    """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
-    ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
-    (tmp_path / "config.json").write_text(json.dumps(
-        {**TINY, **ds, **overrides, "model_type": family}))
-    return str(tmp_path)
 
 
 @pytest.mark.parametrize("family, world, overrides, message", [   # world None: the config
@@ -2762,16 +2768,6 @@ def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(tmp_p
         cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
         if world:
             E.check_tp_sizes(cfg, world)
-
-
-def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
-    int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
-                config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
-    ds_rewrite_dir(zoo.dir("kimi"), tmp_path / "int4",
-                   lambda c: dict(kimi_k2_config(c), quantization_config=int4))
-    with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
-                                            r"format='pack-quantized'.*only FP8"):
-        E.load_target(str(tmp_path / "int4"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -2875,22 +2871,16 @@ def train_checkpoint(train_target, tmp_path_factory):
     return str(out)
 
 
-def train_truncate(path):
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.truncate(size // 2)
-
-
 def test_truncated_train_state_or_draft_safetensors_is_refused(train_target, train_checkpoint,
                                                                 tmp_path):
     t, intact, broken = train_target, str(tmp_path / "intact"), str(tmp_path / "broken")
     shutil.copytree(train_checkpoint, intact)
     shutil.copytree(train_checkpoint, broken)
     E.load_draft(intact, t.target)  # the untouched copy loads
-    train_truncate(os.path.join(broken, "model.safetensors"))
+    truncate_half(os.path.join(broken, "model.safetensors"))
     with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
         E.load_draft(broken, t.target)
-    train_truncate(os.path.join(intact, "train_state.pt"))
+    truncate_half(os.path.join(intact, "train_state.pt"))
     with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
         train_draft(t.target, tiny_draft(t.target, 52, t.kept, std=0.02), t.examples, [],
                     train_config(steps=4), intact, TRAIN_PAD, resume=True)
