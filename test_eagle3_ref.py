@@ -228,8 +228,7 @@ def ds_quantise(w, block):
 
 
 def ds_fp8_dir(hf, root):
-    """The checkpoint of `hf` with every 2-D layer weight but the router FP8-quantised, and
-    beside it the same checkpoint holding the dequantised weights (the reference)."""
+    """`hf`'s checkpoint, 2-D weights but the router in FP8, beside it the dequantised one."""
     hf.save_pretrained(root)
     state = load_file(root / "model.safetensors")
     dequantised = {}
@@ -387,8 +386,7 @@ def plain_comm(tally):
 
 
 def comm_of_runs(target, draft, prompt, spec_prompt):
-    """The collectives counted in one verify forward of a COMM_TREE tree over a cached
-    prompt, in a speculative run (prefill and every round by phase) and in plain greedy."""
+    """Collectives of a COMM_TREE verify forward, a speculative run by phase, plain greedy."""
     cache = target.new_cache(prompt.shape[1] + COMM_TREE[2])
     target(prompt, cache=cache)
     tokens, parents = random_tree(77, n_nodes=COMM_TREE[2])
@@ -417,8 +415,7 @@ def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
 
 
 def tp_worker(job, rank):
-    """Runs on every rank: load each target sharded over the 2 ranks, then forward, greedy
-    and speculative decoding; each rank returns what it computed."""
+    """On every rank: each target sharded over 2 ranks; forward, greedy and speculative."""
     results = dict(world=E.world_info()[1])
     for case in job["targets"]:
         target = E.load_target(case["dir"])
@@ -527,8 +524,7 @@ def ds_tp_run(zoo, ds_speculation, ds_fp8, tmp_path_factory):
 
 
 def ds_tp_worker(job, rank):
-    """Each rank: load each deepseek target sharded over 2 ranks, count the all-reduces of
-    one forward, keep its weight slices, decode greedily and speculatively, load FP8."""
+    """Per rank: deepseek targets over 2 ranks: all-reduces, slices, decoding, FP8 load."""
     results, calls = {}, [0]
     real_all_reduce = torch.distributed.all_reduce
 
@@ -1081,8 +1077,7 @@ DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
 
 @pytest.fixture(scope="module")
 def ds_speculation(zoo):
-    """Per target: a drafter sharpened on transformers' greedy text of a prompt, the prompt
-    and 48 greedy tokens."""
+    """Per target: a drafter sharpened on transformers' greedy text, prompt, 48 tokens."""
     setups = {}
     for i, name in enumerate(DS_TARGETS):
         hf, target = zoo.hf(name), zoo.target(name)
@@ -1141,8 +1136,7 @@ CASES = {
 
 
 def coins(seed):
-    """The documented uniform stream (SPEC §5): float64 torch.rand, one at a time, from a
-    CPU torch.Generator seeded with `seed`."""
+    """The documented stream (SPEC §5): float64 torch.rand, one at a time, Generator(seed)."""
     g = torch.Generator().manual_seed(seed)
     while True:
         yield float(torch.rand((), generator=g, dtype=torch.float64))
@@ -1188,8 +1182,7 @@ class ExactLaw(NamedTuple):
 
 @pytest.fixture(scope="module")
 def vocab6_exact_law(vocab6_checkpoint):
-    """sampling -> ExactLaw of the first 3 sampled tokens after PROMPT, from the
-    transformers model's logits for all 36 continuations (a, b) in one batch."""
+    """sampling -> ExactLaw after PROMPT, from transformers' 36 continuations' logits."""
     hf, laws = vocab6_checkpoint[1], {}
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))       # (36, 2)
     ids = torch.cat([PROMPT.expand(len(pairs), -1), pairs], 1)              # (36, T+2)
@@ -1236,8 +1229,7 @@ def round_start(target, draft, ctx):
 
 
 class TreeRounds:
-    """Lazy table ctx -> (tree, verify logits (N, V)) from the real grow_tree and
-    verify_tree; trees and target logits do not depend on the sampling settings."""
+    """Lazy ctx -> (tree, verify logits (N, V)) from the real grow_tree, verify_tree."""
 
     def __init__(self, target, draft, shape, preset="official"):
         self.target, self.draft, self.shape, self.preset = target, draft, shape, preset
@@ -1308,8 +1300,7 @@ def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
 
 
 def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
-    """First n_tokens of speculative_generate(scheme="chain"): per round, one uniform per
-    draft (inverse CDF of q, as draft_chain documents), then the acceptance's uniforms."""
+    """Chain rounds replayed: a uniform per draft (inverse CDF of q), then accept's."""
     out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
         ctx, drafts = tuple(out), ()
@@ -1323,8 +1314,7 @@ def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
 
 @pytest.fixture(scope="module")
 def vocab6_replay(vocab6_target, vocab6_drafts):
-    """(case, sampling) -> replay(uniforms, accept=None, n_tokens=N_TOKENS): the tokens
-    speculative_generate emits for PROMPT, replayed round by round."""
+    """(case, sampling) -> replay(uniforms, accept, n_tokens) of PROMPT's rounds."""
     with torch.no_grad():
         prefill_logits = vocab6_target(PROMPT)[0][0, -1]
     tables = {}
@@ -1372,8 +1362,7 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
 
 
 def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
-    """accept_sampled minus one line: a rejected token is zeroed but p is not renormalised,
-    so the next sibling y is accepted with p(y) instead of p(y) / (1 - p(x))."""
+    """p not renormalised after a rejection: sibling y kept with p(y)."""
     kids = [[c for c in range(len(tree.parents)) if tree.parents[c] == node]
             for node in range(len(tree.parents))]
     node, path, used = 0, [0], []
@@ -1395,8 +1384,7 @@ def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
 
 
 def accept_sampled_bonus_ignoring_rejections(logits, tree, uniforms, sampling):
-    """The bonus drawn (same uniform) from the unmodified target distribution at the last
-    node instead of the residual, so a rejected draft can come back as the bonus."""
+    """The bonus drawn from the last node's p, not the residual: a rejected draft can return."""
     acc = E.accept_sampled(logits, tree, uniforms, sampling)
     p = E.warped_probs(logits[int(acc.path[-1])], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
@@ -1641,8 +1629,7 @@ def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
 
 
 def sampled_on_rank(target_dir, rank):
-    """Run by tp_worker on each rank: sampled outputs with the shared seed TP_SEED, and
-    ("own seed") the tree and plain samplers with a different seed on each rank."""
+    """Per rank: samples with seed TP_SEED, and both samplers with a seed per rank."""
     tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
     tp_draft = vocab6_new_draft(tp_target, seed=1)
     return {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
@@ -1972,8 +1959,7 @@ def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_len
 
 
 def sglang_linked_tree(tokens, next_token, next_sibling):
-    """A Tree, and each node's children in SGLang's visiting order, from one request's
-    linked lists (SGLang's own tests write them by hand, not always in node order)."""
+    """A Tree, each node's children in SGLang's visiting order, from linked lists."""
     N = len(tokens)
     parents, kids = torch.full((N,), -1), [[] for _ in range(N)]
     for node in range(N):
@@ -2079,8 +2065,7 @@ SGL_NEXT_SIBLING = [[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]
 
 
 def sglang_test_logits():
-    """The test's target logits (2, 6, 20): 1 everywhere, 10 at a few (request, node, token)
-    and at token 18 of every row left without a 10."""
+    """Logits (2, 6, 20): 1; 10 at a few (request, node, token), else at token 18."""
     logits = torch.ones(2, 6, 20)
     for b, node, token in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
         logits[b, node, token] = 10
@@ -2089,8 +2074,7 @@ def sglang_test_logits():
 
 
 def sglang_test_run(accept):
-    """accept(logits of one request (6, 20), Tree, visiting order) -> Acceptance, for both
-    requests; then SGLang's output tensors."""
+    """accept(logits (6, 20), Tree, order) for both requests; SGLang's tensors."""
     logits, accepts = sglang_test_logits(), []
     for b in range(2):
         tree, kids = sglang_linked_tree(SGL_CANDIDATES[b], SGL_NEXT_TOKEN[b],
@@ -2186,8 +2170,7 @@ TRAIN_PAD = 0
 
 
 def train_randomize(draft, seed, std=0.2):
-    """Weights large enough that attention is far from uniform (a wrong mask shows), and
-    norm gains != 1 (swapped norms show)."""
+    """Weights large enough that a wrong mask shows, norm gains != 1 (swapped norms)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -2197,8 +2180,7 @@ def train_randomize(draft, seed, std=0.2):
 
 
 def train_collate(examples, pad_id):
-    """Right-padded ids and the step-0 loss mask: loss_mask[t] = 1 iff x[t+2] is a reply
-    token (position t holds token t+1 and predicts token t+2)."""
+    """Right-padded ids; step-0 loss_mask[t] = 1 iff x[t+2] (t predicts it) is a reply."""
     T = max(len(ex.tokens) for ex in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), T)
@@ -2256,8 +2238,7 @@ def train_max_diff(dir_a, dir_b):
 
 
 def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
-    """The lowest TTT loss any drafter can reach: each step's cross-entropy of the
-    restricted teacher with itself (its entropy), masked and normalised like the loss."""
+    """The lowest TTT loss: the restricted teacher's entropy, masked like the loss."""
     B, T = loss_mask.shape
     floor = 0.0
     for k in range(steps):
@@ -2389,8 +2370,7 @@ def test_until_fail_loss_keeps_each_chain_up_to_its_first_wrong_draft(train_targ
 
 
 def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
-    """Batched over prompts of equal length, stopped once every row has its EOS: each reply
-    is transformers' greedy continuation up to and including its first EOS."""
+    """Batched, equal lengths: each reply is transformers' greedy text up to its first EOS."""
     hf, target = zoo.hf("llama"), zoo.target("llama")
     prompts = [random_prompt(seed, length).tolist()[0]
                for seed, length in [(1, 5), (2, 7), (3, 5), (4, 9), (5, 5), (6, 7)]]
@@ -2402,8 +2382,7 @@ def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
 
 
 def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
-    """20 AdamW steps on 8 of the target's own greedy replies close over a quarter of the
-    gap between the fresh drafter's TTT loss and the teacher's entropy."""
+    """20 AdamW steps on 8 own replies close > 1/4 of the gap to the teacher's entropy."""
     t = train_target
     draft = tiny_draft(t.target, 21, t.kept, std=0.02)
     ids, mask = train_collate(t.examples, TRAIN_PAD)
@@ -2432,8 +2411,7 @@ def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path)
 
 
 def train_dp_worker(job, rank):
-    """Runs on every rank: the target tensor-parallel over the 2 ranks, the drafter trained
-    data-parallel from the job's initial drafter; rank 0 saves it (train_draft does)."""
+    """Per rank: target TP over 2, drafter trained data-parallel; rank 0 saves it."""
     target = E.load_target(job["target_dir"], dtype=torch.float32)
     draft = E.load_draft(job["draft_dir"], target)
     examples = [E.Example(t, m) for t, m in job["examples"]]
@@ -2578,8 +2556,7 @@ def train_cli_run(train_chat_target):
 
 def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train_chat_target,
                                                                          train_cli_run):
-    """A loadable drafter whose map is built from the assistant tokens of the training
-    conversations: the CLI holds out the first max(1, n // 50) conversations (here 1)."""
+    """The map is from the replies' tokens; max(1, n // 50) conversations held out."""
     c = train_chat_target
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
     counts = reply_token_counts(c.tok, train_cli_run.chats[1:])
@@ -2913,8 +2890,7 @@ eagle3_ref.main(sys.argv[1:])
 
 
 def run_killed(argv, cwd, write, state, cut_percent=50):
-    """Run the CLI, SIGKILL it where KILLABLE stops (write `write`, in `state`). -> the file
-    it was writing, or None when the command finished first."""
+    """The CLI SIGKILLed where KILLABLE stops -> the file it was writing, or None."""
     env = cli_env(STOP_AT_WRITE=str(write), STOP_STATE=state, STOP_CUT_PERCENT=str(cut_percent))
     proc = subprocess.Popen([sys.executable, "-c", KILLABLE, *map(str, argv)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -3112,8 +3088,7 @@ def golden_warped(logits):
 
 
 def assert_uniforms_are_the_seeded_stream(tensors, seed):
-    """first_uniforms then every round's uniforms are one torch.Generator's float64 draws,
-    in order, with nothing skipped."""
+    """Every uniform is one Generator's float64 draw, in order."""
     rounds = range(len(tensors["accept_lengths"]))
     used = [tensors["first_uniforms"]] + [golden_round(tensors, r, "uniforms") for r in rounds]
     g = torch.Generator().manual_seed(seed)
@@ -3152,8 +3127,7 @@ def golden_args(models, out, kind):
 
 @pytest.fixture(scope="module")
 def golden_traces(golden_models, tmp_path_factory):
-    """Each kind written twice at world size 1 (a process, then in this one) and once at
-    world size 2. -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
+    """{kind: {w1a (a process) | w1b (here) | w2: dict(file, header, tensors, proc)}}"""
     def build(root):
         runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
                 for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
@@ -3369,8 +3343,7 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 
 @pytest.fixture(scope="module")
 def golden_checks(golden_traces, tmp_path_factory):
-    """`golden --check` on both untouched traces, on one with a flipped tree token, and on
-    one whose header claims version 2."""
+    """`golden --check` on both traces, a flipped tree token, a version-2 header."""
     root = tmp_path_factory.mktemp("golden_checks")
     header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
     meta = {"eagle3_golden": json.dumps(header)}
@@ -3414,8 +3387,7 @@ BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
 
 @pytest.fixture(scope="module")
 def batch_golden(golden_models, tmp_path_factory):
-    """A batch of 3 prompts under each engine preset, sampled (their random numbers in the
-    file), written twice; then the SGLang one re-checked after flipping row 1's token."""
+    """3 prompts per preset, sampled, written twice; SGLang's rechecked after a flip."""
     def build(root):
         runs = {}
         for preset in ("sglang", "vllm"):
@@ -3619,8 +3591,7 @@ def fuzz_rope_name(config):
 
 
 def fuzz_rope(rng, family):
-    """Random RoPE: the default or a scaled type, with the original context short enough
-    (32-64 positions) that the scaling changes the positions generation reaches."""
+    """Random RoPE: default or scaled, the original context (32-64) short enough to matter."""
     kind, theta = rng.choice(FUZZ_ROPE), rng.choice([1e4, 1e5, 5e5])
     original = rng.choice([32, 64])
     params = dict(rope_type=kind or "default", rope_theta=theta)
@@ -3710,8 +3681,7 @@ def fuzz_hf_model(case):
 
 
 def fuzz_draft(case, target, hf):
-    """The case's drafter: random, and for most cases sharpened by 25 TTT steps on the
-    target's greedy continuation of the prompt, so acceptance paths go several deep."""
+    """A random drafter, mostly sharpened by 25 TTT steps on the target's greedy text."""
     draft = tiny_draft(target, case.seed, case.kept, **case.draft)
     if case.sharpen:
         text = torch.cat([torch.tensor(case.prompt), hf_greedy(hf, case.prompt, 32)])
@@ -3890,8 +3860,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module")
 def fuzz_w2(request, tmp_path_factory):
-    """The world-size-2 runs of this session's W = 2 cases, in one torchrun launch (made
-    on first use) -> {seed: [rank 0 runs, rank 1 runs]}."""
+    """{seed: [rank 0 runs, rank 1 runs]}: this session's W = 2 cases, one torchrun."""
     first = request.config.getoption("fuzz_first_seed")
     cases = [fuzz_case(s) for s in range(first, first + request.config.getoption("fuzz_cases"))]
     cases = [c for c in cases if c.world == 2]
@@ -3959,8 +3928,7 @@ def test_fuzz_greedy_equals_transformers_and_samples_replay(fuzz_seed, tmp_path,
 
 
 def file_parts():
-    """(Part I top-level nodes, names defined at top level in Part II) of eagle3_ref.py,
-    split at the 'PART II' banner."""
+    """(Part I's top-level nodes, Part II's top-level names), split at 'PART II'."""
     with open(E.__file__) as f:
         source = f.read()
     lines = source.splitlines()
@@ -4089,8 +4057,7 @@ def exact_prompts(family_index, n=EXACT_PROMPTS):
 
 
 def decode_step_logits(target, ids, n):
-    """Decode steps along ids (1, T) after a prefill of its first n tokens -> (T - n, V)
-    fp32: row j is the logits the token at position n + j is chosen from."""
+    """Decode steps after a prefill of n -> (T - n, V): row j picks token n + j."""
     cache = target.new_cache(ids.shape[1])
     with torch.no_grad():
         logits, _ = target(ids[:, :n], cache=cache, aux_layers=())
@@ -4102,8 +4069,7 @@ def decode_step_logits(target, ids, n):
 
 
 def path_rows(result):
-    """(output position, round, node) of every accepted node: node path[k] of a round whose
-    root is output token r holds the logits of output token r + k + 1."""
+    """(output position, round, node) per accepted node: path[k] holds token r + k + 1."""
     rows, root = [], 0
     for i, r in enumerate(result.rounds):
         rows += [(root + k + 1, i, int(node)) for k, node in enumerate(r.path)]
@@ -4301,8 +4267,7 @@ EXACT_TP_DS = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_
 
 
 def exact_tp_worker(job, rank):
-    """On every rank: each target in bf16 on the exact path, sharded over W ranks; greedy
-    decoding and speculation of each prompt."""
+    """Per rank: each bf16 target on the exact path over W ranks; greedy, speculation."""
     results = {}
     for name, (target_dir, draft_dir) in job["models"].items():
         target = E.make_exact(E.load_target(target_dir, dtype=torch.bfloat16))

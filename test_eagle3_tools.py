@@ -489,8 +489,7 @@ def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compa
 
 @pytest.fixture(scope="module")
 def remapped(vocab_tools):
-    """Both drafters loaded for their targets, and draft-id pairs (old i, new j) that name
-    the same token string under the drafter's and the new target's tokenizer."""
+    """Both drafters loaded, and draft-id pairs (old i, new j) naming one token string."""
     assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
     old = E.load_draft(vocab_tools["draft1"], E.load_target(vocab_tools["target1"]))
     new = E.load_draft(vocab_tools["draft2"], E.load_target(vocab_tools["target2"]))
@@ -1040,8 +1039,7 @@ def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_t
 
 
 def test_exact_probe_feeds_mla_and_moe_operations_of_a_deepseek_config(zoo):
-    """A deepseek_v3 config with random weights: MLA's projections and latent norm, the
-    router, one routed expert and the shared experts are probed, each row kept exact."""
+    """MLA's projections, latent norm, router, an expert and the shared ones: each row exact."""
     report = last_json(cli_here("exact-probe", "--config", zoo.dir("ds-v3"), "--layers", 3,
                                 "--rows", 4, "--path", "exact"))
     ops = {op["op"]: op for op in report["ops"]}
