@@ -1003,10 +1003,12 @@ def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone_and_c
     assert T.first_parting([1, 2], [1, 2, 5]) == 2                     # one stopped at EOS
 
 
-def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_target, tmp_path):
+def test_exact_probe_finds_no_flip_or_parting_on_the_exact_path_and_probes_mla_and_moe(
+        train_chat_target, zoo, tmp_path):
     """A tiny bf16 target, both paths side by side: the exact path keeps every row of every
     operation and never parts; the plain path's columns are measured the same way (whether
-    they flip depends on this machine's kernels); greedy is held against transformers'."""
+    they flip depends on this machine's kernels); greedy is held against transformers'.
+    A deepseek_v3 config: MLA's, the router's and the experts' operations are probed too."""
     mt = tmp_path / "question.jsonl"
     mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[t, "more"])) + "\n"
                           for i, (c, t) in enumerate([("a", "hello there"), ("a", "skip me"),
@@ -1034,10 +1036,6 @@ def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_t
     assert report["drafter"].startswith("fresh random")
     assert re.search(r"^layers\.0\.self_attn\.attend +4 heads x 8, \+32 cached +\d+/36 +"
                      r"[-\d]+ +0/36 +-$", proc.stdout, re.M), proc.stdout
-
-
-def test_exact_probe_feeds_mla_and_moe_operations_of_a_deepseek_config(zoo):
-    """MLA's projections, latent norm, router, an expert and the shared ones: each row exact."""
     report = last_json(cli_here("exact-probe", "--config", zoo.dir("ds-v3"), "--layers", 3,
                                 "--rows", 4, "--path", "exact"))
     ops = {op["op"]: op for op in report["ops"]}
@@ -1071,8 +1069,11 @@ def test_exact_probe_refuses_bad_input_in_one_line(argv, says, train_chat_target
 # ========================================================================================
 
 
-def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
-                                                                 train_generate_setup):
+BENCH_DECODERS = {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+
+
+def test_bench_prints_each_decoders_speed_and_forwards_per_token_and_reads_prompt_files(
+        train_chat_target, train_generate_setup, tiny_gguf, tiny_gguf_draft, tmp_path):
     # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
     # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
     # that memorised this reply gets drafts accepted
@@ -1089,11 +1090,28 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     assert 1 < report["tau"] <= 9
     assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
     tps = report["tokens_per_s"]
-    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+    assert set(tps) == BENCH_DECODERS
     assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
                                     for k, v in tps.items() if k != "eagle3"}
     # transformers' prompt lookup, in fp32, emits what its own greedy generate does
     assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
+    # --prompts: our jsonl or MT-bench first turns, --per-category of each (tiny GGUF model)
+    _, converted = tiny_gguf
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
+                            for c in ("a", "b") for i in range(3)))
+    mt = tmp_path / "question.jsonl"
+    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
+                          + "\n" for i, c in enumerate("xxxyyz")))
+    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
+              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
+    for path, expected in ((ours, 4), (mt, 5)):
+        proc = cli_here(*common, "--prompts", path, "--per-category", 2)
+        report, out = last_json(proc), proc.stdout
+        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
+        assert report["lossless"] is True
+        assert "transformers prompt lookup" in out and "transformers generate" in out
+        assert set(report["tokens_per_s"]) == BENCH_DECODERS
 
 
 def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
@@ -1411,26 +1429,6 @@ def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("draft"))
     E.save_draft(draft, path)
     return path
-
-
-def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path):
-    _, converted = tiny_gguf
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
-                            for c in ("a", "b") for i in range(3)))
-    mt = tmp_path / "question.jsonl"
-    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
-                          + "\n" for i, c in enumerate("xxxyyz")))
-    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
-              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
-    for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
-        proc = cli_here(*common, "--prompts", path, "--per-category", per_category)
-        report, out = last_json(proc), proc.stdout
-        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
-        assert report["lossless"] is True
-        assert "transformers prompt lookup" in out and "transformers generate" in out
-        assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
-                                               "eagle3"}
 
 
 def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_native(
