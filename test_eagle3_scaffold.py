@@ -85,13 +85,10 @@ DS_TINY = dict(num_key_value_heads=4, num_nextn_predict_layers=0, rope_theta=100
 
 
 def tiny_model(family="llama", seed=0, std=0.25, gains=True, **config):
-    """The one builder of tiny random transformers models, every family: TINY's config with
-    `config` over it, every weight ~ N(0, std), norm gains ~ 1 + N(0, std) (SPEC §9: std
-    0.2-0.3 over small vocabularies gives varied greedy text). gains=False: the norm gains
-    stay 1 and only the matrices are drawn, from a generator of their own (the vocab-6
-    target, whose enumeration and chi-square tests were tuned on it). DeepSeek-V3 runs
-    transformers' eager attention and experts, with a random score-correction bias: the
-    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
+    """The one builder of tiny random transformers models: TINY's config, `config` over it,
+    weights ~ N(0, std), norm gains ~ 1 + N(0, std) (SPEC §9); gains=False: gains 1, matrices
+    from a generator of their own (the vocab-6 target's tuning). DeepSeek-V3: eager attention
+    and experts, a random score-correction bias (the defaults would hide epsilon/norm bugs)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     config = {**TINY, **(DS_TINY if family == "deepseek_v3" else {}), **config}
     torch.manual_seed(seed)
@@ -422,10 +419,8 @@ def train_top_ids(counts, n):
 
 @pytest.fixture(scope="module")
 def train_chat_target(tmp_path_factory):
-    """A BPE tokenizer trained on synthetic chats, a random 8-layer llama over its vocab
-    (rounded up to a multiple of 64), both saved in one HF dir. The lm_head rows of the
-    special, single-byte and padding ids are scaled down, so greedy text is made of merged
-    tokens: readable, and each token decodes to a distinct string."""
+    """A BPE tokenizer trained on synthetic chats and a random 8-layer llama in one HF dir;
+    special, single-byte and pad lm_head rows scaled down: greedy text is distinct merges."""
     root = tmp_path_factory.mktemp("chat_target")
     texts = [E.chat_text(p, r) for p, r in E.synthetic_corpus(300, seed=11)]
     tok = E.train_tokenizer(texts, 400)

@@ -379,10 +379,8 @@ def reversed_words(text):
 
 @pytest.fixture(scope="module")
 def vocab_tools(tmp_path_factory):
-    """Two tokenizers trained on different corpora (synthetic chat vs the same chat with
-    words reversed), a random target for each, and a drafter for target 1 whose draft
-    vocab is the 96 most frequent reply tokens of corpus 1. Then, as a user would:
-    vocab-check (same tokenizer; other tokenizer) and remap-draft onto target 2."""
+    """Two tokenizers (chats, the same chats with words reversed), a target for each, a drafter
+    over target 1's 96 top reply tokens; vocab-check of both, remap-draft onto target 2."""
     root = tmp_path_factory.mktemp("vocab_tools")
     corpus1 = E.synthetic_corpus(300, 0)
     corpus2 = [(reversed_words(p), reversed_words(r)) for p, r in E.synthetic_corpus(300, 1)]
@@ -966,9 +964,8 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
 
 
 class RowCounted(torch.nn.Module):
-    """A planted row-dependent operation: a linear whose output grows by 1/16 whenever more
-    than one row shares the call (a kernel that rounds by batch size, exaggerated). It holds
-    no weight of its own, so make_exact serves the linear inside it and leaves the rest."""
+    """A planted row-dependent linear: +1/16 whenever rows share the call (a batch-size kernel,
+    exaggerated); weightless itself, so make_exact serves only the linear inside it."""
 
     def __init__(self, linear):
         super().__init__()
