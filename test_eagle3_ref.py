@@ -1362,12 +1362,10 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
 
 def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
     """p not renormalised after a rejection: sibling y kept with p(y)."""
-    kids = [[c for c in range(len(tree.parents)) if tree.parents[c] == node]
-            for node in range(len(tree.parents))]
     node, path, used = 0, [0], []
     p = E.warped_probs(logits[0], sampling)
     while True:
-        for child in kids[node]:
+        for child in children(tree.parents, node):
             used.append(next(uniforms))
             x = int(tree.tokens[child])
             if used[-1] <= p[x]:
