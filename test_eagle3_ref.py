@@ -4202,7 +4202,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
     assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
 
 
-def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_one_line(zoo):
+def test_make_exact_twice_is_a_no_op_what_it_cannot_serve_or_an_fp32_drafter_is_one_line(zoo):
     target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     modules = list(target.modules())
     assert E.make_exact(target) is target
@@ -4216,6 +4216,12 @@ def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_o
     target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)  # what it cannot serve
     with pytest.raises(E.Eagle3Error, match="serves a target"):
         E.make_exact(tiny_draft(target, 0))
+    draft, ids = tiny_draft(target, 0).float(), random_prompt(1, 5)  # nor a float32 drafter
+    for run in (lambda: E.speculative_generate(target, draft, ids, 4),
+                lambda: E.speculative_generate_batch(target, draft, [ids, ids], 4)):
+        with pytest.raises(E.Eagle3Error, match="drafter's weights are float32 but the "
+                                                "target's are bfloat16.*dtype=torch.bfloat16"):
+            run()
 
     class Transposed(torch.nn.Module):     # a linear in another layout (the workbench's
         def __init__(self, linear):        # columns layout stores W^T)
@@ -4225,17 +4231,6 @@ def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_o
     target.model.layers[1].mlp.up_proj = Transposed(target.model.layers[1].mlp.up_proj)
     with pytest.raises(E.Eagle3Error, match=r"model\.layers\.1\.mlp\.up_proj.*Transposed"):
         E.make_exact(target)
-
-
-def test_a_float32_drafter_beside_a_bfloat16_target_is_a_one_line_error(zoo):
-    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
-    draft = tiny_draft(target, 0).float()
-    ids = random_prompt(1, 5)
-    for run in (lambda: E.speculative_generate(target, draft, ids, 4),
-                lambda: E.speculative_generate_batch(target, draft, [ids, ids], 4)):
-        with pytest.raises(E.Eagle3Error, match="drafter's weights are float32 but the "
-                                                "target's are bfloat16.*dtype=torch.bfloat16"):
-            run()
 
 
 def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
