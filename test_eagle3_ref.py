@@ -228,8 +228,7 @@ def ds_quantise(w, block):
 
 
 def ds_fp8_dir(hf, root):
-    """The checkpoint of `hf` with every 2-D layer weight but the router FP8-quantised, and
-    beside it the same checkpoint holding the dequantised weights (the reference)."""
+    """`hf`'s checkpoint, 2-D weights but the router in FP8, beside it the dequantised one."""
     hf.save_pretrained(root)
     state = load_file(root / "model.safetensors")
     dequantised = {}
@@ -285,6 +284,7 @@ def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
         json.dump(config_edit(config), f)
     state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
     save_file(dict(state, **(extra or {})), dst / "model.safetensors")
+    return dst
 
 
 def kimi_k2_config(config):
@@ -386,8 +386,7 @@ def plain_comm(tally):
 
 
 def comm_of_runs(target, draft, prompt, spec_prompt):
-    """The collectives counted in one verify forward of a COMM_TREE tree over a cached
-    prompt, in a speculative run (prefill and every round by phase) and in plain greedy."""
+    """Collectives of a COMM_TREE verify forward, a speculative run by phase, plain greedy."""
     cache = target.new_cache(prompt.shape[1] + COMM_TREE[2])
     target(prompt, cache=cache)
     tokens, parents = random_tree(77, n_nodes=COMM_TREE[2])
@@ -416,8 +415,7 @@ def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
 
 
 def tp_worker(job, rank):
-    """Runs on every rank: load each target sharded over the 2 ranks, then forward, greedy
-    and speculative decoding; each rank returns what it computed."""
+    """On every rank: each target sharded over 2 ranks; forward, greedy and speculative."""
     results = dict(world=E.world_info()[1])
     for case in job["targets"]:
         target = E.load_target(case["dir"])
@@ -526,8 +524,7 @@ def ds_tp_run(zoo, ds_speculation, ds_fp8, tmp_path_factory):
 
 
 def ds_tp_worker(job, rank):
-    """Each rank: load each deepseek target sharded over 2 ranks, count the all-reduces of
-    one forward, keep its weight slices, decode greedily and speculatively, load FP8."""
+    """Per rank: deepseek targets over 2 ranks: all-reduces, slices, decoding, FP8 load."""
     results, calls = {}, [0]
     real_all_reduce = torch.distributed.all_reduce
 
@@ -911,8 +908,7 @@ def test_draft_tree_invariants_hold_for_random_drafters(zoo):
 
 SPEC_TARGETS = {  # target -> draft vocab (None: the target's) and whether it is sharpened
     "llama": dict(kept=None, sharpen=True),
-    "qwen3": dict(kept=torch.tensor([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19,
-                                     20, 21, 22]), sharpen=True),
+    "qwen3": dict(kept=torch.tensor(KEPT_20), sharpen=True),
     "qwen2": dict(kept=None, sharpen=False),
 }
 REFERENCE_TOKENS = 48  # greedy text beyond every output, for the deepest possible tree paths
@@ -1080,8 +1076,7 @@ DS_SHAPES = [(1, 3, 5), (2, 2, 7), (3, 3, 12), (4, 2, 16)]
 
 @pytest.fixture(scope="module")
 def ds_speculation(zoo):
-    """Per target: a drafter sharpened on transformers' greedy text of a prompt, the prompt
-    and 48 greedy tokens."""
+    """Per target: a drafter sharpened on transformers' greedy text, prompt, 48 tokens."""
     setups = {}
     for i, name in enumerate(DS_TARGETS):
         hf, target = zoo.hf(name), zoo.target(name)
@@ -1140,8 +1135,7 @@ CASES = {
 
 
 def coins(seed):
-    """The documented uniform stream (SPEC §5): float64 torch.rand, one at a time, from a
-    CPU torch.Generator seeded with `seed`."""
+    """The documented stream (SPEC §5): float64 torch.rand, one at a time, Generator(seed)."""
     g = torch.Generator().manual_seed(seed)
     while True:
         yield float(torch.rand((), generator=g, dtype=torch.float64))
@@ -1187,8 +1181,7 @@ class ExactLaw(NamedTuple):
 
 @pytest.fixture(scope="module")
 def vocab6_exact_law(vocab6_checkpoint):
-    """sampling -> ExactLaw of the first 3 sampled tokens after PROMPT, from the
-    transformers model's logits for all 36 continuations (a, b) in one batch."""
+    """sampling -> ExactLaw after PROMPT, from transformers' 36 continuations' logits."""
     hf, laws = vocab6_checkpoint[1], {}
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))       # (36, 2)
     ids = torch.cat([PROMPT.expand(len(pairs), -1), pairs], 1)              # (36, T+2)
@@ -1235,8 +1228,7 @@ def round_start(target, draft, ctx):
 
 
 class TreeRounds:
-    """Lazy table ctx -> (tree, verify logits (N, V)) from the real grow_tree and
-    verify_tree; trees and target logits do not depend on the sampling settings."""
+    """Lazy ctx -> (tree, verify logits (N, V)) from the real grow_tree, verify_tree."""
 
     def __init__(self, target, draft, shape, preset="official"):
         self.target, self.draft, self.shape, self.preset = target, draft, shape, preset
@@ -1307,8 +1299,7 @@ def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
 
 
 def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
-    """First n_tokens of speculative_generate(scheme="chain"): per round, one uniform per
-    draft (inverse CDF of q, as draft_chain documents), then the acceptance's uniforms."""
+    """Chain rounds replayed: a uniform per draft (inverse CDF of q), then accept's."""
     out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
         ctx, drafts = tuple(out), ()
@@ -1322,8 +1313,7 @@ def replay_chain(prefill_logits, chains, sampling, uniforms, accept, n_tokens):
 
 @pytest.fixture(scope="module")
 def vocab6_replay(vocab6_target, vocab6_drafts):
-    """(case, sampling) -> replay(uniforms, accept=None, n_tokens=N_TOKENS): the tokens
-    speculative_generate emits for PROMPT, replayed round by round."""
+    """(case, sampling) -> replay(uniforms, accept, n_tokens) of PROMPT's rounds."""
     with torch.no_grad():
         prefill_logits = vocab6_target(PROMPT)[0][0, -1]
     tables = {}
@@ -1344,10 +1334,8 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
     return make
 
 
-def monte_carlo(replay, accept=None, seed=2024):
-    uniforms = coins(seed)
-    kwargs = {} if accept is None else dict(accept=accept)
-    return [replay(uniforms, **kwargs) for _ in range(TRIALS)]
+def monte_carlo(replay, uniforms, *accept):
+    return [replay(uniforms, *accept) for _ in range(TRIALS)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1360,7 +1348,7 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
         case_name, sampling_name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
     case, s = CASES[case_name], SAMPLINGS[sampling_name]
     replay = vocab6_replay(case, s)
-    p = chi_square_p(monte_carlo(replay), vocab6_exact_law(s).joint)
+    p = chi_square_p(monte_carlo(replay, coins(2024)), vocab6_exact_law(s).joint)
     assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
     # the real loop gives, seed for seed, the replay the chi-square samples (many rounds)
     for seed in range(REPLAY_SEEDS):
@@ -1373,14 +1361,11 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
 
 
 def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
-    """accept_sampled minus one line: a rejected token is zeroed but p is not renormalised,
-    so the next sibling y is accepted with p(y) instead of p(y) / (1 - p(x))."""
-    kids = [[c for c in range(len(tree.parents)) if tree.parents[c] == node]
-            for node in range(len(tree.parents))]
+    """p not renormalised after a rejection: sibling y kept with p(y)."""
     node, path, used = 0, [0], []
     p = E.warped_probs(logits[0], sampling)
     while True:
-        for child in kids[node]:
+        for child in children(tree.parents, node):
             used.append(next(uniforms))
             x = int(tree.tokens[child])
             if used[-1] <= p[x]:
@@ -1396,8 +1381,7 @@ def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
 
 
 def accept_sampled_bonus_ignoring_rejections(logits, tree, uniforms, sampling):
-    """The bonus drawn (same uniform) from the unmodified target distribution at the last
-    node instead of the residual, so a rejected draft can come back as the bonus."""
+    """The bonus drawn from the last node's p, not the residual: a rejected draft can return."""
     acc = E.accept_sampled(logits, tree, uniforms, sampling)
     p = E.warped_probs(logits[int(acc.path[-1])], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
@@ -1408,16 +1392,6 @@ def accept_chain_residual_ignoring_q(logits, drafts, q, uniforms, sampling):
     acc = E.accept_chain(logits, drafts, q, uniforms, sampling)
     p = E.warped_probs(logits[acc.accepted], sampling)
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
-
-
-@pytest.mark.parametrize("case_name,broken", [
-    ("tree-3-1-4-vd4", accept_sampled_without_renormalising),
-    ("tree-2-2-5", accept_sampled_bonus_ignoring_rejections),
-    ("chain-2", accept_chain_residual_ignoring_q)], ids=lambda x: getattr(x, "__name__", x))
-def test_chi_square_rejects_broken_acceptance(case_name, broken, vocab6_replay, vocab6_exact_law):
-    samples = monte_carlo(vocab6_replay(CASES[case_name], T1), accept=broken)
-    p = chi_square_p(samples, vocab6_exact_law(T1).joint)
-    assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
 
 
 # ----------------------------------------------------------------------------------------
@@ -1652,8 +1626,7 @@ def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
 
 
 def sampled_on_rank(target_dir, rank):
-    """Run by tp_worker on each rank: sampled outputs with the shared seed TP_SEED, and
-    ("own seed") the tree and plain samplers with a different seed on each rank."""
+    """Per rank: samples with seed TP_SEED, and both samplers with a seed per rank."""
     tp_target = E.load_target(target_dir, dtype=torch.float32, device="cpu")
     tp_draft = vocab6_new_draft(tp_target, seed=1)
     return {"shared": tp_outputs(tp_target, tp_draft, TP_SEED),
@@ -1840,11 +1813,12 @@ def test_vllm_rejection_sampling_on_the_hand_worked_chain(uniforms, bonus, expec
 # ----------------------------------------------------------------------------------------
 # losslessness of the engines' sampled verification, by chi-square against the enumeration
 
+TKP, TPK = T1_K4_P08["T-k-p"], T1_K4_P08["T-p-k"]
 PRESET_CASES = {  # name -> (Case, sampling)
-    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), "T-k-p"),
-    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), "T-k-p"),
-    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), "T-k-p"),
-    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), "T-p-k"),
+    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), TKP),
+    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), TKP),
+    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), TKP),
+    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), TPK),
 }
 
 
@@ -1859,10 +1833,10 @@ def preset_accept(preset, generator, **overrides):
     return accept
 
 
-def preset_monte_carlo(replay, preset, seed=2024, make_accept=preset_accept):
+def engine_draws(preset, seed, make_accept=preset_accept):
+    """(uniforms, accept) both drawing from one generator seeded with `seed`, as the real loop."""
     g = torch.Generator().manual_seed(seed)
-    uniforms, accept = E.uniform_stream(g), make_accept(preset, g)
-    return [replay(uniforms, accept=accept) for _ in range(TRIALS)]
+    return E.uniform_stream(g), make_accept(preset, g)
 
 
 def sglang_residual_ignoring_rejections(preset, generator):
@@ -1898,15 +1872,21 @@ def sglang_lossy_threshold_acc(preset, generator):
     return preset_accept(preset, generator, threshold_acc=0.5)
 
 
-@pytest.mark.parametrize("name, broken", [
-    ("sglang-tree-2-2-5", sglang_residual_ignoring_rejections),
-    ("sglang-tree-2-2-5", sglang_lossy_threshold_acc),
-    ("vllm-chain-3", vllm_recovered_keeping_the_draft)], ids=lambda x: getattr(x, "__name__", x))
-def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_replay,
-                                                       vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
-    samples = preset_monte_carlo(vocab6_replay(case, sampling), case.preset, make_accept=broken)
+@pytest.mark.parametrize("case, sampling, stream, broken", [
+    (CASES["tree-3-1-4-vd4"], T1, "coins", accept_sampled_without_renormalising),
+    (CASES["tree-2-2-5"], T1, "coins", accept_sampled_bonus_ignoring_rejections),
+    (CASES["chain-2"], T1, "coins", accept_chain_residual_ignoring_q),
+    (*PRESET_CASES["sglang-tree-2-2-5"], "engine", sglang_residual_ignoring_rejections),
+    (*PRESET_CASES["sglang-tree-2-2-5"], "engine", sglang_lossy_threshold_acc),
+    (*PRESET_CASES["vllm-chain-3"], "engine", vllm_recovered_keeping_the_draft)],
+    ids=lambda x: getattr(x, "__name__", None))
+def test_chi_square_rejects_broken_acceptance(case, sampling, stream, broken, vocab6_replay,
+                                              vocab6_exact_law):
+    # the official copies draw from the documented coins() stream, an engine's copies from
+    # the generator its real loop draws from
+    uniforms, accept = ((coins(2024), broken) if stream == "coins"
+                        else engine_draws(case.preset, 2024, broken))
+    samples = monte_carlo(vocab6_replay(case, sampling), uniforms, accept)
     p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
     assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
 
@@ -1914,10 +1894,10 @@ def test_chi_square_rejects_broken_engine_verification(name, broken, vocab6_repl
 @pytest.mark.parametrize("name", list(PRESET_CASES))
 def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays_it(
         name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
-    case, order = PRESET_CASES[name]
-    sampling = T1_K4_P08[order]
+    case, sampling = PRESET_CASES[name]
     replay = vocab6_replay(case, sampling)
-    p = chi_square_p(preset_monte_carlo(replay, case.preset), vocab6_exact_law(sampling).joint)
+    samples = monte_carlo(replay, *engine_draws(case.preset, 2024))
+    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
     assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
     # the real loop under the preset draws its random numbers as the replay does, so the
     # chi-square samples speculative_generate itself
@@ -1925,9 +1905,7 @@ def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
             top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset)
-        g = torch.Generator().manual_seed(seed)
-        expected = replay(E.uniform_stream(g), accept=preset_accept(case.preset, g),
-                          n_tokens=REPLAY_TOKENS)
+        expected = replay(*engine_draws(case.preset, seed), n_tokens=REPLAY_TOKENS)
         assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
 
 
@@ -1978,8 +1956,7 @@ def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_len
 
 
 def sglang_linked_tree(tokens, next_token, next_sibling):
-    """A Tree, and each node's children in SGLang's visiting order, from one request's
-    linked lists (SGLang's own tests write them by hand, not always in node order)."""
+    """A Tree, each node's children in SGLang's visiting order, from linked lists."""
     N = len(tokens)
     parents, kids = torch.full((N,), -1), [[] for _ in range(N)]
     for node in range(N):
@@ -2085,8 +2062,7 @@ SGL_NEXT_SIBLING = [[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]
 
 
 def sglang_test_logits():
-    """The test's target logits (2, 6, 20): 1 everywhere, 10 at a few (request, node, token)
-    and at token 18 of every row left without a 10."""
+    """Logits (2, 6, 20): 1; 10 at a few (request, node, token), else at token 18."""
     logits = torch.ones(2, 6, 20)
     for b, node, token in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
         logits[b, node, token] = 10
@@ -2095,8 +2071,7 @@ def sglang_test_logits():
 
 
 def sglang_test_run(accept):
-    """accept(logits of one request (6, 20), Tree, visiting order) -> Acceptance, for both
-    requests; then SGLang's output tensors."""
+    """accept(logits (6, 20), Tree, order) for both requests; SGLang's tensors."""
     logits, accepts = sglang_test_logits(), []
     for b in range(2):
         tree, kids = sglang_linked_tree(SGL_CANDIDATES[b], SGL_NEXT_TOKEN[b],
@@ -2192,8 +2167,7 @@ TRAIN_PAD = 0
 
 
 def train_randomize(draft, seed, std=0.2):
-    """Weights large enough that attention is far from uniform (a wrong mask shows), and
-    norm gains != 1 (swapped norms show)."""
+    """Weights large enough that a wrong mask shows, norm gains != 1 (swapped norms)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
@@ -2203,8 +2177,7 @@ def train_randomize(draft, seed, std=0.2):
 
 
 def train_collate(examples, pad_id):
-    """Right-padded ids and the step-0 loss mask: loss_mask[t] = 1 iff x[t+2] is a reply
-    token (position t holds token t+1 and predicts token t+2)."""
+    """Right-padded ids; step-0 loss_mask[t] = 1 iff x[t+2] (t predicts it) is a reply."""
     T = max(len(ex.tokens) for ex in examples)
     ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), T)
@@ -2262,8 +2235,7 @@ def train_max_diff(dir_a, dir_b):
 
 
 def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
-    """The lowest TTT loss any drafter can reach: each step's cross-entropy of the
-    restricted teacher with itself (its entropy), masked and normalised like the loss."""
+    """The lowest TTT loss: the restricted teacher's entropy, masked like the loss."""
     B, T = loss_mask.shape
     floor = 0.0
     for k in range(steps):
@@ -2395,8 +2367,7 @@ def test_until_fail_loss_keeps_each_chain_up_to_its_first_wrong_draft(train_targ
 
 
 def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
-    """Batched over prompts of equal length, stopped once every row has its EOS: each reply
-    is transformers' greedy continuation up to and including its first EOS."""
+    """Batched, equal lengths: each reply is transformers' greedy text up to its first EOS."""
     hf, target = zoo.hf("llama"), zoo.target("llama")
     prompts = [random_prompt(seed, length).tolist()[0]
                for seed, length in [(1, 5), (2, 7), (3, 5), (4, 9), (5, 5), (6, 7)]]
@@ -2408,8 +2379,7 @@ def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
 
 
 def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
-    """20 AdamW steps on 8 of the target's own greedy replies close over a quarter of the
-    gap between the fresh drafter's TTT loss and the teacher's entropy."""
+    """20 AdamW steps on 8 own replies close > 1/4 of the gap to the teacher's entropy."""
     t = train_target
     draft = tiny_draft(t.target, 21, t.kept, std=0.02)
     ids, mask = train_collate(t.examples, TRAIN_PAD)
@@ -2438,8 +2408,7 @@ def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path)
 
 
 def train_dp_worker(job, rank):
-    """Runs on every rank: the target tensor-parallel over the 2 ranks, the drafter trained
-    data-parallel from the job's initial drafter; rank 0 saves it (train_draft does)."""
+    """Per rank: target TP over 2, drafter trained data-parallel; rank 0 saves it."""
     target = E.load_target(job["target_dir"], dtype=torch.float32)
     draft = E.load_draft(job["draft_dir"], target)
     examples = [E.Example(t, m) for t, m in job["examples"]]
@@ -2584,8 +2553,7 @@ def train_cli_run(train_chat_target):
 
 def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train_chat_target,
                                                                          train_cli_run):
-    """A loadable drafter whose map is built from the assistant tokens of the training
-    conversations: the CLI holds out the first max(1, n // 50) conversations (here 1)."""
+    """The map is from the replies' tokens; max(1, n // 50) conversations held out."""
     c = train_chat_target
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
     counts = reply_token_counts(c.tok, train_cli_run.chats[1:])
@@ -2674,13 +2642,6 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the
 # the target's config and weights
 
 
-def test_unknown_model_type_is_refused_listing_supported_types(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="gpt2", vocab_size=VOCAB)))
-    supported = r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"
-    with pytest.raises(E.Eagle3Error, match=supported):
-        E.load_target(str(tmp_path))
-
-
 def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
     # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
     # transformers' own validation catches the target's explicit head_dim (in one line of
@@ -2696,33 +2657,53 @@ def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
         E.read_draft_config(draft_config(cfg, num_attention_heads=HIDDEN), cfg)
 
 
-def edited_checkpoint(zoo, tmp_path, edit):
-    """A copy of the tiny llama checkpoint whose weights went through `edit(state)`."""
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    state = load_file(tmp_path / "model.safetensors")
-    edit(state)
-    save_file(state, tmp_path / "model.safetensors")
+def config_dir(tmp_path, family="deepseek_v3", **overrides):
+    """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
+    ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**TINY, **ds, **overrides, "model_type": family}))
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.pop("model.layers.3.mlp.up_proj.weight"),
+def truncate_half(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def llama_copy(zoo, path, edit=lambda state: None):
+    """The tiny llama checkpoint copied into `path`, its weights passed through `edit(state)`."""
+    shutil.copytree(zoo.dir("llama"), path, dirs_exist_ok=True)
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, path / "model.safetensors")
+    return path
+
+
+def cut_in_half(zoo, path):
+    truncate_half(llama_copy(zoo, path) / "model.safetensors")
+    return path
+
+
+INT4 = dict(quant_method="compressed-tensors", format="pack-quantized",
+            config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
+
+
+@pytest.mark.parametrize("build, message", [  # build(zoo, tmp_path) -> the target dir
+    (lambda zoo, path: config_dir(path, "gpt2"),
+     r"model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"),
+    (lambda zoo, path: llama_copy(zoo, path, lambda s: s.pop("model.layers.3.mlp.up_proj.weight")),
      r"missing keys \['model\.layers\.3\.mlp\.up_proj\.weight'\]"),
-    (lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}),
+    (lambda zoo, path: llama_copy(
+        zoo, path, lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)})),
      r"unexpected keys \['model\.layers\.0\.mlp\.extra\.weight'\]"),
-], ids=["missing", "unexpected"])
-def test_missing_or_unexpected_weight_key_is_refused_naming_it(zoo, tmp_path, edit, message):
+    (cut_in_half, r"model\.safetensors.*corrupt"),
+    (lambda zoo, path: ds_rewrite_dir(zoo.dir("kimi"), path / "int4",
+                                      lambda c: dict(kimi_k2_config(c), quantization_config=INT4)),
+     r"quant_method='compressed-tensors', format='pack-quantized'.*only FP8"),
+], ids=["unknown-model-type", "missing-key", "unexpected-key", "corrupt-file", "int4"])
+def test_bad_target_dir_is_refused_naming_the_problem(zoo, tmp_path, build, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        E.load_target(edited_checkpoint(zoo, tmp_path, edit))
-
-
-def test_corrupt_safetensors_file_is_refused(zoo, tmp_path):
-    shutil.copytree(zoo.dir("llama"), tmp_path, dirs_exist_ok=True)
-    weights = tmp_path / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.truncate(weights.stat().st_size // 2)
-    with pytest.raises(E.Eagle3Error, match=r"model\.safetensors.*corrupt"):
-        E.load_target(str(tmp_path))
+        E.load_target(str(build(zoo, tmp_path)))
 
 
 def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, zoo):
@@ -2733,14 +2714,6 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
     official_draft_dir(str(tmp_path / "draft"), zoo.target("llama"))
     with pytest.raises(E.Eagle3Error, match=r"aux layers \(2, 3, 3\) for a 6-layer target"):
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
-
-
-def config_dir(tmp_path, family="deepseek_v3", **overrides):
-    """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
-    ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
-    (tmp_path / "config.json").write_text(json.dumps(
-        {**TINY, **ds, **overrides, "model_type": family}))
-    return str(tmp_path)
 
 
 @pytest.mark.parametrize("family, world, overrides, message", [   # world None: the config
@@ -2771,25 +2744,23 @@ def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(tmp_p
             E.check_tp_sizes(cfg, world)
 
 
-def test_int4_quantised_checkpoint_is_refused_naming_its_quantization_config(zoo, tmp_path):
-    int4 = dict(quant_method="compressed-tensors", format="pack-quantized",
-                config_groups={"group_0": {"weights": {"num_bits": 4, "group_size": 32}}})
-    ds_rewrite_dir(zoo.dir("kimi"), tmp_path / "int4",
-                   lambda c: dict(kimi_k2_config(c), quantization_config=int4))
-    with pytest.raises(E.Eagle3Error, match=r"quant_method='compressed-tensors', "
-                                            r"format='pack-quantized'.*only FP8"):
-        E.load_target(str(tmp_path / "int4"))
-
-
 # ----------------------------------------------------------------------------------------
 # generation inputs
 
 GENERATORS = {  # the generation entry points must check their inputs alike
-    "greedy": lambda target, draft, ids, n: E.greedy_generate(target, ids, n),
-    "sample": lambda target, draft, ids, n: E.sample_generate(target, ids, n, seed=1),
-    "speculative": lambda target, draft, ids, n: E.speculative_generate(
-        target, draft, ids, n, tree=E.TreeShape(2, 2, 6)),
+    "greedy": lambda target, draft, ids, n, eos: E.greedy_generate(target, ids, n, eos),
+    "sample": lambda target, draft, ids, n, eos: E.sample_generate(target, ids, n, seed=1,
+                                                                   eos_token_id=eos),
+    "speculative": lambda target, draft, ids, n, eos: E.speculative_generate(
+        target, draft, ids, n, tree=E.TreeShape(2, 2, 6), eos_token_id=eos),
 }
+IN_VOCAB = rf"the target vocab \[0, {VOCAB}\)"
+
+
+def with_token(bad):
+    ids = random_prompt(0)
+    ids[0, 5] = bad
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -2798,46 +2769,32 @@ def plain_draft(zoo):
 
 
 @pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("bad", [VOCAB, -1])
-def test_token_ids_outside_the_vocab_are_refused_by_name(zoo, plain_draft, generate, bad):
-    # a forward would fail deep in the embedding (IndexError), or read another row silently
-    ids = random_prompt(0)
-    ids[0, 5] = bad
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside the target vocab "
-                                            rf"\[0, {VOCAB}\)"):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, ids, 5)
-    with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
-        E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), ids, 2, 2, 6)
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-def test_eos_outside_the_vocab_is_refused(zoo, plain_draft, generate):
-    target = zoo.target("llama")
-    eos = {"greedy": lambda: E.greedy_generate(target, random_prompt(0), 5, eos_token_id=VOCAB),
-           "sample": lambda: E.sample_generate(target, random_prompt(0), 5, eos_token_id=[1, -2]),
-           "speculative": lambda: E.speculative_generate(target, plain_draft, random_prompt(0), 5,
-                                                         eos_token_id=VOCAB + 3)}[generate]
-    with pytest.raises(E.Eagle3Error, match=r"eos_token_id=-?\d+ is not a token id of the "
-                                            rf"target vocab \[0, {VOCAB}\)"):
-        eos()
-
-
-@pytest.mark.parametrize("generate", list(GENERATORS))
-@pytest.mark.parametrize("prompt, n, message", [
-    (torch.zeros(1, 0, dtype=torch.long), 5, r"prompt is empty"),
-    (random_prompt(0).float(), 5, r"must be a torch.long tensor of token ids"),
+@pytest.mark.parametrize("prompt, n, eos, message", [
+    # an id outside the vocab would fail deep in the embedding (IndexError), or read another
+    # row silently
+    (with_token(VOCAB), 5, None, rf"token id {VOCAB}, outside {IN_VOCAB}"),
+    (with_token(-1), 5, None, rf"token id -1, outside {IN_VOCAB}"),
+    (random_prompt(0), 5, VOCAB + 3, rf"eos_token_id={VOCAB + 3} is not a token id of {IN_VOCAB}"),
+    (random_prompt(0), 5, [1, -2], rf"eos_token_id=-2 is not a token id of {IN_VOCAB}"),
+    (torch.zeros(1, 0, dtype=torch.long), 5, None, r"prompt is empty"),
+    (random_prompt(0).float(), 5, None, r"must be a torch.long tensor of token ids"),
     # a 12-token prompt + 501 new tokens > max_position_embeddings = 512
-    (random_prompt(0), 501, r"exceeds the cache length 512"),
-    (random_prompt(0), 0, r"max_new_tokens=0 must be a positive"),
-    (random_prompt(0), -3, r"max_new_tokens=-3 must be a positive"),
-], ids=["empty-prompt", "not-token-ids", "over-cache-length", "zero-new-tokens",
-        "negative-new-tokens"])
-def test_bad_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n, message):
+    (random_prompt(0), 501, None, r"exceeds the cache length 512"),
+    (random_prompt(0), 0, None, r"max_new_tokens=0 must be a positive"),
+    (random_prompt(0), -3, None, r"max_new_tokens=-3 must be a positive"),
+], ids=["id-over-vocab", "id-negative", "eos-over-vocab", "eos-in-a-list", "empty-prompt",
+        "not-token-ids", "over-cache-length", "zero-new-tokens", "negative-new-tokens"])
+def test_bad_token_ids_eos_prompt_or_budget_is_refused(zoo, plain_draft, generate, prompt, n,
+                                                       eos, message):
     with pytest.raises(E.Eagle3Error, match=message):
-        GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n)
+        GENERATORS[generate](zoo.target("llama"), plain_draft, prompt, n, eos)
 
 
-def test_unbuildable_tree_shape_and_top_k_over_the_draft_vocab_are_refused(zoo, plain_draft):
+def test_draft_tree_refuses_unbuildable_shapes_top_k_over_its_vocab_and_ids_outside(zoo,
+                                                                                   plain_draft):
+    for bad in (VOCAB, -1):
+        with pytest.raises(E.Eagle3Error, match=rf"token id {bad}, outside"):
+            E.draft_tree(plain_draft, torch.zeros(1, 11, 3 * HIDDEN), with_token(bad), 2, 2, 6)
     # top_k=2, depth=1: a pool of 2 + 1*4 = 6 candidates, so at most 7 nodes with the root
     with pytest.raises(E.Eagle3Error, match=r"total_tokens=8 cannot be built.*= 7 nodes"):
         E.speculative_generate(zoo.target("llama"), plain_draft, random_prompt(0), 5,
@@ -2888,22 +2845,16 @@ def train_checkpoint(train_target, tmp_path_factory):
     return str(out)
 
 
-def train_truncate(path):
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.truncate(size // 2)
-
-
 def test_truncated_train_state_or_draft_safetensors_is_refused(train_target, train_checkpoint,
                                                                 tmp_path):
     t, intact, broken = train_target, str(tmp_path / "intact"), str(tmp_path / "broken")
     shutil.copytree(train_checkpoint, intact)
     shutil.copytree(train_checkpoint, broken)
     E.load_draft(intact, t.target)  # the untouched copy loads
-    train_truncate(os.path.join(broken, "model.safetensors"))
+    truncate_half(os.path.join(broken, "model.safetensors"))
     with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
         E.load_draft(broken, t.target)
-    train_truncate(os.path.join(intact, "train_state.pt"))
+    truncate_half(os.path.join(intact, "train_state.pt"))
     with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
         train_draft(t.target, tiny_draft(t.target, 52, t.kept, std=0.02), t.examples, [],
                     train_config(steps=4), intact, TRAIN_PAD, resume=True)
@@ -2936,8 +2887,7 @@ eagle3_ref.main(sys.argv[1:])
 
 
 def run_killed(argv, cwd, write, state, cut_percent=50):
-    """Run the CLI, SIGKILL it where KILLABLE stops (write `write`, in `state`). -> the file
-    it was writing, or None when the command finished first."""
+    """The CLI SIGKILLed where KILLABLE stops -> the file it was writing, or None."""
     env = cli_env(STOP_AT_WRITE=str(write), STOP_STATE=state, STOP_CUT_PERCENT=str(cut_percent))
     proc = subprocess.Popen([sys.executable, "-c", KILLABLE, *map(str, argv)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -3135,8 +3085,7 @@ def golden_warped(logits):
 
 
 def assert_uniforms_are_the_seeded_stream(tensors, seed):
-    """first_uniforms then every round's uniforms are one torch.Generator's float64 draws,
-    in order, with nothing skipped."""
+    """Every uniform is one Generator's float64 draw, in order."""
     rounds = range(len(tensors["accept_lengths"]))
     used = [tensors["first_uniforms"]] + [golden_round(tensors, r, "uniforms") for r in rounds]
     g = torch.Generator().manual_seed(seed)
@@ -3175,8 +3124,7 @@ def golden_args(models, out, kind):
 
 @pytest.fixture(scope="module")
 def golden_traces(golden_models, tmp_path_factory):
-    """Each kind written twice at world size 1 (a process, then in this one) and once at
-    world size 2. -> {kind: {"w1a"|"w1b"|"w2": dict(file, header, tensors, proc)}}"""
+    """{kind: {w1a (a process) | w1b (here) | w2: dict(file, header, tensors, proc)}}"""
     def build(root):
         runs = {(kind, run): str(root / f"{kind}-{run}.safetensors")
                 for kind in GOLDEN_RUNS for run in ("w1a", "w1b", "w2")}
@@ -3392,8 +3340,7 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 
 @pytest.fixture(scope="module")
 def golden_checks(golden_traces, tmp_path_factory):
-    """`golden --check` on both untouched traces, on one with a flipped tree token, and on
-    one whose header claims version 2."""
+    """`golden --check` on both traces, a flipped tree token, a version-2 header."""
     root = tmp_path_factory.mktemp("golden_checks")
     header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
     meta = {"eagle3_golden": json.dumps(header)}
@@ -3437,8 +3384,7 @@ BATCH_GOLDEN_PROMPTS = "3,1,4;1,5,9,2,6;5,3"
 
 @pytest.fixture(scope="module")
 def batch_golden(golden_models, tmp_path_factory):
-    """A batch of 3 prompts under each engine preset, sampled (their random numbers in the
-    file), written twice; then the SGLang one re-checked after flipping row 1's token."""
+    """3 prompts per preset, sampled, written twice; SGLang's rechecked after a flip."""
     def build(root):
         runs = {}
         for preset in ("sglang", "vllm"):
@@ -3642,8 +3588,7 @@ def fuzz_rope_name(config):
 
 
 def fuzz_rope(rng, family):
-    """Random RoPE: the default or a scaled type, with the original context short enough
-    (32-64 positions) that the scaling changes the positions generation reaches."""
+    """Random RoPE: default or scaled, the original context (32-64) short enough to matter."""
     kind, theta = rng.choice(FUZZ_ROPE), rng.choice([1e4, 1e5, 5e5])
     original = rng.choice([32, 64])
     params = dict(rope_type=kind or "default", rope_theta=theta)
@@ -3733,8 +3678,7 @@ def fuzz_hf_model(case):
 
 
 def fuzz_draft(case, target, hf):
-    """The case's drafter: random, and for most cases sharpened by 25 TTT steps on the
-    target's greedy continuation of the prompt, so acceptance paths go several deep."""
+    """A random drafter, mostly sharpened by 25 TTT steps on the target's greedy text."""
     draft = tiny_draft(target, case.seed, case.kept, **case.draft)
     if case.sharpen:
         text = torch.cat([torch.tensor(case.prompt), hf_greedy(hf, case.prompt, 32)])
@@ -3913,8 +3857,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module")
 def fuzz_w2(request, tmp_path_factory):
-    """The world-size-2 runs of this session's W = 2 cases, in one torchrun launch (made
-    on first use) -> {seed: [rank 0 runs, rank 1 runs]}."""
+    """{seed: [rank 0 runs, rank 1 runs]}: this session's W = 2 cases, one torchrun."""
     first = request.config.getoption("fuzz_first_seed")
     cases = [fuzz_case(s) for s in range(first, first + request.config.getoption("fuzz_cases"))]
     cases = [c for c in cases if c.world == 2]
@@ -3982,8 +3925,7 @@ def test_fuzz_greedy_equals_transformers_and_samples_replay(fuzz_seed, tmp_path,
 
 
 def file_parts():
-    """(Part I top-level nodes, names defined at top level in Part II) of eagle3_ref.py,
-    split at the 'PART II' banner."""
+    """(Part I's top-level nodes, Part II's top-level names), split at 'PART II'."""
     with open(E.__file__) as f:
         source = f.read()
     lines = source.splitlines()
@@ -4112,8 +4054,7 @@ def exact_prompts(family_index, n=EXACT_PROMPTS):
 
 
 def decode_step_logits(target, ids, n):
-    """Decode steps along ids (1, T) after a prefill of its first n tokens -> (T - n, V)
-    fp32: row j is the logits the token at position n + j is chosen from."""
+    """Decode steps after a prefill of n -> (T - n, V): row j picks token n + j."""
     cache = target.new_cache(ids.shape[1])
     with torch.no_grad():
         logits, _ = target(ids[:, :n], cache=cache, aux_layers=())
@@ -4125,8 +4066,7 @@ def decode_step_logits(target, ids, n):
 
 
 def path_rows(result):
-    """(output position, round, node) of every accepted node: node path[k] of a round whose
-    root is output token r holds the logits of output token r + k + 1."""
+    """(output position, round, node) per accepted node: path[k] holds token r + k + 1."""
     rows, root = [], 0
     for i, r in enumerate(result.rounds):
         rows += [(root + k + 1, i, int(node)) for k, node in enumerate(r.path)]
@@ -4283,7 +4223,7 @@ def test_attend_rows_is_each_rows_softmax_over_its_slots_and_refuses_unshared_pr
         E.attend_rows(q, k, v, bias)
 
 
-def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_one_line(zoo):
+def test_make_exact_twice_is_a_no_op_what_it_cannot_serve_or_an_fp32_drafter_is_one_line(zoo):
     target = E.make_exact(E.load_target(zoo.dir("ds-v3"), dtype=torch.bfloat16))
     modules = list(target.modules())
     assert E.make_exact(target) is target
@@ -4297,6 +4237,12 @@ def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_o
     target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)  # what it cannot serve
     with pytest.raises(E.Eagle3Error, match="serves a target"):
         E.make_exact(tiny_draft(target, 0))
+    draft, ids = tiny_draft(target, 0).float(), random_prompt(1, 5)  # nor a float32 drafter
+    for run in (lambda: E.speculative_generate(target, draft, ids, 4),
+                lambda: E.speculative_generate_batch(target, draft, [ids, ids], 4)):
+        with pytest.raises(E.Eagle3Error, match="drafter's weights are float32 but the "
+                                                "target's are bfloat16.*dtype=torch.bfloat16"):
+            run()
 
     class Transposed(torch.nn.Module):     # a linear in another layout (the workbench's
         def __init__(self, linear):        # columns layout stores W^T)
@@ -4306,17 +4252,6 @@ def test_make_exact_twice_is_a_no_op_and_a_drafter_or_layer_it_cannot_serve_is_o
     target.model.layers[1].mlp.up_proj = Transposed(target.model.layers[1].mlp.up_proj)
     with pytest.raises(E.Eagle3Error, match=r"model\.layers\.1\.mlp\.up_proj.*Transposed"):
         E.make_exact(target)
-
-
-def test_a_float32_drafter_beside_a_bfloat16_target_is_a_one_line_error(zoo):
-    target = E.load_target(zoo.dir("llama"), dtype=torch.bfloat16)
-    draft = tiny_draft(target, 0).float()
-    ids = random_prompt(1, 5)
-    for run in (lambda: E.speculative_generate(target, draft, ids, 4),
-                lambda: E.speculative_generate_batch(target, draft, [ids, ids], 4)):
-        with pytest.raises(E.Eagle3Error, match="drafter's weights are float32 but the "
-                                                "target's are bfloat16.*dtype=torch.bfloat16"):
-            run()
 
 
 def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
@@ -4345,8 +4280,7 @@ EXACT_TP_DS = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_
 
 
 def exact_tp_worker(job, rank):
-    """On every rank: each target in bf16 on the exact path, sharded over W ranks; greedy
-    decoding and speculation of each prompt."""
+    """Per rank: each bf16 target on the exact path over W ranks; greedy, speculation."""
     results = {}
     for name, (target_dir, draft_dir) in job["models"].items():
         target = E.make_exact(E.load_target(target_dir, dtype=torch.bfloat16))

@@ -85,13 +85,10 @@ DS_TINY = dict(num_key_value_heads=4, num_nextn_predict_layers=0, rope_theta=100
 
 
 def tiny_model(family="llama", seed=0, std=0.25, gains=True, **config):
-    """The one builder of tiny random transformers models, every family: TINY's config with
-    `config` over it, every weight ~ N(0, std), norm gains ~ 1 + N(0, std) (SPEC §9: std
-    0.2-0.3 over small vocabularies gives varied greedy text). gains=False: the norm gains
-    stay 1 and only the matrices are drawn, from a generator of their own (the vocab-6
-    target, whose enumeration and chi-square tests were tuned on it). DeepSeek-V3 runs
-    transformers' eager attention and experts, with a random score-correction bias: the
-    defaults (ones, zeros) would hide epsilon, norm and bias-for-selection-only bugs."""
+    """The one builder of tiny random transformers models: TINY's config, `config` over it,
+    weights ~ N(0, std), norm gains ~ 1 + N(0, std) (SPEC §9); gains=False: gains 1, matrices
+    from a generator of their own (the vocab-6 target's tuning). DeepSeek-V3: eager attention
+    and experts, a random score-correction bias (the defaults would hide epsilon/norm bugs)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
     config = {**TINY, **(DS_TINY if family == "deepseek_v3" else {}), **config}
     torch.manual_seed(seed)
@@ -116,8 +113,7 @@ def tiny_model(family="llama", seed=0, std=0.25, gains=True, **config):
 
 
 class Zoo:
-    """The ZOO's checkpoints, each built, saved and loaded once per module (on first use;
-    the seed is the table's, so any subset of tests sees the same models)."""
+    """ZOO's checkpoints, each built once per module on first use, seeded by the table."""
 
     def __init__(self, root):
         self.root, self.models, self.targets = root, {}, {}
@@ -195,8 +191,7 @@ def path_to(parents, node):
 
 
 def draft_config(target_cfg, draft_vocab_size=None, **config):
-    """A SpecForge-layout drafter config.json shaped like one layer of the target (its
-    width, vocab and context; 4 query / 2 kv heads), `config` over it."""
+    """A SpecForge drafter config shaped like one target layer (4 q / 2 kv heads)."""
     D = target_cfg.hidden_size
     raw = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=D,
                intermediate_size=2 * D, num_attention_heads=4, num_key_value_heads=2,
@@ -208,8 +203,7 @@ def draft_config(target_cfg, draft_vocab_size=None, **config):
 
 
 def tiny_draft(target, seed, kept=None, std=0.1, own_embedding=False, **config):
-    """The one builder of random drafters: `kept` (target ids) is the draft vocab (None: the
-    target's, no map); `config` goes over draft_config's."""
+    """Random drafter over `kept` target ids (None: the target's vocab, no map)."""
     raw = draft_config(target.cfg, None if kept is None else len(kept), **config)
     draft = E.new_draft(E.read_draft_config(raw, target.cfg), target, own_embedding=own_embedding)
     draft = E.init_draft(draft, seed, std=std)
@@ -217,8 +211,7 @@ def tiny_draft(target, seed, kept=None, std=0.1, own_embedding=False, **config):
 
 
 def set_vocab_map(draft, kept):
-    """The one vocab-map install: draft id i <-> target id kept[i] (kept ascending), so
-    d2t[i] = kept[i] - i and t2d marks exactly the kept ids."""
+    """Draft id i <-> target id kept[i] (ascending): d2t[i] = kept[i] - i."""
     kept = torch.tensor(sorted(int(k) for k in kept))
     with torch.no_grad():
         draft.d2t.copy_(kept - torch.arange(len(kept)))
@@ -228,8 +221,7 @@ def set_vocab_map(draft, kept):
 
 
 def sharpen(draft, target, texts, steps=60):
-    """Adam steps (lr 1e-2) of the 3-step TTT loss on `texts` (B, T), the target's own
-    greedy text: the drafter learns it, so acceptance paths go deep (SPEC §9)."""
+    """Adam (lr 1e-2) of the 3-step TTT loss on greedy `texts`: deep paths (SPEC §9)."""
     with torch.no_grad():
         logits, aux = target(texts, aux_layers=draft.cfg.aux_layers)
     params = E.trainable(draft)
@@ -263,8 +255,7 @@ def edit_draft_dir(path, config=None, state=None):
 
 
 def cli_env(**extra):
-    """A child process's environment: eagle3_ref.py and this file importable, one thread per
-    process, and none of torchrun's variables leaking in from a parent run."""
+    """A child's env: our modules importable, one thread, no torchrun variables."""
     here = os.path.dirname(os.path.abspath(E.__file__))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8", **extra,
                PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
@@ -275,8 +266,7 @@ def cli_env(**extra):
 
 
 def cli(*args, world=1, cwd=None, script=E.__file__):
-    """`python SCRIPT ARGS`, started now (2 cores run two at once): by default the command
-    line as a user runs it. The one torchrun launcher: world 2 runs it on 2 gloo ranks."""
+    """`python SCRIPT ARGS` started now, as a user runs it; world 2: torchrun on 2 ranks."""
     launcher = [sys.executable] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     return subprocess.Popen(launcher + [os.path.abspath(script)] + [str(a) for a in args],
@@ -298,8 +288,7 @@ def run_cli(*args, **kwargs):
 
 
 def cli_here(*argv, main=E.main):
-    """main(ARGV) in this process (so that a test can instrument it): the command line's
-    code path without the interpreter start -> (returncode, stdout, stderr)."""
+    """main(ARGV) in this process, instrumentable -> (returncode, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err), pytest.raises(SystemExit) as stopped:
         main([str(a) for a in argv])
@@ -376,8 +365,7 @@ def hf_aux(hidden_states, layers):
 
 
 def hf_greedy(model, ids, max_new_tokens, eos=None):
-    """transformers' greedy decoding (stopping at `eos`) -> the new tokens; the mask keeps
-    prompt tokens equal to pad visible (SPEC §9)."""
+    """transformers' greedy new tokens (stop at `eos`); pad-valued prompt ids visible."""
     ids = torch.as_tensor(ids).view(1, -1)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -431,10 +419,8 @@ def train_top_ids(counts, n):
 
 @pytest.fixture(scope="module")
 def train_chat_target(tmp_path_factory):
-    """A BPE tokenizer trained on synthetic chats, a random 8-layer llama over its vocab
-    (rounded up to a multiple of 64), both saved in one HF dir. The lm_head rows of the
-    special, single-byte and padding ids are scaled down, so greedy text is made of merged
-    tokens: readable, and each token decodes to a distinct string."""
+    """A BPE tokenizer trained on synthetic chats and a random 8-layer llama in one HF dir;
+    special, single-byte and pad lm_head rows scaled down: greedy text is distinct merges."""
     root = tmp_path_factory.mktemp("chat_target")
     texts = [E.chat_text(p, r) for p, r in E.synthetic_corpus(300, seed=11)]
     tok = E.train_tokenizer(texts, 400)
@@ -517,8 +503,7 @@ def train_chat_prompt_ids(tok, prompt):
 
 @pytest.fixture(scope="module")
 def train_generate_setup(train_chat_target):
-    """A drafter over 64 of the chat target's ids that has memorised the target's reply to
-    the test prompt (train_draft on that reply), so its drafts get accepted."""
+    """A drafter over 64 ids that memorised the target's reply to the prompt."""
     c = train_chat_target
     target = E.load_target(c.dir, dtype=torch.float32)
     prompt = train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)
@@ -591,8 +576,7 @@ def cli_with(argv, flag, path):
 
 
 def check_path_flag(tables, command, dest, tmp_path, monkeypatch):
-    """A path flag refuses a missing path, the wrong kind, and an unreadable one (an --out
-    an unwritable one), each in one line naming the flag."""
+    """A path flag refuses a missing, wrong-kind or unreadable (unwritable) path."""
     flag, kind = "--" + dest.replace("_", "-"), cli_path_kind(tables, command, dest)
     argv = cli_required_argv(tables, command, tmp_path)
     missing = tmp_path / "no_such" / "thing" if kind == "out_file" else tmp_path / "no_such"

@@ -379,10 +379,8 @@ def reversed_words(text):
 
 @pytest.fixture(scope="module")
 def vocab_tools(tmp_path_factory):
-    """Two tokenizers trained on different corpora (synthetic chat vs the same chat with
-    words reversed), a random target for each, and a drafter for target 1 whose draft
-    vocab is the 96 most frequent reply tokens of corpus 1. Then, as a user would:
-    vocab-check (same tokenizer; other tokenizer) and remap-draft onto target 2."""
+    """Two tokenizers (chats, the same chats with words reversed), a target for each, a drafter
+    over target 1's 96 top reply tokens; vocab-check of both, remap-draft onto target 2."""
     root = tmp_path_factory.mktemp("vocab_tools")
     corpus1 = E.synthetic_corpus(300, 0)
     corpus2 = [(reversed_words(p), reversed_words(r)) for p, r in E.synthetic_corpus(300, 1)]
@@ -489,8 +487,7 @@ def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compa
 
 @pytest.fixture(scope="module")
 def remapped(vocab_tools):
-    """Both drafters loaded for their targets, and draft-id pairs (old i, new j) that name
-    the same token string under the drafter's and the new target's tokenizer."""
+    """Both drafters loaded, and draft-id pairs (old i, new j) naming one token string."""
     assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
     old = E.load_draft(vocab_tools["draft1"], E.load_target(vocab_tools["target1"]))
     new = E.load_draft(vocab_tools["draft2"], E.load_target(vocab_tools["target2"]))
@@ -596,16 +593,7 @@ def comm_plan_json(*args):
     return proc.stdout, last_json(proc)
 
 
-def test_comm_plan_on_kimi_k2_gives_122_all_reduces_of_14336_n_bytes(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
-    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
-    for row in plan["shapes"]:
-        assert row["allreduce_per_verify"] == 122
-        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
-    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
-
-
-def test_comm_plan_equals_a_hand_computation(zoo):
+def test_comm_plan_equals_a_hand_computation_and_gives_kimi_k2_122_all_reduces(zoo, tmp_path):
     # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
     # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
     stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
@@ -630,6 +618,13 @@ def test_comm_plan_equals_a_hand_computation(zoo):
     ratio = us(3) / us(4)
     assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
     assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
+    # Kimi-K2 at TP 8: 2 all-reduces per layer (L = 61) of 7168 bf16 values (2 B) a node
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
+    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
+    for row in plan["shapes"]:
+        assert row["allreduce_per_verify"] == 122
+        assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
+    assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
 
 
 def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo, tmp_path):
@@ -969,9 +964,8 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
 
 
 class RowCounted(torch.nn.Module):
-    """A planted row-dependent operation: a linear whose output grows by 1/16 whenever more
-    than one row shares the call (a kernel that rounds by batch size, exaggerated). It holds
-    no weight of its own, so make_exact serves the linear inside it and leaves the rest."""
+    """A planted row-dependent linear: +1/16 whenever rows share the call (a batch-size kernel,
+    exaggerated); weightless itself, so make_exact serves only the linear inside it."""
 
     def __init__(self, linear):
         super().__init__()
@@ -1006,10 +1000,12 @@ def test_exact_probe_charges_a_planted_row_dependent_operation_to_it_alone_and_c
     assert T.first_parting([1, 2], [1, 2, 5]) == 2                     # one stopped at EOS
 
 
-def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_target, tmp_path):
+def test_exact_probe_finds_no_flip_or_parting_on_the_exact_path_and_probes_mla_and_moe(
+        train_chat_target, zoo, tmp_path):
     """A tiny bf16 target, both paths side by side: the exact path keeps every row of every
     operation and never parts; the plain path's columns are measured the same way (whether
-    they flip depends on this machine's kernels); greedy is held against transformers'."""
+    they flip depends on this machine's kernels); greedy is held against transformers'.
+    A deepseek_v3 config: MLA's, the router's and the experts' operations are probed too."""
     mt = tmp_path / "question.jsonl"
     mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[t, "more"])) + "\n"
                           for i, (c, t) in enumerate([("a", "hello there"), ("a", "skip me"),
@@ -1037,11 +1033,6 @@ def test_exact_probe_finds_no_flip_and_no_parting_on_the_exact_path(train_chat_t
     assert report["drafter"].startswith("fresh random")
     assert re.search(r"^layers\.0\.self_attn\.attend +4 heads x 8, \+32 cached +\d+/36 +"
                      r"[-\d]+ +0/36 +-$", proc.stdout, re.M), proc.stdout
-
-
-def test_exact_probe_feeds_mla_and_moe_operations_of_a_deepseek_config(zoo):
-    """A deepseek_v3 config with random weights: MLA's projections and latent norm, the
-    router, one routed expert and the shared experts are probed, each row kept exact."""
     report = last_json(cli_here("exact-probe", "--config", zoo.dir("ds-v3"), "--layers", 3,
                                 "--rows", 4, "--path", "exact"))
     ops = {op["op"]: op for op in report["ops"]}
@@ -1075,8 +1066,11 @@ def test_exact_probe_refuses_bad_input_in_one_line(argv, says, train_chat_target
 # ========================================================================================
 
 
-def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_target,
-                                                                 train_generate_setup):
+BENCH_DECODERS = {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+
+
+def test_bench_prints_each_decoders_speed_and_forwards_per_token_and_reads_prompt_files(
+        train_chat_target, train_generate_setup, tiny_gguf, tiny_gguf_draft, tmp_path):
     # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
     # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
     # that memorised this reply gets drafts accepted
@@ -1093,11 +1087,28 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token(train_chat_targ
     assert 1 < report["tau"] <= 9
     assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
     tps = report["tokens_per_s"]
-    assert set(tps) == {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
+    assert set(tps) == BENCH_DECODERS
     assert report["speedup_vs"] == {k: pytest.approx(tps["eagle3"] / v, rel=0.01)
                                     for k, v in tps.items() if k != "eagle3"}
     # transformers' prompt lookup, in fp32, emits what its own greedy generate does
     assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
+    # --prompts: our jsonl or MT-bench first turns, --per-category of each (tiny GGUF model)
+    _, converted = tiny_gguf
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
+                            for c in ("a", "b") for i in range(3)))
+    mt = tmp_path / "question.jsonl"
+    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
+                          + "\n" for i, c in enumerate("xxxyyz")))
+    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
+              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
+    for path, expected in ((ours, 4), (mt, 5)):
+        proc = cli_here(*common, "--prompts", path, "--per-category", 2)
+        report, out = last_json(proc), proc.stdout
+        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
+        assert report["lossless"] is True
+        assert "transformers prompt lookup" in out and "transformers generate" in out
+        assert set(report["tokens_per_s"]) == BENCH_DECODERS
 
 
 def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, capsys):
@@ -1415,26 +1426,6 @@ def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("draft"))
     E.save_draft(draft, path)
     return path
-
-
-def test_bench_reads_our_prompts_and_mt_bench_first_turns(tiny_gguf, tiny_gguf_draft, tmp_path):
-    _, converted = tiny_gguf
-    ours = tmp_path / "ours.jsonl"
-    ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
-                            for c in ("a", "b") for i in range(3)))
-    mt = tmp_path / "question.jsonl"
-    mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
-                          + "\n" for i, c in enumerate("xxxyyz")))
-    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
-              "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
-    for path, per_category, expected in ((ours, "2", 4), (mt, "2", 5)):
-        proc = cli_here(*common, "--prompts", path, "--per-category", per_category)
-        report, out = last_json(proc), proc.stdout
-        assert report["prompts"] == expected and report["tree"] == [2, 2, 5]
-        assert report["lossless"] is True
-        assert "transformers prompt lookup" in out and "transformers generate" in out
-        assert set(report["tokens_per_s"]) == {"greedy", "hf_generate", "hf_prompt_lookup",
-                                               "eagle3"}
 
 
 def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_native(
