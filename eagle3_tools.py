@@ -945,6 +945,8 @@ def cmd_capture(args):
         mine = dict(data=data, first=sum(src["samples"] for src in sources),
                     samples=len(examples))
         sources.append(mine)
+    elif mine is sources[-1]:          # the last file's range may grow (a larger --limit)
+        mine["samples"] = max(mine["samples"], len(examples))
     elif mine["samples"] != len(examples):
         fail(f"{args.out!r} holds {mine['samples']} samples of {args.data!r}, this run keeps "
              f"{len(examples)} (another --limit or file content?): capture into another dir")
