@@ -2947,7 +2947,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
                  **{f"acc{k}": a for k, a in enumerate(acc[:3])})
         last = step + 1 == cfg.steps
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
-            stats = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps)
+            stats = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps, cfg.batch)
             curve.append(curve_point(step + 1, time.time() - t0, stats))
             improved = best_point(curve) is curve[-1]
             if improved:

@@ -1635,9 +1635,12 @@ def run_command(argv):
         check_tool_args(args)
         with contextlib.redirect_stdout(tee):
             args.run(args)
-    else:
+    else:   # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8
+        # against 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_",
+                                                                     "131072"))
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                stdout=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:
             tee.write(line)
             tee.flush()
