@@ -2951,7 +2951,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
             curve.append(curve_point(step + 1, time.time() - t0, stats))
             improved = best_point(curve) is curve[-1]
             if improved:
-                best = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+                best = {k: v.detach().clone() for k, v in draft.state_dict().items()
+                        if draft.owns(k)}              # not the target's frozen embedding
             bar.done()
             print0(f"  held-out draft accuracy per TTT step: "
                    f"{' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
@@ -2963,7 +2964,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
                             TrainState(step + 1, time.time() - t0, curve, best))
     bar.done()
     if best is not None:
-        draft.load_state_dict(best)
+        draft.load_state_dict(best, strict=False)
     draft.eval().requires_grad_(False)
     return curve
 
