@@ -1543,8 +1543,12 @@ def draw_curves(curves, png):
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for run, curve in curves.items():
-        ax.plot([p["train_seconds"] / 60 for p in curve], [p["chain_tau"][-1] for p in curve],
-                marker="o", label=os.path.basename(os.path.normpath(run)))
+        line, = ax.plot([p["train_seconds"] / 60 for p in curve],
+                        [p["chain_tau"][-1] for p in curve], marker="o",
+                        label=os.path.basename(os.path.normpath(run)))
+        kept = best_point(curve)                       # the drafter train left: a star
+        ax.plot(kept["train_seconds"] / 60, kept["chain_tau"][-1], "*", ms=14,
+                color=line.get_color())
     ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
            title="what training time buys")
     ax.grid(alpha=0.3)
