@@ -50,7 +50,7 @@ from eagle3_ref import (
     load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
     parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
     read_target_config, remote_code_flag, save_draft, speculative_generate,
-    target_checkpoint, tokenize_conversation, training_examples, tree_shape, verify_tree,
+    target_checkpoint, tau_sim, tokenize_conversation, training_examples, tree_shape, verify_tree,
     why, world_info, write_json)
 
 
@@ -1544,10 +1544,10 @@ def draw_curves(curves, png):
     fig, ax = plt.subplots(figsize=(6, 4))
     for run, curve in curves.items():
         line, = ax.plot([p["train_seconds"] / 60 for p in curve],
-                        [p["chain_tau"][-1] for p in curve], marker="o",
+                        [tau_sim(p) for p in curve], marker="o",
                         label=os.path.basename(os.path.normpath(run)))
         kept = best_point(curve)                       # the drafter train left: a star
-        ax.plot(kept["train_seconds"] / 60, kept["chain_tau"][-1], "*", ms=14,
+        ax.plot(kept["train_seconds"] / 60, tau_sim(kept), "*", ms=14,
                 color=line.get_color())
     ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
            title="what training time buys")
@@ -1571,11 +1571,12 @@ def cmd_curve(args):
            f"{'tau all':>8s}  (greedy chain tau on the held-out replies; kept: the drafter "
            f"train left, the best tau all)")
     for run, curve in curves.items():
+        kept = best_point(curve)
         for p in curve:
             tau = p["chain_tau"]
             print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
                    f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
-                   f"{tau[-1]:8.2f}" + ("  kept" if p is best_point(curve) else ""))
+                   f"{tau[-1]:8.2f}" + ("  kept" if p is kept else ""))
     if args.png:
         draw_curves(curves, args.png)
 
@@ -1641,8 +1642,8 @@ def run_command(argv):
             args.run(args)
     else:   # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8
         # against 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_",
-                                                                     "131072"))
+        env = dict(os.environ)
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                                 stdout=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout:

@@ -60,7 +60,7 @@ def probe(target, draft, examples, pad_id=0):
 
 def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
     runs = {}
-    for name, taus in (("short", ([1.2] * 7, [1.5] * 7)), ("long", ([1.3] * 7, [1.9] * 6 + [2.4]))):
+    for name, taus in (("short", ([1.5] * 7, [1.2] * 7)), ("long", ([1.3] * 7, [1.9] * 6 + [2.4]))):
         (tmp_path / name).mkdir()
         runs[name] = [dict(step=10 * (i + 1), train_seconds=90.0 * (i + 1),
                            step_accuracy=[0.1 * (i + 1)] * 7, chain_tau=tau)
@@ -71,8 +71,8 @@ def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [line.split()[1:] for line in proc.stdout.splitlines()
             if line.split()[0].endswith(("short", "long"))]
-    assert rows == [["10", "1.5", "0.100", "1.20", "1.20"],             # kept: the best tau all
-                    ["20", "3.0", "0.200", "1.50", "1.50", "kept"],
+    assert rows == [["10", "1.5", "0.100", "1.50", "1.50", "kept"],     # kept: the best tau all
+                    ["20", "3.0", "0.200", "1.20", "1.20"],
                     ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40",
                                                              "kept"]]
     try:
