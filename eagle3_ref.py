@@ -2851,17 +2851,31 @@ class ChainStats(NamedTuple):
     replayed_tau: list    # k = 1..: mean accept length of chains replayed along the replies
 
 
+def accepted_runs(result):
+    """(B, T): how many drafts of a greedy chain started at t are accepted, from a TTTResult:
+    steps 0..d-1 all scored and correct (on the target's own greedy replies TTT step d at t is
+    fed exactly the accepted draft)."""
+    alive = torch.ones_like(result.scored[0])
+    run = torch.zeros_like(result.scored[0], dtype=torch.long)
+    for scored, correct in zip(result.scored, result.correct):
+        alive = alive & scored & correct
+        run += alive.long()
+    return run
+
+
 def replay_rounds(accepted, scored):
-    """Accept lengths of the rounds serving would run along each row (accepted (B, T): by a
-    chain at t): the first drafts the reply's second token, each next one follows a bonus."""
-    lengths = []
+    """The rounds serving would run along each row (accepted (B, T): drafts accepted of a chain
+    started at t): the first drafts the reply's second token, each next one follows a bonus.
+    -> per row, [(t, drafts accepted), ...] in order."""
+    rounds = []
     for row, live in zip(accepted.tolist(), scored.tolist()):
         starts = [t for t, x in enumerate(live) if x]
-        t = starts[0] + 1 if starts else len(live)
+        t, kept = (starts[0] + 1 if starts else len(live)), []
         while t < len(live) and live[t]:
-            lengths.append(row[t] + 1)
+            kept.append((t, row[t]))
             t += row[t] + 1
-    return lengths
+        rounds.append(kept)
+    return rounds
 
 
 def chain_stats(results):
@@ -2875,17 +2889,15 @@ def chain_stats(results):
     tried, reached = torch.zeros(steps), torch.zeros(steps)
     rounds = [[] for _ in range(steps)]
     for r in results:
-        alive = torch.ones_like(r.scored[0])              # all earlier drafts accepted
-        run = torch.zeros_like(r.scored[0], dtype=torch.long)  # drafts accepted from here
+        run = accepted_runs(r)
         for d in range(steps):
             hits[d] += float(r.hits[d])
             counts[d] += float(r.counts[d])
-            tried[d] += float((alive & r.scored[d]).sum())
-            alive = alive & r.scored[d] & r.correct[d]
-            reached[d] += float(alive.sum())
-            run += alive.long()
+            tried[d] += float(((run >= d) & r.scored[d]).sum())  # drafts 1..d accepted
+            reached[d] += float((run > d).sum())
         for k in range(1, steps + 1):
-            rounds[k - 1] += replay_rounds(run.clamp(max=k), r.scored[0])
+            rounds[k - 1] += [n + 1 for row in replay_rounds(run.clamp(max=k), r.scored[0])
+                              for _, n in row]
     rate = (reached / tried.clamp(min=1)).tolist()
     tau = [1 + sum(math.prod(rate[:d + 1]) for d in range(k)) for k in range(1, steps + 1)]
     replayed = [sum(taus) / max(1, len(taus)) for taus in rounds]
@@ -3706,9 +3718,11 @@ def check_examples(examples, where, max_len):
              f"most --max-len {max_len} tokens); need at least 2")
 
 
-def train_command(args, target, inputs, examples):
+def train_command(args, target, inputs, examples, focus=None):
     """train, once data and target are read: hold out 1/50, map the vocab (or keep
-    --init-draft's), run TTT, print the kept (best) and the last curve points."""
+    --init-draft's), run TTT, print the kept (best) and the last curve points.
+    focus(draft, train) -> train: a choice of training data made with the starting drafter
+    (the workbench's on-policy rounds); the held-out examples stay as they are."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -3719,6 +3733,8 @@ def train_command(args, target, inputs, examples):
         draft = fresh_draft(draft_config_for(target, args.draft_vocab_size), target, args.seed,
                             vocab_map, dtype=torch.float32,
                             head_from_target=args.lm_head_init == "target")
+    if focus:
+        train = focus(draft, train)
     steps = args.steps or max(1, args.epochs * len(train) // args.batch)
     every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),

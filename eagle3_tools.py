@@ -41,15 +41,15 @@ import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time, broadcast0,
-    broadcast_acceptance, build_vocab_mapping,
+    accept_greedy, accepted_runs, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time,
+    broadcast0, broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
     evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
     in_model_dtype, is_rank0, live_inputs, load_draft, load_state, load_target,
     load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
     parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
-    read_target_config, remote_code_flag, save_draft, speculative_generate,
+    read_target_config, remote_code_flag, replay_rounds, save_draft, speculative_generate,
     target_checkpoint, tau_sim, tokenize_conversation, training_examples, tree_shape, verify_tree,
     why, world_info, write_json)
 
@@ -1010,10 +1010,47 @@ def cmd_eval_draft(args):
                            chains=rows, best=best, verdict=verdict, projected=shapes)))
 
 
+@torch.inference_mode()
+def rejected_rounds(inputs, draft, examples, drafts, batch=16):
+    """On-policy data, after Draft-OPD (arXiv 2605.29343: train the drafter where verification
+    exposed its errors): the rounds a greedy chain of `drafts` drafts runs along each example
+    (replay_rounds), and each example with its loss mask cut to the starts of the rounds that
+    did not accept every draft, so the TTT loss replays exactly those rounds' drafts. On the
+    target's own greedy replies these are the rounds serving runs: speculation reproduces the
+    reply. -> (examples, rounds, rejected rounds)."""
+    mined, rounds, rejected = [], 0, 0
+    for i in range(0, len(examples), batch):
+        chunk = examples[i:i + batch]
+        r = E.ttt_batch(inputs, draft, chunk, steps=drafts)
+        for ex, row in zip(chunk, replay_rounds(accepted_runs(r).clamp(max=drafts), r.scored[0])):
+            mask = [0] * len(ex.tokens)
+            for t, accepted in row:
+                if accepted < drafts:
+                    mask[t + 2] = 1     # collate: loss_mask[t] is the reply mask at t + 2
+            mined.append(ex._replace(reply_mask=mask))
+            rounds, rejected = rounds + len(row), rejected + sum(mask)
+    return mined, rounds, rejected
+
+
+def on_policy_focus(inputs, drafts):
+    """train --on-policy: the drafter's rejected rounds instead of every reply position."""
+    def focus(draft, train):
+        mined, rounds, rejected = rejected_rounds(inputs, draft, train, drafts)
+        print0(f"on-policy: {rejected} of {rounds} rounds of a {drafts}-draft chain rejected a "
+               f"draft along the {len(train)} training replies; training on those rounds")
+        return [ex for ex in mined if sum(ex.reply_mask)]
+    return focus
+
+
 def cmd_train(args):
     """train: the reference's, or with --features from captured features (the target's
     embedding and lm_head are all it reads)."""
+    if args.on_policy and not args.init_draft:
+        fail(f"--on-policy {args.on_policy} needs --init-draft: the drafter whose rejected "
+             f"rounds it trains on")
     if not args.features:
+        if args.on_policy:
+            fail("--on-policy needs --features: the target's own replies, captured")
         return E.cmd_train(args)
     if args.data:
         fail("train takes one of --data FILE.jsonl (online: the target runs) and --features "
@@ -1021,8 +1058,9 @@ def cmd_train(args):
     examples = captured_examples(args.features)
     E.check_examples(examples, args.features, args.max_len)
     target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
-    E.train_command(args, target, captured_inputs(target, pad_id_of(args.target, args)),
-                    examples)
+    inputs = captured_inputs(target, pad_id_of(args.target, args))
+    E.train_command(args, target, inputs, examples,
+                    on_policy_focus(inputs, args.on_policy) if args.on_policy else None)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2154,6 +2192,10 @@ def add_diagnostic_commands(sub):
 
 def add_probe_commands(sub, train):
     train.add_argument("--features", help="offline: a captured features dir instead of --data")
+    train.add_argument("--on-policy", type=int, default=0, metavar="DRAFTS",
+                       help="train only on the rounds where a chain of DRAFTS drafts of "
+                            "--init-draft had a draft rejected along the replies (which must be "
+                            "the target's own greedy replies; after Draft-OPD)")
     train.set_defaults(run=cmd_train)
     cap = sub.add_parser("capture", help="write target features of chat data in SpecForge's "
                          "offline layout", parents=[common(
