@@ -1663,33 +1663,36 @@ class Tee:
         self.out.flush()
 
 
-STAGES_IN_PROCESS = False   # tests set it: their monkeypatched settings reach every stage
+def run_here(argv):
+    """One of our commands in this process, checked as main checks it -> its last stdout line
+    (tests run real-demo's stages so, to keep their monkeypatched settings)."""
+    import contextlib
+    tee = Tee(sys.stdout)
+    args = build_parser().parse_args(argv)
+    check_tool_args(args)
+    with contextlib.redirect_stdout(tee):
+        args.run(args)
+    return ("".join(tee.lines).strip().splitlines() or [""])[-1]
 
 
 def run_command(argv):
-    """One of our commands, checked as main checks it -> its last stdout line (the commands
-    end with a JSON object or a summary). Each runs in a process of its own, so its memory
-    goes back when it ends (in one process the default real-demo peaked at 8.6-11.2 GB)."""
-    import contextlib
+    """One of our commands in a process of its own -> its last stdout line (the commands end
+    with a JSON object or a summary). Its memory goes back when it ends: in one process the
+    default real-demo peaked at 8.6-11.2 GB."""
     import subprocess
     tee = Tee(sys.stdout)
-    if STAGES_IN_PROCESS:
-        args = build_parser().parse_args(argv)
-        check_tool_args(args)
-        with contextlib.redirect_stdout(tee):
-            args.run(args)
-    else:   # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8
-        # against 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
-        env = dict(os.environ)
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                stdout=subprocess.PIPE, text=True, env=env)
-        for line in proc.stdout:
-            tee.write(line)
-            tee.flush()
-        if proc.wait():
-            fail(f"stage {argv[0]} exited with code {proc.returncode} (its error is above); "
-                 f"run real-demo again to resume there")
+    # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8 against
+    # 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
+    env = dict(os.environ)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        tee.write(line)
+        tee.flush()
+    if proc.wait():
+        fail(f"stage {argv[0]} exited with code {proc.returncode} (its error is above); "
+             f"run real-demo again to resume there")
     return ("".join(tee.lines).strip().splitlines() or [""])[-1]
 
 

@@ -1533,7 +1533,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: replies == "own")   # both plans' dtypes
     monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
-    monkeypatch.setattr(T, "STAGES_IN_PROCESS", True)   # so that the settings above hold
+    monkeypatch.setattr(T, "run_command", T.run_here)   # so that the settings above hold
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
@@ -1592,6 +1592,30 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         assert first["outputs"]["draft"] == first["outputs"]["base_draft"]
     proc = cli_here(*argv)                                       # everything cached: skipped
     assert last_json(proc) == first and proc.stdout.count("skipped") == len(first["seconds"])
+
+
+def test_a_stage_runs_in_a_process_of_its_own_with_a_fixed_mmap_threshold(monkeypatch):
+    calls, code = [], [0]
+
+    class Proc:   # the child: prints a progress line, then its JSON line
+        def __init__(self, argv, stdout, text, env):
+            calls.append((argv, env))
+            self.stdout, self.returncode = iter(["working\n", '{"ok": 1}\n']), code[0]
+
+        def wait(self):
+            return self.returncode
+    monkeypatch.setattr(subprocess, "Popen", Proc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert T.run_command(["curve", "d"]) == '{"ok": 1}'
+    (argv, env), = calls
+    assert argv == [sys.executable, os.path.abspath(T.__file__), "curve", "d"]
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")          # a user's own is kept
+    T.run_command(["curve", "d"])
+    assert calls[-1][1]["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    code[0] = 3
+    with pytest.raises(E.Eagle3Error, match="stage curve exited with code 3 .* resume there"):
+        T.run_command(["curve", "d"])
 
 
 def test_progress_eta_counts_only_the_steps_this_run_made():
