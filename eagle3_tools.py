@@ -1038,6 +1038,9 @@ def on_policy_focus(inputs, drafts):
         mined, rounds, rejected = rejected_rounds(inputs, draft, train, drafts)
         print0(f"on-policy: {rejected} of {rounds} rounds of a {drafts}-draft chain rejected a "
                f"draft along the {len(train)} training replies; training on those rounds")
+        if not rejected:
+            fail(f"--on-policy {drafts}: the drafter's chains of {drafts} accepted every draft "
+                 f"along the training replies; nothing to train on")
         return [ex for ex in mined if sum(ex.reply_mask)]
     return focus
 
@@ -1045,6 +1048,8 @@ def on_policy_focus(inputs, drafts):
 def cmd_train(args):
     """train: the reference's, or with --features from captured features (the target's
     embedding and lm_head are all it reads)."""
+    if args.on_policy < 0:
+        fail(f"--on-policy {args.on_policy} must be a number of drafts, 1 or more (0: off)")
     if args.on_policy and not args.init_draft:
         fail(f"--on-policy {args.on_policy} needs --init-draft: the drafter whose rejected "
              f"rounds it trains on")

@@ -313,6 +313,10 @@ def test_train_on_policy_trains_on_the_rejected_rounds_and_keeps_the_held_out_re
     line = S.refused(cli_here("train", "--target", c.dir, "--features", captured.dir, "--out",
                               tmp_path / "out2", "--on-policy", 2))
     assert "--on-policy 2 needs --init-draft" in line
+    line = S.refused(cli_here("train", "--target", c.dir, "--features", captured.dir, "--out",
+                              tmp_path / "out2", "--init-draft", init, "--on-policy", -1))
+    assert "--on-policy -1 must be a number of drafts, 1 or more (0: off)" in line
+    assert not (tmp_path / "out2").exists()
 
 
 @pytest.fixture(scope="module")
