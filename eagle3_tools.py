@@ -1022,7 +1022,7 @@ def rejected_rounds(inputs, draft, examples, drafts, batch=16):
     for i in range(0, len(examples), batch):
         chunk = examples[i:i + batch]
         r = E.ttt_batch(inputs, draft, chunk, steps=drafts)
-        for ex, row in zip(chunk, replay_rounds(accepted_runs(r).clamp(max=drafts), r.scored[0])):
+        for ex, row in zip(chunk, replay_rounds(accepted_runs(r), r.scored[0])):
             mask = [0] * len(ex.tokens)
             for t, accepted in row:
                 if accepted < drafts:
@@ -1050,12 +1050,10 @@ def cmd_train(args):
     embedding and lm_head are all it reads)."""
     if args.on_policy < 0:
         fail(f"--on-policy {args.on_policy} must be a number of drafts, 1 or more (0: off)")
-    if args.on_policy and not args.init_draft:
-        fail(f"--on-policy {args.on_policy} needs --init-draft: the drafter whose rejected "
-             f"rounds it trains on")
+    if args.on_policy and not (args.init_draft and args.features):
+        fail(f"--on-policy {args.on_policy} needs --init-draft (the drafter whose rejected "
+             f"rounds it trains on) and --features (the target's own replies, captured)")
     if not args.features:
-        if args.on_policy:
-            fail("--on-policy needs --features: the target's own replies, captured")
         return E.cmd_train(args)
     if args.data:
         fail("train takes one of --data FILE.jsonl (online: the target runs) and --features "
@@ -1667,6 +1665,9 @@ class Tee:
     def flush(self):
         self.out.flush()
 
+    def last_line(self):
+        return ("".join(self.lines).strip().splitlines() or [""])[-1]
+
 
 def run_here(argv):
     """One of our commands in this process, checked as main checks it -> its last stdout line
@@ -1677,7 +1678,7 @@ def run_here(argv):
     check_tool_args(args)
     with contextlib.redirect_stdout(tee):
         args.run(args)
-    return ("".join(tee.lines).strip().splitlines() or [""])[-1]
+    return tee.last_line()
 
 
 def run_command(argv):
@@ -1698,7 +1699,7 @@ def run_command(argv):
     if proc.wait():
         fail(f"stage {argv[0]} exited with code {proc.returncode} (its error is above); "
              f"run real-demo again to resume there")
-    return ("".join(tee.lines).strip().splitlines() or [""])[-1]
+    return tee.last_line()
 
 
 def real_paths(out, plan):
