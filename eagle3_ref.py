@@ -1899,11 +1899,14 @@ class DeepSeekTarget(Target):
 # Greedy speculation equals greedy decoding when every verify row produces the bits of its
 # decode step (section 7). In bf16 / fp16 the plain path breaks this in two places, and
 # make_exact serves a target so that neither happens:
-#   1) a matmul rounds a row differently when it is alone (torch's bf16 CPU kernel: 334 of
-#      4,050 rows of SmolLM2's down projection). So every linear runs a one-row product as
-#      two identical rows: a decode step takes a verify's kernel, which rounds a row alike
-#      whatever the row count. The router's fp32 product rounds a row differently once 4
-#      rows share a call (exact-probe, AVX2 EPYC: 30 of 36 rows), so it runs row by row;
+#   1) a matmul rounds a row differently when few rows share the call (torch's bf16 CPU
+#      kernels: 334 of 4,050 rows of SmolLM2's down projection alone against in a verify; 2
+#      to 6 of 3,000 rows of a 64 -> 24 or 32 projection in 2 rows against 3 or more, Zen 4).
+#      So every linear pads a product of fewer than EXACT_MIN_ROWS rows with copies of its
+#      first row: a decode step and a short chain's verify take a tree verify's kernel,
+#      which rounds a row alike whatever the row count and the row's place in the call. The
+#      router's fp32 product rounds a row differently once 4 rows share a call (exact-probe,
+#      AVX2 EPYC: 30 of 36 rows), so it runs row by row, each row a padded call of its own;
 #   2) fused attention gives a query other bits when masked keys sit beside its own. So each
 #      query row attends alone, in fp32, over exactly the keys its mask shows, gathered in
 #      slot order into a fresh tensor: the call its decode step makes. The prefill (every key
@@ -1915,8 +1918,12 @@ class DeepSeekTarget(Target):
 # only which drafts are verified, never which tokens are emitted.
 
 
+EXACT_MIN_ROWS = 4   # the fewest rows a product of the exact path runs with
+
+
 class RowInvariantLinear(nn.Module):
-    """An nn.Linear (the same weight and bias) whose one-row products run as two rows."""
+    """An nn.Linear (the same weight and bias) whose products run with at least
+    EXACT_MIN_ROWS rows."""
 
     def __init__(self, linear):
         super().__init__()
@@ -1927,15 +1934,17 @@ class RowInvariantLinear(nn.Module):
 
 
 def rows_linear(x, weight, bias=None):
-    """F.linear, with a one-row x computed as two identical rows (the N-row kernel)."""
-    if x.numel() != x.shape[-1]:
+    """F.linear, with fewer than EXACT_MIN_ROWS rows of x padded to that many with copies
+    of the first (the many-row kernel)."""
+    rows = x.reshape(-1, x.shape[-1])                                  # (M, in)
+    if not 0 < len(rows) < EXACT_MIN_ROWS:
         return F.linear(x, weight, bias)
-    row = x.reshape(1, -1)
-    return F.linear(torch.cat([row, row]), weight, bias)[:1].view(*x.shape[:-1], -1)
+    padded = torch.cat([rows, rows[:1].expand(EXACT_MIN_ROWS - len(rows), -1)])
+    return F.linear(padded, weight, bias)[:len(rows)].view(*x.shape[:-1], -1)
 
 
 def each_row_linear(x, weight):
-    """F.linear of x (N, D), each row in its own (paired) call, whatever the row count."""
+    """F.linear of x (N, D), each row in its own (padded) call, whatever the row count."""
     return torch.cat([rows_linear(row[None], weight) for row in x]) if len(x) else x @ weight.T
 
 
