@@ -1911,11 +1911,11 @@ def attention_calls(module, q, k, v, scale):
 
     def rows(M):
         chain = torch.ones(M, M, dtype=torch.bool, device=device).tril()
-        bias = E.attention_bias(E.prefix_mask(P, chain), dtype)            # (M, P+M)
+        bias = E.attention_bias(E.prefix_mask(P, chain), dtype)      # (1, 1, M, P+M)
         return attend(q[:, :, P:P + M], *keys(P + M), bias, scale)[0].transpose(0, 1)
 
     def alone(j):
-        bias = E.attention_bias(E.causal_mask(1, P + j, device), dtype)     # (1, P+j+1)
+        bias = E.attention_bias(E.causal_mask(1, P + j, device), dtype)  # (1, 1, 1, P+j+1)
         return attend(q[:, :, P + j:P + j + 1], *keys(P + j + 1), bias, scale)[0, :, 0]
     return rows, alone
 
