@@ -4128,25 +4128,6 @@ class RowCountRounding(torch.nn.Module):
         return y if y[..., 0].numel() == 1 else torch.round(y / self.step) * self.step
 
 
-def test_row_invariant_linear_a_row_has_the_bits_of_every_call_it_sits_in():
-    # A row's product alone (a decode step) and at any place in a call of 2..16 rows (a
-    # verify) has the same bits. Plain bf16 F.linear does not: a Zen 4's kernels rounded 2
-    # to 6 of these 3,000 rows differently in calls of 1 or 2 rows than of 3 or more.
-    g = torch.Generator().manual_seed(5)
-    for n_out in (24, 32):
-        linear = torch.nn.Linear(64, n_out, bias=False)
-        linear.weight.data = torch.randn(n_out, 64, generator=g).bfloat16()
-        served = E.RowInvariantLinear(linear)
-        rows = torch.randn(3000, 64, generator=g).bfloat16()
-        alone = torch.stack([served(row[None, None])[0, 0] for row in rows])
-        for M in (2, 3, 8, 16):
-            calls = torch.randn(len(rows), M, 64, generator=g).bfloat16()
-            place = torch.arange(len(rows)) % M
-            calls[torch.arange(len(rows)), place] = rows
-            among = torch.stack([served(call[None])[0, p] for call, p in zip(calls, place)])
-            assert torch.equal(among, alone), (n_out, M)
-
-
 def test_a_row_dependent_operation_makes_the_same_runs_part(bf16_pair):
     # The negative control of the test above. Whether plain bf16 parts depends on the CPU's
     # kernels (an AVX2 EPYC: 52 of 162 runs; others none), so the fault is planted: an
@@ -4240,6 +4221,25 @@ def test_attend_rows_is_each_rows_softmax_over_its_slots_and_refuses_unshared_pr
     bias = torch.zeros(2, 1, 3, 8).masked_fill(~seen[:, None], -math.inf)
     with pytest.raises(E.Eagle3Error, match="different ones"):
         E.attend_rows(q, k, v, bias)
+
+
+def test_row_invariant_linear_a_row_has_the_bits_of_every_call_it_sits_in():
+    # A row's product alone (a decode step) and at any place in a call of 2..16 rows (a
+    # verify) has the same bits. Plain bf16 F.linear does not: a Zen 4's kernels rounded 2
+    # to 6 of these 3,000 rows differently in calls of 1 or 2 rows than of 3 or more.
+    g = torch.Generator().manual_seed(5)
+    for n_out in (24, 32):
+        linear = torch.nn.Linear(64, n_out, bias=False)
+        linear.weight.data = torch.randn(n_out, 64, generator=g).bfloat16()
+        served = E.RowInvariantLinear(linear)
+        rows = torch.randn(3000, 64, generator=g).bfloat16()
+        alone = torch.stack([served(row[None, None])[0, 0] for row in rows])
+        for M in (2, 3, 8, 16):
+            calls = torch.randn(len(rows), M, 64, generator=g).bfloat16()
+            place = torch.arange(len(rows)) % M
+            calls[torch.arange(len(rows)), place] = rows
+            among = torch.stack([served(call[None])[0, p] for call, p in zip(calls, place)])
+            assert torch.equal(among, alone), (n_out, M)
 
 
 def test_make_exact_twice_is_a_no_op_what_it_cannot_serve_or_an_fp32_drafter_is_one_line(zoo):
