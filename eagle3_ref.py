@@ -126,6 +126,7 @@ class DraftConfig:
     draft_vocab_size: int      # Vd: rows of the draft lm_head
     target_hidden_size: int    # fc maps 3 * target_hidden_size -> hidden_size
     aux_layers: tuple          # target layers whose *input* residual is fused (input ids)
+    aux_default: bool          # aux_layers are the target's (2, L//2, L-3): saved without ids
     has_vocab_map: bool        # d2t/t2d buffers present (else draft ids are target ids)
     inv_freq: torch.Tensor
     rope_scale: float
@@ -2393,20 +2394,46 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3Llam
 # hidden_states indices (= the input of that decoder layer): SpecForge trains on the output
 # of layer k = hidden_states[k+1]; vLLM uses the ids as input indices; SGLang adds 1 only
 # when the first id is 1 (since sgl-project/sglang#25454, May 2026) and always before.
+# Without ids every engine reads the default (2, L//2, L-3), so save_draft omits them there;
+# other ids are written for one engine and the config names it under AUX_IDS_CONVENTION_KEY
+# (engines ignore the key; our reader takes the ids in that convention).
 AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy")
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
+
+
+def check_aux_convention(convention):
+    if convention not in AUX_CONVENTIONS:
+        fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
+    return convention
 
 
 def aux_inputs(ids, convention="specforge"):
     """The hidden_states indices the ids name under `convention`."""
-    if convention not in AUX_CONVENTIONS:
-        fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
     shift = dict(specforge=1, vllm=0, sglang=int(ids[0] == 1), **{"sglang-legacy": 1})
-    return tuple(k + shift[convention] for k in ids)
+    return tuple(k + shift[check_aux_convention(convention)] for k in ids)
+
+
+def aux_ids_for(layers, convention):
+    """The ids an engine reading `convention` takes as the hidden_states indices `layers`
+    (aux_inputs inverted: every id shifted alike, checked by reading it back)."""
+    for shift in (1, 0):
+        ids = [k - shift for k in layers]
+        if min(ids) >= 0 and aux_inputs(ids, convention) == tuple(layers):
+            return ids
+    fail(f"aux layers {list(layers)} cannot be written in {convention}'s convention (its ids "
+         f"read as other layers); save the drafter for another engine")
 
 
 def aux_layer_ids(raw):
     """eagle_config.eagle_aux_hidden_state_layer_ids of a draft config, or None."""
-    return (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return (raw.get("eagle_config") or {}).get(AUX_IDS_KEY)
+
+
+def declared_aux_convention(raw):
+    """The convention a config says its ids are in (ours, when saved for an engine), else
+    SpecForge's, the one every drafter trained here was saved in before it was named."""
+    return (raw.get("eagle_config") or {}).get(AUX_IDS_CONVENTION_KEY, "specforge")
 
 
 def draft_llama_config(raw, where):
@@ -2418,15 +2445,19 @@ def draft_llama_config(raw, where):
              f"expected one of {DRAFT_ARCHITECTURES}")
     c = validated(lambda: LlamaConfig.from_dict(
         {k: v for k, v in raw.items() if k != "architectures"}), where)
+    if raw.get("num_hidden_layers", 1) != 1:
+        fail(f"draft num_hidden_layers={raw['num_hidden_layers']}: an EAGLE-3 drafter has one "
+             f"decoder layer")
     if "rope_theta" not in raw and "rope_parameters" not in raw:
         c.rope_parameters = {"rope_type": "default", "rope_theta": DRAFT_ROPE_BASE}
     return c
 
 
-def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention="specforge"):
+def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention=None):
     """Draft config.json (official or SpecForge layout) -> DraftConfig, checked against its
-    target; aux-layer ids read in `aux_convention`. Given `weight_keys`, a full-vocab drafter
-    without d2t/t2d weights has the identity map, as the official loader reads it."""
+    target; aux-layer ids read in `aux_convention` (None: the one the config declares, else
+    SpecForge's). Given `weight_keys`, a full-vocab drafter without d2t/t2d weights has the
+    identity map, as the official loader reads it."""
     if isinstance(path_or_dict, dict):
         raw, where = path_or_dict, "the drafter config"
     else:
@@ -2441,6 +2472,7 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
         fail(f"draft expects target hidden size {target_hidden} (fc input 3*{target_hidden}) "
              f"but the target has hidden_size={target_cfg.hidden_size}")
     ids = aux_layer_ids(raw)
+    aux_convention = aux_convention or declared_aux_convention(raw)
     aux_layers = aux_inputs(ids, aux_convention) if ids else target_cfg.default_aux_layers
     check_aux_layers(aux_layers, target_cfg.n_layers)
     draft_vocab_size = raw.get("draft_vocab_size", c.vocab_size)
@@ -2454,7 +2486,8 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
         n_kv_heads=c.num_key_value_heads or c.num_attention_heads, head_dim=head_dim,
         intermediate_size=c.intermediate_size, rms_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target_hidden, aux_layers=aux_layers,
-        has_vocab_map=has_vocab_map, inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
+        aux_default=aux_layers == target_cfg.default_aux_layers, has_vocab_map=has_vocab_map,
+        inv_freq=inv_freq, rope_scale=rope_scale, raw=raw)
 
 
 def check_vocab_map(d2t, t2d, V, where):
@@ -2520,9 +2553,10 @@ def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=
     return draft
 
 
-def load_draft(path, target, dtype=None, aux_convention="specforge"):
+def load_draft(path, target, dtype=None, aux_convention=None):
     """EAGLE-3 drafter dir (official or SpecForge layout) -> Draft, replicated on every rank.
-    Strict (keys, shapes, d2t/t2d); its aux-layer ids are read in `aux_convention`."""
+    Strict (keys, shapes, d2t/t2d); its aux-layer ids are read in `aux_convention` (None: the
+    one its config declares, else SpecForge's; an engine's name: as that engine reads them)."""
     ckpt = Checkpoint(path)
     cfg = read_draft_config(path, target.cfg, weight_keys=ckpt.keys(),
                             aux_convention=aux_convention)
@@ -2537,19 +2571,32 @@ def load_draft(path, target, dtype=None, aux_convention="specforge"):
     return draft.eval().requires_grad_(False)
 
 
-def save_draft(draft, path, state=None):
+def saved_eagle_config(cfg, engine):
+    """eagle_config as saved for `engine`: no ids for the default layers (every engine reads
+    those alike), else the ids that engine reads as the trained layers, and their convention."""
+    eagle = {k: v for k, v in (cfg.raw.get("eagle_config") or {}).items()
+             if k not in (AUX_IDS_KEY, AUX_IDS_CONVENTION_KEY)}
+    eagle["use_aux_hidden_state"] = True
+    if not cfg.aux_default:
+        eagle[AUX_IDS_KEY] = aux_ids_for(cfg.aux_layers, engine)
+        eagle[AUX_IDS_CONVENTION_KEY] = engine
+    return eagle
+
+
+def save_draft(draft, path, state=None, engine="specforge"):
     """Official/SpecForge layout: config.json + model.safetensors (no frozen embedding);
-    `state` (a state_dict of `draft`) instead of its current weights."""
+    `state` (a state_dict of `draft`) instead of its current weights; aux ids that `engine`
+    reads as the layers the drafter was trained on."""
     from safetensors.torch import save_file
     if not is_rank0():
         return
-    os.makedirs(path, exist_ok=True)
     cfg = draft.cfg
+    # num_hidden_layers: engines build that many layers (without it, transformers' 32)
+    raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+               vocab_size=cfg.vocab_size, eagle_config=saved_eagle_config(cfg, engine))
+    os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in (state or draft.state_dict()).items()
              if draft.owns(k)}
-    raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], vocab_size=cfg.vocab_size,
-               eagle_config=dict(cfg.raw.get("eagle_config") or {}, use_aux_hidden_state=True,
-                                 eagle_aux_hidden_state_layer_ids=[i - 1 for i in cfg.aux_layers]))
     if cfg.has_vocab_map:
         raw["draft_vocab_size"] = cfg.draft_vocab_size
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
@@ -2788,12 +2835,12 @@ class TrainState(NamedTuple):
     best: dict = None      # the drafter's state at the best held-out tau_sim (None: latest)
 
 
-def save_checkpoint(out_dir, draft, opt, state):
+def save_checkpoint(out_dir, draft, opt, state, engine="specforge"):
     """The best drafter so far (save_draft), then train_state.pt: the latest drafter,
     optimizer and TrainState in one atomic file, so a resume never mixes steps; then a
     readable copy of the curve."""
     os.makedirs(out_dir, exist_ok=True)
-    save_draft(draft, out_dir, state.best)
+    save_draft(draft, out_dir, state.best, engine)
     if is_rank0():
         full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
         atomic_write(os.path.join(out_dir, TRAIN_STATE_FILE), lambda f: torch.save(full, f))
@@ -2830,6 +2877,7 @@ class TrainConfig(NamedTuple):
     bf16: bool = False       # mixed precision: the forward's matmuls in bf16 under autocast
                              # (AMX on recent Xeons: ~8x fp32), weights and optimizer in fp32
     until_fail: bool = False # ttt_loss's accept-until-fail truncation (ours, not official)
+    save_for: str = "specforge"  # the engine whose convention saved aux ids are in
 
 
 def check_train_config(cfg):
@@ -2984,7 +3032,7 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
                    + ("  (best so far: kept)" if improved else ""))
         if (step + 1) % cfg.save_every == 0 or last:
             save_checkpoint(out_dir, draft, opt,
-                            TrainState(step + 1, time.time() - t0, curve, best))
+                            TrainState(step + 1, time.time() - t0, curve, best), cfg.save_for)
     bar.done()
     if best is not None:
         draft.load_state_dict(best, strict=False)
@@ -3340,7 +3388,7 @@ def golden_run(cfg):
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
-    draft = load_draft(cfg["draft"], target, aux_convention=cfg.get("aux_convention", "specforge"))
+    draft = load_draft(cfg["draft"], target, aux_convention=cfg.get("aux_convention"))
     device = target.lm_head.weight.device
     rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
     prompts = [torch.tensor([ids], device=device) for ids in rows]
@@ -3750,7 +3798,8 @@ def train_command(args, target, inputs, examples, focus=None):
     every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
                       ttt_steps=args.ttt_steps, eval_every=every, save_every=every, seed=args.seed,
-                      bf16=args.autocast == "bf16", until_fail=args.loss == "until-fail")
+                      bf16=args.autocast == "bf16", until_fail=args.loss == "until-fail",
+                      save_for=args.engine)
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
     print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
 
@@ -3764,10 +3813,14 @@ def cmd_train(args):
     train_command(args, target, live_inputs(target, pad_id_of(args.target, args)), examples)
 
 
-AUX_CONVENTION_FLAG = dict(default="specforge", choices=AUX_CONVENTIONS, help="how to read the "
-                           "drafter's eagle_aux_hidden_state_layer_ids: specforge (output of layer "
-                           "k = hidden_states[k+1], default), vllm (hidden_states[k]), sglang (+1 "
-                           "only when the first id is 1), sglang-legacy (+1 always)")
+AUX_CONVENTION_FLAG = dict(choices=AUX_CONVENTIONS, help="how to read the drafter's "
+                           "eagle_aux_hidden_state_layer_ids: specforge (output of layer k = "
+                           "hidden_states[k+1]), vllm (hidden_states[k]), sglang (+1 only when "
+                           "the first id is 1), sglang-legacy (+1 always); default: the "
+                           "convention its config names, else specforge")
+SAVE_FOR_FLAG = dict(dest="engine", default="specforge", choices=AUX_CONVENTIONS,
+                     help="the engine whose convention the saved drafter's aux ids are in "
+                          "(only non-default aux layers are written; default specforge)")
 
 
 # --exact (make_exact) is opt-in: in fp32 the plain path already keeps greedy speculation
@@ -3871,6 +3924,7 @@ def add_train(sub):
     t.add_argument("--lm-head-init", choices=("random", "target"), default="random",
                    help="a fresh drafter's lm_head: random, or the target's rows of its vocab")
     t.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    t.add_argument("--for", **SAVE_FOR_FLAG)
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--dtype", help="the target's weights (default: fp32 on a CPU)")

@@ -670,8 +670,8 @@ def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
 
 
 def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo, tmp_path):
-    # SpecForge's output-of-layer-k ids (the default) are inputs of layer k + 1; vLLM's the
-    # inputs themselves; a config without ids reads the default (2, L//2, L-3)
+    # SpecForge's output-of-layer-k ids (the default reading) are inputs of layer k + 1; vLLM's
+    # the inputs themselves; a config without ids reads the default (2, L//2, L-3)
     target = zoo.target("llama")
     L = LAYERS
 
@@ -685,12 +685,57 @@ def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo
     assert aux_layers([2, 4, 5], aux_convention="vllm") == (2, 4, 5)
     assert E.read_draft_config(draft_config(target.cfg), target.cfg,
                                aux_convention="vllm").aux_layers == (2, 4, 5)   # the default
-    # and save_draft writes them back in the same (output-of-layer) convention
-    draft = tiny_draft(target, seed=1,
-                       eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
-    E.save_draft(draft, str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
+
+
+def saved_eagle_config(draft, path, engine):
+    E.save_draft(draft, str(path), engine=engine)
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    # engines build num_hidden_layers layers (transformers' default: 32): one is written
+    assert raw["num_hidden_layers"] == 1
+    return raw["eagle_config"]
+
+
+@pytest.mark.parametrize("engine", E.AUX_CONVENTIONS)
+def test_a_drafter_saved_for_an_engine_is_fed_the_layers_it_was_trained_on(zoo, tmp_path, engine):
+    # trained on the inputs of layers 3, 5, 6 (not the default 2, 4, 5): the ids written for
+    # each engine, read the way that engine reads them (and by our loader, which follows the
+    # config's declared convention), name those layers again
+    target = zoo.target("llama")
+    draft = tiny_draft(target, seed=1, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    assert draft.cfg.aux_layers == (3, 5, 6) and not draft.cfg.aux_default
+    eagle = saved_eagle_config(draft, tmp_path, engine)
+    ids = eagle["eagle_aux_hidden_state_layer_ids"]
+    # by hand: specforge and sglang-legacy add 1; vllm adds 0; sglang adds 1 only after a 1
+    assert ids == {"vllm": [3, 5, 6], "sglang": [3, 5, 6]}.get(engine, [2, 4, 5])
+    assert eagle["eagle_aux_hidden_state_layer_ids_convention"] == engine
+    assert E.aux_inputs(ids, engine) == (3, 5, 6)
+    assert E.load_draft(str(tmp_path), target).cfg.aux_layers == (3, 5, 6)
+    assert E.load_draft(str(tmp_path), target, aux_convention=engine).cfg.aux_layers == (3, 5, 6)
+
+
+def test_default_aux_layers_are_saved_without_ids_and_inexpressible_ones_refused(zoo, tmp_path):
+    target = zoo.target("llama")
+    draft = tiny_draft(target, seed=1)                        # trained on (2, L//2, L-3)
+    assert draft.cfg.aux_default
+    for engine in E.AUX_CONVENTIONS:
+        eagle = saved_eagle_config(draft, tmp_path, engine)
+        assert "eagle_aux_hidden_state_layer_ids" not in eagle, engine
+        for convention in E.AUX_CONVENTIONS:                  # every engine reads the default
+            assert E.load_draft(str(tmp_path), target, aux_convention=convention
+                                ).cfg.aux_layers == (2, LAYERS // 2, LAYERS - 3)
+    # a config saved before the convention was named is read as SpecForge's (how it was saved)
+    old = tiny_draft(target, seed=1, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 3, 6]))
+    assert old.cfg.aux_layers == (1, 4, 7)
+    # SGLang reads [0, 3, 6] as (0, 3, 6) and [1, 4, 7] as (2, 5, 8): (1, 4, 7) has no ids there
+    with pytest.raises(E.Eagle3Error, match=r"aux layers \[1, 4, 7\] cannot be written in "
+                                         r"sglang's convention"):
+        E.save_draft(old, str(tmp_path / "sglang"), engine="sglang")
+    assert not (tmp_path / "sglang").exists()
+    edit_draft_dir(str(tmp_path), config=lambda raw: raw.update(num_hidden_layers=2))
+    with pytest.raises(E.Eagle3Error, match=r"draft num_hidden_layers=2: an EAGLE-3 drafter "
+                                            r"has one decoder layer"):
+        E.load_draft(str(tmp_path), target)
 
 
 KEPT_20 = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22]
