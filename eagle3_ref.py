@@ -930,45 +930,6 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
     return Acceptance(packed[2:3 + a], a, int(packed[1]), acceptance.uniforms)
 
 
-def official_verify(logits, tree, randomness, sampling, preset):
-    """The official scheme (accept_sampled above) as a preset's verification rule."""
-    return accept_sampled(logits, tree, randomness.uniforms, sampling), None
-
-
-class Preset(NamedTuple):
-    """An engine's EAGLE-3 conventions, resolved once, when a run starts, into the functions
-    and numbers they choose; the decoding loop only calls them. PRESETS holds the official
-    code's; SGLang's and vLLM's join it after the method. In all three the output stops
-    exactly at max_new_tokens and at the first EOS, and siblings are tried in ascending
-    node index."""
-    name: str                 # for reports and golden headers; never branched on
-    scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
-                              # probabilities that multiply (SGLang, vLLM)
-    argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
-    warpers: tuple            # warper order: OFFICIAL_ORDER or TRANSFORMERS_ORDER
-    verify: object            # sampled verification of a tree: (logits, tree, randomness,
-                              # sampling, preset) -> (Acceptance, the engine's draws or None)
-    draft_pos_offset: int = 0      # 1: levels drafted one RoPE position late (SGLang < #25015)
-    threshold_single: float = 1.0  # SGLang: a child with p >= this is accepted (1.0 = off)
-    threshold_acc: float = 1.0     # SGLang: accept when coin <= sum(p) / this (1.0: lossless)
-    tau_emitted: bool = False  # reported accept length: tokens actually emitted per round
-                               # (SGLang); else mean(accepted + 1) as decided, drafts after an
-                               # EOS included (official, vLLM)
-
-
-PRESETS = dict(official=Preset("official", Scoring(), argmax_chain=False, warpers=OFFICIAL_ORDER,
-                               verify=official_verify))
-
-
-def as_preset(preset):
-    """A preset name (resolved here, once per run) or a Preset."""
-    if isinstance(preset, Preset):
-        return preset
-    if preset not in PRESETS:
-        fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
-    return PRESETS[preset]
-
-
 # ----------------------------------------------------------------------------------------
 # 8. generation
 #
@@ -1061,10 +1022,10 @@ def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record
 
 
 def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None, preset="official"):
+                    seed=0, eos_token_id=None, variant=None):
     """Plain sampling: one uniform per token, inverse CDF of the warped distribution (warped
-    in the preset's order: the distribution its speculative decoding keeps)."""
-    sampling = Sampling(temperature, top_k, top_p, as_preset(preset).warpers)
+    in the official order, or a variant's: the distribution its speculative decoding keeps)."""
+    sampling = Sampling(temperature, top_k, top_p, variant.warpers if variant else OFFICIAL_ORDER)
     return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
                                    eos_token_id)
 
@@ -1077,25 +1038,17 @@ class Drafted(NamedTuple):
     uniforms: tuple = ()     # the uniforms drafting used, in order
 
 
-class Scheme(NamedTuple):
-    """How a round drafts, and accepts when sampling: the official tree below; Part II adds
-    the sampled chain to SCHEMES. Greedy acceptance is the same for every scheme."""
+class Variant(NamedTuple):
+    """The one seam for the variants of Part II (a sampled chain, the engines' presets):
+    what a run that uses one calls instead of the official tree and acceptance, resolved
+    into plain functions and values before the run starts. A run without one is the method
+    as this part writes it; greedy acceptance is the same for all."""
+    name: str        # for reports
+    warpers: tuple   # the order its sampling warps in (the official: OFFICIAL_ORDER)
+    chain: bool      # drafts a chain of depth + 1 tokens, whatever the tree
+    check: object    # (sampling) -> fails on what it cannot do
     draft: object    # (draft, cache, n, h_last, root, run, randomness, tp) -> Drafted
-    accept: object   # (logits, drafted, run, randomness) -> (Acceptance, engine draws or None)
-    chain: bool      # drafts a chain of depth+1 tokens rather than a tree
-    check: object    # (sampling, preset) -> fails on what the scheme cannot do
-
-
-def tree_draft(draft, cache, n, h_last, root, run, randomness, tp):
-    return Drafted(grow_tree(draft, cache, n, h_last, root, run.shape, run.preset.scoring,
-                             run.preset.draft_pos_offset))
-
-
-def tree_accept(logits, drafted, run, randomness):
-    return run.preset.verify(logits, drafted.tree, randomness, run.sampling, run.preset)
-
-
-SCHEMES = dict(tree=Scheme(tree_draft, tree_accept, chain=False, check=lambda s, p: None))
+    accept: object   # sampled: (logits, drafted, run, randomness) -> (Acceptance, draws)
 
 
 def check_dtypes(target, draft):
@@ -1111,28 +1064,24 @@ def check_dtypes(target, draft):
 
 class Run(NamedTuple):
     """What a speculative run decided when it started (checked once): the tree shape, the
-    sampling, the preset's functions, the drafting scheme, what to record."""
+    sampling, what to record, and its variant (None: the official method)."""
     shape: TreeShape
     sampling: Sampling
-    preset: Preset
-    scheme: Scheme
     record_logits: bool
+    variant: Variant = None
 
 
-def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree, scheme,
-              preset, eos_token_id, record_logits):
+def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
+              eos_token_id, record_logits, variant):
     """Every argument of speculative decoding checked before any work -> the Run (a chain
-    of depth+1 drafts keeps only the depth: the sampled chain, vLLM's)."""
-    preset = as_preset(preset)
-    sampling = Sampling(temperature, top_k, top_p, preset.warpers)
+    of depth+1 drafts keeps only the depth)."""
+    sampling = Sampling(temperature, top_k, top_p, variant.warpers if variant else OFFICIAL_ORDER)
     check_sampling(sampling)
-    if scheme not in SCHEMES:
-        fail(f"scheme={scheme!r} must be one of {tuple(SCHEMES)}")
-    scheme = SCHEMES[scheme]
-    scheme.check(sampling, preset)
     shape = TreeShape(*tree)
-    if scheme.chain or preset.argmax_chain:
-        shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
+    if variant:
+        variant.check(sampling)
+        if variant.chain:
+            shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
     check_tree_shape(shape, draft.cfg.draft_vocab_size)
     check_dtypes(target, draft)
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -1141,7 +1090,7 @@ def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k,
     for ids in prompts:
         check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
                               target.cfg.vocab_size, reserve=shape.total_tokens)
-    return Run(shape, sampling, preset, scheme, record_logits)
+    return Run(shape, sampling, record_logits, variant)
 
 
 class Round(NamedTuple):
@@ -1189,18 +1138,22 @@ def prefill(target, draft, cache, input_ids, run, randomness):
 
 def draft_step(draft, cache, state, run, randomness, tp):
     """Encode the newly accepted tokens into the drafter's cache (pair: feature of token i,
-    token i+1), then draft on top, as the run's scheme does -> Drafted."""
+    token i+1), then grow the official tree on top (or draft as the run's variant does)."""
     m = state.features.shape[1]
     h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=h_last.device)
-    return run.scheme.draft(draft, cache, state.n, h_last, root, run, randomness, tp)
+    if run.variant:
+        return run.variant.draft(draft, cache, state.n, h_last, root, run, randomness, tp)
+    return Drafted(grow_tree(draft, cache, state.n, h_last, root, run.shape))
 
 
 def accept(logits, drafted, run, randomness):
     """Which drafts the target keeps -> (Acceptance, the engine's draws or None)."""
     if run.sampling.greedy:
         return accept_greedy(logits, drafted.tree), None
-    return run.scheme.accept(logits, drafted, run, randomness)
+    if run.variant:
+        return run.variant.accept(logits, drafted, run, randomness)
+    return accept_sampled(logits, drafted.tree, randomness.uniforms, run.sampling), None
 
 
 def settle(target, cache, state, drafted, logits, aux, run, randomness):
@@ -1234,15 +1187,15 @@ def speculation_round(target, draft, target_cache, draft_cache, state, run, rand
 
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0.0, top_p=1.0,
-                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None, scheme="tree",
-                         record_logits=False, preset="official"):
+                         top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
+                         record_logits=False, variant=None):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
     budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
     has exactly the distribution of sample_generate. `tree`: the TreeShape; top_k: the
-    *sampling* top-k; `preset`: whose conventions ("official", "sglang", "vllm" or a Preset);
-    `scheme`: "tree" (the official tree) or "chain" (drafts sampled from the drafter)."""
+    *sampling* top-k; `variant`: a Part II variant (resolve_variant("vllm"), or "chain")
+    instead of the official method."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits)
+                    eos_token_id, record_logits, variant)
     T, shape = input_ids.shape[1], run.shape
     target_cache = target.new_cache(T + max_new_tokens + shape.total_tokens)
     draft_cache = draft.new_cache(T + max_new_tokens + shape.top_k * shape.depth)
@@ -1352,31 +1305,26 @@ def ttt_teacher(draft, target_logits):
 
 
 def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
-             decay=TTT_DECAY, denominator=None, until_fail=False):
+             decay=TTT_DECAY, denominator=None):
     """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
     (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
     token x[t+1+k] and predicts x[t+2+k]. loss_k is summed over the vocab and divided by
     all B*T positions (masked ones included, as the official code and SpecForge do);
-    `denominator` overrides B*T for data-parallel shards of a global batch.
-    until_fail (ours, not the official loss): step k at t keeps its loss only while steps
-    0..k-1 at t drafted the teacher's argmax: the chain a greedy round accepts, up to and
-    including its first miss (accept-until-fail, Spec-AUF, arXiv 2607.01893)."""
+    `denominator` overrides B*T for data-parallel shards of a global batch."""
     B, T = input_ids.shape
     p, in_vocab = ttt_teacher(draft, target_logits)
     p_top, ids, mask = p.argmax(-1), shift_left(input_ids), loss_mask.float()
     positions = torch.arange(T, device=input_ids.device)
     h, past = draft.fc(aux.to(draft.fc.weight.dtype)), []                # (B, T, D)
-    losses, correct, scored, alive = [], [], [], torch.ones_like(mask)
+    losses, correct, scored = [], [], []
     for step in range(steps):  # the teacher, its argmax and the masks shift once per step
         q, k, v = draft.project(h, ids, positions + step)
         past.append((k, v))
         h = draft.finish(h, ttt_attention(q, past))
         log_q = torch.log_softmax(draft.logits(h).float(), -1)           # (B, T, Vd)
-        position_mask = in_vocab * mask * (alive if until_fail else 1)
-        losses.append(-(position_mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
+        losses.append(-(in_vocab * mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
         correct.append(((log_q.argmax(-1) == p_top) & (in_vocab * mask > 0)).detach())
         scored.append(mask > 0)
-        alive = alive * correct[-1]
         ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
         in_vocab, mask = shift_left(in_vocab), shift_left(mask)
     loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
@@ -1486,7 +1434,7 @@ def print0(*args, **kwargs):
 #                                                                (a learner can skip this)
 # The official tree drafts deterministically (top-k), so its acceptance uses q = 1. The
 # classic alternative samples a chain of drafts from the drafter's own warped q and accepts
-# with min(1, p/q): speculative_generate(scheme="chain") selects it through SCHEMES.
+# with min(1, p/q): speculative_generate(..., variant=resolve_variant(scheme="chain")).
 
 
 def draft_chain(draft, cache, n, h_last, root, length, uniforms, sampling, tp):
@@ -1541,21 +1489,16 @@ def chain_accept(logits, drafted, run, randomness):
                         run.sampling), None
 
 
-def check_chain(sampling, preset):
+def check_chain(sampling):
     if sampling.greedy:
         fail("scheme='chain' samples its drafts and needs temperature > 0; at temperature 0 "
              "use scheme='tree' (a greedy chain is a tree with top_k=1)")
-    if preset.verify is not official_verify:
-        fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} verifies "
-             f"its own drafts: use scheme='tree'")
-
-
-SCHEMES.update(chain=Scheme(chain_draft, chain_accept, chain=True, check=check_chain))
 
 
 # SGLang and vLLM score trees, verify samples and draw their random numbers differently
 # from the official code. Both are lossless at their defaults; the same coins give
-# different tokens. Their presets join Part I's PRESETS table at the end of this section.
+# different tokens. resolve_variant() at the end of this section resolves each into the Variant
+# (Part I's one seam) that a run hands its rounds.
 
 
 def probs(logits):
@@ -1639,12 +1582,76 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
                          bonus), draws
 
 
+def official_verify(logits, tree, randomness, sampling, preset):
+    """The official acceptance (Part I's accept_sampled) as a preset's verification rule."""
+    return accept_sampled(logits, tree, randomness.uniforms, sampling), None
+
+
+class Preset(NamedTuple):
+    """An engine's EAGLE-3 conventions as the functions and numbers they choose; resolve_variant()
+    resolves one into the Variant a run hands the round. In all three PRESETS the output
+    stops exactly at max_new_tokens and at the first EOS, and siblings are tried in
+    ascending node index."""
+    name: str                 # for reports and golden headers; never branched on
+    scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
+                              # probabilities that multiply (SGLang, vLLM)
+    argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
+    warpers: tuple            # warper order: OFFICIAL_ORDER or TRANSFORMERS_ORDER
+    verify: object            # sampled verification of a tree: (logits, tree, randomness,
+                              # sampling, preset) -> (Acceptance, the engine's draws or None)
+    draft_pos_offset: int = 0      # 1: levels drafted one RoPE position late (SGLang < #25015)
+    threshold_single: float = 1.0  # SGLang: a child with p >= this is accepted (1.0 = off)
+    threshold_acc: float = 1.0     # SGLang: accept when coin <= sum(p) / this (1.0: lossless)
+    tau_emitted: bool = False  # reported accept length: tokens actually emitted per round
+                               # (SGLang); else mean(accepted + 1) as decided, drafts after an
+                               # EOS included (official, vLLM)
+
+
 PROB_SCORING = Scoring(probs, operator.mul)
-PRESETS.update(  # the table of Part I gains the engines' presets
+PRESETS = dict(
+    official=Preset("official", Scoring(), argmax_chain=False, warpers=OFFICIAL_ORDER,
+                    verify=official_verify),
     sglang=Preset("sglang", PROB_SCORING, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
                   verify=sglang_verify, tau_emitted=True),
     vllm=Preset("vllm", PROB_SCORING, argmax_chain=True, warpers=TRANSFORMERS_ORDER,
                 verify=vllm_verify))
+SCHEMES = ("tree", "chain")
+
+
+def as_preset(preset):
+    """A preset name (resolved here, once per run) or a Preset."""
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
+    return PRESETS[preset]
+
+
+
+def resolve_variant(preset="official", scheme="tree"):
+    """The Variant a run hands Part I's round, resolved from the public names: `preset`
+    "official", "sglang", "vllm" (or a Preset), `scheme` "tree" (the preset's tree) or
+    "chain" (drafts sampled from the drafter's q; official preset only). The official
+    preset's tree is the method itself: None."""
+    preset = as_preset(preset)
+    if scheme not in SCHEMES:
+        fail(f"scheme={scheme!r} must be one of {SCHEMES}")
+    if scheme == "chain":
+        if preset.verify is not official_verify:
+            fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} "
+                 f"verifies its own drafts: use scheme='tree'")
+        return Variant("chain", preset.warpers, True, check_chain, chain_draft, chain_accept)
+    if preset == PRESETS["official"]:
+        return None
+
+    def tree_draft(draft, cache, n, h_last, root, run, randomness, tp):
+        return Drafted(grow_tree(draft, cache, n, h_last, root, run.shape, preset.scoring,
+                                 preset.draft_pos_offset))
+
+    def tree_accept(logits, drafted, run, randomness):
+        return preset.verify(logits, drafted.tree, randomness, run.sampling, preset)
+    return Variant(preset.name, preset.warpers, preset.argmax_chain, lambda sampling: None,
+                   tree_draft, tree_accept)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1687,11 +1694,11 @@ def verify_trees(target, cache, ns, trees, aux_layers):
 @torch.inference_mode()
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperature=0.0,
                                top_p=1.0, top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
-                               scheme="tree", record_logits=False, preset="official"):
+                               record_logits=False, variant=None):
     """speculative_generate of B prompts (1, T_b) verified together -> a SpecResult each.
     Row b's generator is seeded seed + b; its rounds' `comm` is the whole batched round's."""
     run = start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
-                    scheme, preset, eos_token_id, record_logits)
+                    eos_token_id, record_logits, variant)
     B, longest, shape = len(prompts), max(ids.shape[1] for ids in prompts), run.shape
     # A finished row rides along in the verify (its root alone, padded to the widest tree)
     # after a last round that may have committed up to depth+1 tokens past its budget.
@@ -2651,8 +2658,7 @@ class TTTInputs(NamedTuple):
     aux: torch.Tensor            # (B, T, 3*D_t) the features the drafter reads
 
 
-def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None,
-              until_fail=False):
+def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_layers=None):
     """The target's side of the whole batch (TTTInputs from `inputs`: a live, tensor-parallel
     forward, or captured features; at the drafter's aux layers unless `aux_layers`), then
     the TTT loss on this rank's rows, normalised by the *global* B*T so the all-reduced
@@ -2660,7 +2666,7 @@ def ttt_batch(inputs, draft, examples, rank=0, world=1, steps=TTT_STEPS, aux_lay
     x = inputs(examples, aux_layers or draft.cfg.aux_layers)
     rows = slice(*slice_bounds(len(x.input_ids), rank, world))
     return ttt_loss(draft, x.aux[rows], x.input_ids[rows], x.loss_mask[rows], x.target_logits[rows],
-                    steps, denominator=x.input_ids.numel(), until_fail=until_fail)
+                    steps, denominator=x.input_ids.numel())
 
 
 def new_optimizer(draft, cfg):
@@ -2677,8 +2683,7 @@ def train_step(inputs, draft, opt, examples, step, cfg, rank=0, dp=LOCAL):
     on this rank's rows, gradients summed over `dp`; the forward under autocast if cfg.bf16."""
     params = [p for group in opt.param_groups for p in group["params"]]
     with torch.autocast(params[0].device.type, torch.bfloat16, enabled=cfg.bf16):
-        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps,
-                           until_fail=cfg.until_fail)
+        result = ttt_batch(inputs, draft, examples, rank, dp.size, cfg.ttt_steps)
     result.loss.backward()
     for p in params:  # data parallel: sum the shards' gradients
         all_reduce(p.grad, dp)
@@ -2815,13 +2820,16 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
     by_length = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p), []).append(i)
-    replies = [None] * len(prompts)
+    replies, bar, done = [None] * len(prompts), Progress("target replies", len(prompts)), 0
     for length, indices in sorted(by_length.items()):
         for j in range(0, len(indices), batch):
             rows = indices[j:j + batch]
             for i, reply in zip(rows, padded_greedy(target, [prompts[i] for i in rows],
                                                     max_new_tokens, eos_token_id)):
                 replies[i] = reply
+            done += len(rows)
+            bar.show(done)
+    bar.done()
     return replies
 
 
@@ -2876,7 +2884,6 @@ class TrainConfig(NamedTuple):
     seed: int = 0
     bf16: bool = False       # mixed precision: the forward's matmuls in bf16 under autocast
                              # (AMX on recent Xeons: ~8x fp32), weights and optimizer in fp32
-    until_fail: bool = False # ttt_loss's accept-until-fail truncation (ours, not official)
     save_for: str = "specforge"  # the engine whose convention saved aux ids are in
 
 
@@ -3395,8 +3402,8 @@ def golden_run(cfg):
     results = speculative_generate_batch(
         target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
-        eos_token_id=cfg["eos_token_id"], scheme=cfg["scheme"], record_logits=True,
-        preset=golden_preset(cfg))
+        eos_token_id=cfg["eos_token_id"], record_logits=True,
+        variant=resolve_variant(golden_preset(cfg), cfg["scheme"]))
     return prompts, results
 
 
@@ -3442,6 +3449,7 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     spec_s = greedy_s = 0.0
     spec_comm, greedy_comm = [], []
     speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
+    bar = Progress("decode: speculative and greedy", len(prompts))
     for ids in prompts:
         spec, seconds = best_time(lambda: speculative_generate(
             target, draft, ids, max_new_tokens, tree=tree, eos_token_id=eos), repeats)
@@ -3455,6 +3463,8 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
         forwards += 1 + len(spec.rounds)
         spec_comm += [spec.prefill_comm] + [r.comm for r in spec.rounds]
         greedy_comm.append(comm)
+        bar.show(len(greedy_comm))
+    bar.done()
     accepted = torch.tensor([r.accepted for r in rounds])
     reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
     rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
@@ -3684,8 +3694,8 @@ def cmd_generate(args):
     t0 = time.perf_counter()
     result = speculative_generate(
         target, draft, ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, tree=tree_shape(args), seed=args.seed, scheme=args.scheme, preset=preset,
-        eos_token_id=eos_ids(tokenizer, target_dir))
+        top_k=args.top_k, tree=tree_shape(args), seed=args.seed,
+        eos_token_id=eos_ids(tokenizer, target_dir), variant=resolve_variant(preset, args.scheme))
     seconds = time.perf_counter() - t0
     if args.show_tree:
         for i, r in enumerate(result.rounds):
@@ -3777,11 +3787,9 @@ def check_examples(examples, where, max_len):
              f"most --max-len {max_len} tokens); need at least 2")
 
 
-def train_command(args, target, inputs, examples, focus=None):
+def train_command(args, target, inputs, examples):
     """train, once data and target are read: hold out 1/50, map the vocab (or keep
-    --init-draft's), run TTT, print the kept (best) and the last curve points.
-    focus(draft, train) -> train: a choice of training data made with the starting drafter
-    (the workbench's on-policy rounds); the held-out examples stay as they are."""
+    --init-draft's), run TTT, print the kept (best) and the last curve points."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -3790,16 +3798,12 @@ def train_command(args, target, inputs, examples, focus=None):
         vocab_map = build_vocab_mapping(count_reply_tokens(train, target.cfg.vocab_size),
                                         args.draft_vocab_size)
         draft = fresh_draft(draft_config_for(target, args.draft_vocab_size), target, args.seed,
-                            vocab_map, dtype=torch.float32,
-                            head_from_target=args.lm_head_init == "target")
-    if focus:
-        train = focus(draft, train)
+                            vocab_map, dtype=torch.float32)
     steps = args.steps or max(1, args.epochs * len(train) // args.batch)
     every = args.eval_every or max(1, steps // 10)
     cfg = TrainConfig(steps=steps, batch=args.batch, lr=args.lr, warmup=max(1, steps // 50),
                       ttt_steps=args.ttt_steps, eval_every=every, save_every=every, seed=args.seed,
-                      bf16=args.autocast == "bf16", until_fail=args.loss == "until-fail",
-                      save_for=args.engine)
+                      bf16=args.autocast == "bf16", save_for=args.engine)
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
     print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
 
@@ -3913,16 +3917,12 @@ def add_train(sub):
                    "rate anneals over them, so a short budget still ends annealed")
     t.add_argument("--eval-every", type=int, help="steps between held-out evaluations (each "
                    "keeps the drafter if its tau_sim is the best so far; default steps/10)")
-    t.add_argument("--loss", choices=("official", "until-fail"), default="official",
-                   help="until-fail: each chain's loss stops after its first wrong draft (ours)")
     t.add_argument("--batch", type=int, default=8)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--draft-vocab-size", type=int, default=32000)
     t.add_argument("--max-len", type=int, default=2048, help="longer conversations are dropped")
     t.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
     t.add_argument("--init-draft", help="start from this drafter (keeps its vocab map)")
-    t.add_argument("--lm-head-init", choices=("random", "target"), default="random",
-                   help="a fresh drafter's lm_head: random, or the target's rows of its vocab")
     t.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
     t.add_argument("--for", **SAVE_FOR_FLAG)
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")

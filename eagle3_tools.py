@@ -41,7 +41,7 @@ import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, SAVE_FOR_FLAG, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, accepted_runs, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time,
+    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time,
     broadcast0, broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     declared_aux_convention, default_dtype, demo_prompts, draft_config_for, draft_prefix,
@@ -50,7 +50,7 @@ from eagle3_ref import (
     in_model_dtype, is_rank0, live_inputs, load_draft, load_state, load_target,
     load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
     parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
-    read_target_config, remote_code_flag, replay_rounds, save_draft, speculative_generate,
+    read_target_config, remote_code_flag, save_draft, speculative_generate,
     target_checkpoint, tau_sim, tokenize_conversation, training_examples, tree_shape, verify_tree,
     why, world_info, write_json)
 
@@ -1030,49 +1030,9 @@ def cmd_eval_draft(args):
                            chains=rows, best=best, verdict=verdict, projected=shapes)))
 
 
-@torch.inference_mode()
-def rejected_rounds(inputs, draft, examples, drafts, batch=16):
-    """On-policy data, after Draft-OPD (arXiv 2605.29343: train the drafter where verification
-    exposed its errors): the rounds a greedy chain of `drafts` drafts runs along each example
-    (replay_rounds), and each example with its loss mask cut to the starts of the rounds that
-    did not accept every draft, so the TTT loss replays exactly those rounds' drafts. On the
-    target's own greedy replies these are the rounds serving runs: speculation reproduces the
-    reply. -> (examples, rounds, rejected rounds)."""
-    mined, rounds, rejected = [], 0, 0
-    for i in range(0, len(examples), batch):
-        chunk = examples[i:i + batch]
-        r = E.ttt_batch(inputs, draft, chunk, steps=drafts)
-        for ex, row in zip(chunk, replay_rounds(accepted_runs(r), r.scored[0])):
-            mask = [0] * len(ex.tokens)
-            for t, accepted in row:
-                if accepted < drafts:
-                    mask[t + 2] = 1     # collate: loss_mask[t] is the reply mask at t + 2
-            mined.append(ex._replace(reply_mask=mask))
-            rounds, rejected = rounds + len(row), rejected + sum(mask)
-    return mined, rounds, rejected
-
-
-def on_policy_focus(inputs, drafts):
-    """train --on-policy: the drafter's rejected rounds instead of every reply position."""
-    def focus(draft, train):
-        mined, rounds, rejected = rejected_rounds(inputs, draft, train, drafts)
-        print0(f"on-policy: {rejected} of {rounds} rounds of a {drafts}-draft chain rejected a "
-               f"draft along the {len(train)} training replies; training on those rounds")
-        if not rejected:
-            fail(f"--on-policy {drafts}: the drafter's chains of {drafts} accepted every draft "
-                 f"along the training replies; nothing to train on")
-        return [ex for ex in mined if sum(ex.reply_mask)]
-    return focus
-
-
 def cmd_train(args):
     """train: the reference's, or with --features from captured features (the target's
     embedding and lm_head are all it reads)."""
-    if args.on_policy < 0:
-        fail(f"--on-policy {args.on_policy} must be a number of drafts, 1 or more (0: off)")
-    if args.on_policy and not (args.init_draft and args.features):
-        fail(f"--on-policy {args.on_policy} needs --init-draft (the drafter whose rejected "
-             f"rounds it trains on) and --features (the target's own replies, captured)")
     if not args.features:
         return E.cmd_train(args)
     if args.data:
@@ -1082,8 +1042,7 @@ def cmd_train(args):
     E.check_examples(examples, args.features, args.max_len)
     target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     inputs = captured_inputs(target, pad_id_of(args.target, args))
-    E.train_command(args, target, inputs, examples,
-                    on_policy_focus(inputs, args.on_policy) if args.on_policy else None)
+    E.train_command(args, target, inputs, examples)
 
 
 # ----------------------------------------------------------------------------------------
@@ -2236,20 +2195,27 @@ def our_side(args, target, drafts, prompts, eos):
         for i, x in enumerate(ids):
             t = time.time()
             spec = speculative_generate(target, draft, x, n, tree=chain, eos_token_id=eos,
-                                        preset="vllm")
+                                        variant=E.resolve_variant("vllm"))
             side["chain_s"] += (time.time() - t) if not side["chains"] else 0.0
             rows.append(dict(tokens=spec.tokens.tolist(),
                              accepted=[r.accepted for r in spec.rounds]))
             bar.show(i + 1)
         bar.done()
         side["chains"][reading] = rows
+    draft = next(iter(drafts.values()))
+    tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
+    if tree:   # our own tree (official method), for speed only
+        t = time.time()
+        side["tree_tokens"] = sum(len(speculative_generate(target, draft, x, n, tree=tree,
+                                                           eos_token_id=eos).tokens) for x in ids)
+        side["tree_s"] = time.time() - t
     if args.batch > 1:
-        draft = next(iter(drafts.values()))
+        variant = None if tree else E.resolve_variant("vllm")
         t, side["batch_tokens"] = time.time(), 0
         for j in range(0, len(ids), args.batch):
             side["batch_tokens"] += sum(len(r.tokens) for r in E.speculative_generate_batch(
-                target, draft, ids[j:j + args.batch], n, tree=chain, eos_token_id=eos,
-                preset="vllm"))
+                target, draft, ids[j:j + args.batch], n, tree=tree or chain, eos_token_id=eos,
+                variant=variant))
         side["batch_s"] = time.time() - t
     return side
 
@@ -2308,11 +2274,15 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
     speed = dict(engine_greedy=tps(greedy_rows), engine_eagle3=tps(eagle_rows),
                  ours_greedy=sum(map(len, side["greedy"])) / side["greedy_s"],
                  ours_eagle3=sum(len(r["tokens"]) for r in first_chain) / side["chain_s"])
+    if "tree_s" in side:
+        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = (side["tree_tokens"] /
+                                                                   side["tree_s"])
     if args.batch > 1:
         greedy, batch = (run["batch"] for run in engine["runs"])
         speed.update(engine_greedy_batch=greedy["tokens"] / greedy["seconds"],
                      engine_eagle3_batch=batch["tokens"] / batch["seconds"],
-                     ours_eagle3_batch=side["batch_tokens"] / side["batch_s"])
+                     **{"ours_eagle3_tree_batch" if "tree_s" in side else "ours_eagle3_batch":
+                        side["batch_tokens"] / side["batch_s"]})
     return dict(
         engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype or "float32",
         exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=k,
@@ -2473,10 +2443,6 @@ def add_diagnostic_commands(sub):
 
 def add_probe_commands(sub, train):
     train.add_argument("--features", help="offline: a captured features dir instead of --data")
-    train.add_argument("--on-policy", type=int, default=0, metavar="DRAFTS",
-                       help="train only on the rounds where a chain of DRAFTS drafts of "
-                            "--init-draft had a draft rejected along the replies (which must be "
-                            "the target's own greedy replies; after Draft-OPD)")
     train.set_defaults(run=cmd_train)
     cap = sub.add_parser("capture", help="write target features of chat data in SpecForge's "
                          "offline layout", parents=[common(
@@ -2634,6 +2600,8 @@ def add_engine_command(sub):
     ec.add_argument("--max-new-tokens", type=int, default=128)
     ec.add_argument("--batch", type=int, default=8, help="also time a batch of this many "
                     "requests on both sides (1: one at a time only)")
+    ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
+                    "(the official method, e.g. the plan's 2,1,3), and batch with it")
     ec.add_argument("--exact", **E.EXACT_FLAG)
     ec.add_argument("--out", help="dir for the report and the engine's log "
                     "(default runs/engine-check)")

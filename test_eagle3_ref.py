@@ -437,7 +437,7 @@ def tp_worker(job, rank):
     draft = E.load_draft(case["draft"], target)
     results["batch"] = {(preset, temperature): [r.tokens for r in E.speculative_generate_batch(
         target, draft, BATCH_PROMPTS, 16, temperature=temperature, tree=E.TreeShape(2, 2, 7),
-        seed=5, preset=preset)] for preset in E.PRESETS for temperature in (0.0, 0.9)}
+        seed=5, variant=E.resolve_variant(preset))] for preset in E.PRESETS for temperature in (0.0, 0.9)}
     # Rank 1 now gets another (untied) lm_head, so its own argmax disagrees with rank 0's:
     # every rank must still emit rank 0's decisions (ranks deciding alone diverge or deadlock).
     if rank == 1:
@@ -505,7 +505,7 @@ def test_tensor_parallel_batches_equal_single_process(speculation, tp_run, prese
     for temperature in (0.0, 0.9):
         expected = [r.tokens.tolist() for r in E.speculative_generate_batch(
             s.target, s.draft, BATCH_PROMPTS, 16, temperature=temperature,
-            tree=E.TreeShape(2, 2, 7), seed=5, preset=preset)]
+            tree=E.TreeShape(2, 2, 7), seed=5, variant=E.resolve_variant(preset))]
         for rank in tp_run.ranks:
             assert [t.tolist() for t in rank["batch"][(preset, temperature)]] == expected
 
@@ -1400,7 +1400,7 @@ def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_roun
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, tree=case.shape, seed=seed,
-            scheme=case.scheme)
+            variant=E.resolve_variant(scheme=case.scheme))
         assert tuple(result.tokens.tolist()) == replay(coins(seed), n_tokens=REPLAY_TOKENS), \
             f"seed {seed}"
 
@@ -1590,7 +1590,7 @@ def test_the_seed_alone_decides_the_tokens_and_the_trace_records_its_uniforms(
 
     def run(seed, n=24, **sampling):
         return E.speculative_generate(vocab6_target, vocab6_drafts[case.draft], PROMPT, n,
-                                      tree=case.shape, seed=seed, scheme=case.scheme, **sampling)
+                                      tree=case.shape, seed=seed, variant=E.resolve_variant(scheme=case.scheme), **sampling)
     first, second = run(7, temperature=0.8, top_p=0.95), run(7, temperature=0.8, top_p=0.95)
     assert first.tokens.tolist() == second.tokens.tolist()
     assert first.accept_lengths == second.accept_lengths
@@ -1665,7 +1665,7 @@ def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
                                             tree=CASES["tree-2-2-5"].shape, seed=seed).tokens,
         chain=lambda: E.speculative_generate(target, draft, PROMPT, 16, temperature=0.9,
                                              top_p=0.9, tree=CASES["chain-2"].shape, seed=seed,
-                                             scheme="chain").tokens,
+                                             variant=E.resolve_variant(scheme="chain")).tokens,
         plain=lambda: E.sample_generate(target, PROMPT, 16, temperature=0.9, top_p=0.9, seed=seed))
     return {name: run[name]().tolist() for name in generators}
 
@@ -1691,12 +1691,12 @@ def test_each_presets_greedy_speculation_alone_and_in_a_batch_of_4_equals_greedy
         s = speculation[name]
         for kind in ("memorized", "fresh"):
             result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
-                                            tree=E.TreeShape(3, 3, 12), preset=preset)
+                                            tree=E.TreeShape(3, 3, 12), variant=E.resolve_variant(preset))
             assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
     s = speculation["llama"]
     prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
     results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
-                                           tree=E.TreeShape(3, 3, 12), preset=preset)
+                                           tree=E.TreeShape(3, 3, 12), variant=E.resolve_variant(preset))
     for ids, r in zip(prompts, results):
         assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
     assert max(results[3].accept_lengths) >= 3
@@ -1709,10 +1709,10 @@ def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation,
     s = speculation["qwen3"]
     results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16,
                                            temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
-                                           seed=40, preset=preset)
+                                           seed=40, variant=E.resolve_variant(preset))
     for b, (ids, r) in enumerate(zip(BATCH_PROMPTS, results)):
         single = E.speculative_generate(s.target, s.draft, ids, 16, temperature=0.9, top_k=8,
-                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, preset=preset)
+                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, variant=E.resolve_variant(preset))
         assert r.tokens.tolist() == single.tokens.tolist(), b
         assert r.accept_lengths == single.accept_lengths
 
@@ -1729,7 +1729,7 @@ def test_batch_of_8_and_9_token_prompts_on_a_short_chain_equals_each_prompt_alon
     assert [p.shape[1] for p in prompts] == [8, 9]
     for max_new in (28, 29, 30, 31):
         batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
-                                             tree=E.TreeShape(1, 2, 4), preset=preset)
+                                             tree=E.TreeShape(1, 2, 4), variant=E.resolve_variant(preset))
         for ids, r in zip(prompts, batch):
             assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
         assert len(batch[1].rounds) < len(batch[0].rounds)   # the long row finished first
@@ -1873,7 +1873,7 @@ def preset_accept(preset, generator, **overrides):
     chosen = E.PRESETS[preset]._replace(**overrides)
 
     def accept(logits, tree, uniforms, sampling):
-        run = E.Run(E.TreeShape(), sampling, chosen, E.SCHEMES["tree"], record_logits=False)
+        run = E.Run(E.TreeShape(), sampling, False, E.resolve_variant(chosen))
         return E.accept(logits, E.Drafted(tree), run, randomness)[0]
     return accept
 
@@ -1949,7 +1949,7 @@ def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays
     for seed in range(20):
         result = E.speculative_generate(
             vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
-            top_k=4, top_p=0.8, tree=case.shape, seed=seed, preset=case.preset)
+            top_k=4, top_p=0.8, tree=case.shape, seed=seed, variant=E.resolve_variant(case.preset))
         expected = replay(*engine_draws(case.preset, seed), n_tokens=REPLAY_TOKENS)
         assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
 
@@ -2369,44 +2369,6 @@ def test_ttt_loss_equals_the_stepwise_reference(train_target):
     assert [float(x) for x in result.counts] == counts
 
 
-def test_until_fail_loss_keeps_each_chain_up_to_its_first_wrong_draft(train_target):
-    # accept-until-fail written out per position on reference_drafter: step k at t counts
-    # while steps 0..k-1 at t drafted the teacher's argmax. The teacher is planted so chains
-    # break at different steps: logits row r peaks at the drafter's own step r % 3 choice.
-    target = train_target.target
-    draft = train_randomize(tiny_draft(target, 3, train_target.kept, std=0.02), seed=4)
-    g = torch.Generator().manual_seed(6)
-    B, T, steps = 2, 9, 3
-    ids = torch.randint(0, TRAIN_VOCAB, (B, T), generator=g)
-    loss_mask = (torch.rand(B, T, generator=g) < 0.8).float()
-    aux = torch.randn(B, T, 3 * 32, generator=g)
-    log_qs = [log_q for _, log_q in reference_drafter(draft, aux, ids, steps, H=4, Hkv=2, hs=8)]
-    logits = torch.randn(B, T, TRAIN_VOCAB, generator=g)
-    kept = sorted(train_target.kept)
-    for r in range(T):
-        k = r % steps
-        if r - 1 - k >= 0:
-            for b in range(B):
-                logits[b, r, kept[int(log_qs[k][b, r - 1 - k].argmax())]] += 20.0
-    expected = [0.0] * steps
-    for b, t in itertools.product(range(B), range(T)):
-        for k in range(steps):
-            teacher = shift_left(logits.float(), 1 + k)[b, t]
-            if not shift_left(loss_mask, k)[b, t] or teacher.argmax() not in kept:
-                break
-            p = torch.softmax(teacher[kept], -1)
-            expected[k] += float(-(p * log_qs[k][b, t]).sum()) / (B * T)
-            if int(log_qs[k][b, t].argmax()) != int(p.argmax()):
-                break
-    with torch.no_grad():
-        cut = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=steps, until_fail=True)
-        full = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=steps)
-    actual = [float(x) for x in cut.losses]
-    assert max(abs(a - e) for a, e in zip(actual, expected)) <= 1e-5, (actual, expected)
-    assert 0 < actual[2] < float(full.losses[2]) and actual[0] == float(full.losses[0])
-    assert [float(x) for x in cut.hits] == [float(x) for x in full.hits]
-
-
 # ----------------------------------------------------------------------------------------
 # the training loop: steps, data parallelism, resume
 
@@ -2610,19 +2572,19 @@ def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train
     assert (torch.arange(64) + draft.d2t).tolist() == expected
 
 
-def test_train_cli_steps_budget_and_until_fail_loss(train_chat_target, train_cli_run,
-                                                    tmp_path, monkeypatch):
+def test_train_cli_steps_budget_and_best_point(train_chat_target, train_cli_run, tmp_path,
+                                               monkeypatch):
     # --steps replaces --epochs (the schedule anneals over it), --eval-every sets the
-    # evaluations, --loss until-fail reaches the TrainConfig; the report names the best point
+    # evaluations; the report names the best point
     c, seen = train_chat_target, []
     real = E.train_draft
     monkeypatch.setattr(E, "train_draft", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     proc = cli_here("train", "--target", c.dir, "--data", c.root / "chats.jsonl", "--out",
                     tmp_path, "--steps", 3, "--eval-every", 1, "--batch", 2,
-                    "--draft-vocab-size", 64, "--loss", "until-fail")
+                    "--draft-vocab-size", 64)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen[0].steps == 3 and seen[0].eval_every == 1 and seen[0].until_fail
+    assert seen[0].steps == 3 and seen[0].eval_every == 1
     curve = json.loads((tmp_path / "curve.json").read_text())["points"]
     assert report["steps"] == 3 and [p["step"] for p in curve] == [1, 2, 3]
     assert report["best"] == [p for p in curve if p["chain_tau"][-1] == max(
@@ -2869,9 +2831,11 @@ BAD_SAMPLING = [
 def test_bad_sampling_settings_are_refused_by_both_samplers(kwargs, match, vocab6_target,
                                                             vocab6_drafts):
     kwargs = dict(dict(temperature=1.0), **kwargs)
+    scheme = kwargs.pop("scheme", None)
     with pytest.raises(E.Eagle3Error, match=match):
-        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4, **kwargs)
-    if "scheme" not in kwargs:   # plain sampling drafts nothing
+        E.speculative_generate(vocab6_target, vocab6_drafts["full"], PROMPT, 4, **kwargs,
+                               variant=E.resolve_variant(scheme=scheme) if scheme else None)
+    if scheme is None:   # plain sampling drafts nothing
         with pytest.raises(E.Eagle3Error, match=match):
             E.sample_generate(vocab6_target, PROMPT, 4, **kwargs)
 
@@ -3736,11 +3700,11 @@ def fuzz_runs(case, target, draft):
     prompt = torch.tensor([case.prompt])
     greedy = E.speculative_generate(target, draft, prompt, case.max_new_tokens,
                                     tree=E.TreeShape(*case.shape), eos_token_id=case.eos,
-                                    preset=case.preset)
+                                    variant=E.resolve_variant(case.preset))
     sampled = E.speculative_generate(
         target, draft, prompt, case.max_new_tokens, temperature=case.temperature,
         top_p=case.top_p, top_k=case.top_k, tree=E.TreeShape(*case.shape), seed=case.seed,
-        eos_token_id=case.eos, scheme=case.scheme, record_logits=True)
+        eos_token_id=case.eos, variant=E.resolve_variant(scheme=case.scheme), record_logits=True)
     rounds = [dict(tokens=r.tree.tokens.tolist(), parents=r.tree.parents.tolist(),
                    uniforms=list(r.uniforms),
                    q=None if r.draft_probs is None else r.draft_probs.double())
@@ -3934,7 +3898,8 @@ def check_batched(built, greedy, sampled):
     prompts = [torch.tensor([case.prompt]), torch.tensor([other])]
     shape = E.TreeShape(*case.shape)
     rows = E.speculative_generate_batch(built.target, built.draft, prompts, case.max_new_tokens,
-                                        tree=shape, eos_token_id=case.eos, preset=case.preset)
+                                        tree=shape, eos_token_id=case.eos,
+                                        variant=E.resolve_variant(case.preset))
     assert rows[0].tokens.tolist() == greedy, f"batched greedy row 0; {case.describe()}"
     hf_other = hf_greedy(built.hf, other, case.max_new_tokens, case.eos).tolist()
     check_greedy(built._replace(case=case._replace(prompt=other)), rows[1].tokens.tolist(),
@@ -3942,7 +3907,7 @@ def check_batched(built, greedy, sampled):
     rows = E.speculative_generate_batch(
         built.target, built.draft, prompts, case.max_new_tokens, temperature=case.temperature,
         top_p=case.top_p, top_k=case.top_k, tree=shape, seed=case.seed, eos_token_id=case.eos,
-        scheme=case.scheme)
+        variant=E.resolve_variant(scheme=case.scheme))
     assert rows[0].tokens.tolist() == sampled["tokens"], f"batched sampled row 0; {case.describe()}"
 
 
@@ -4011,6 +3976,16 @@ def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_pro
                         for node in part1 for ref in ast.walk(node)
                         if isinstance(ref, ast.Name) and ref.id in part2})
     assert not crossings, f"Part I refers to Part II: {crossings}"
+    # nor does Part II change what Part I's names hold: no item set, no update() of a table
+    names1 = {t.id for n in part1 if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name)} | defined1
+    with open(E.__file__) as f:
+        body = ast.parse(f.read()).body
+    rewrites = sorted({n.lineno for node in body if node not in part1 for n in ast.walk(node)
+                       if (isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) or
+                           isinstance(n, ast.Attribute) and n.attr == "update")
+                       and isinstance(n.value, ast.Name) and n.value.id in names1})
+    assert not rewrites, f"Part II rewrites Part I's tables at lines {rewrites}"
     here = os.path.dirname(os.path.abspath(E.__file__))  # no project import, none of the tools
     assert not imported_modules(E.__file__) & set(PROJECT_MODULES)
     for name in os.listdir(here):
@@ -4127,7 +4102,7 @@ def partings(target, draft, prompts):
         for j, shape in enumerate(EXACT_SHAPES):
             preset = list(E.PRESETS)[(i + j) % len(E.PRESETS)]
             out = E.speculative_generate(target, draft, ids, EXACT_NEW,
-                                         tree=E.TreeShape(*shape), preset=preset)
+                                         tree=E.TreeShape(*shape), variant=E.resolve_variant(preset))
             if out.tokens.tolist() != greedy:
                 parted.append((i, shape, preset))
             deepest = max(deepest, *out.accept_lengths)
@@ -4403,7 +4378,7 @@ def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tm
         bf16_draft = copy_draft(draft, target)
         greedy = E.greedy_generate(target, prompt, case.max_new_tokens, case.eos).tolist()
         out = E.speculative_generate(target, bf16_draft, prompt, case.max_new_tokens, tree=shape,
-                                     eos_token_id=case.eos, preset=case.preset)
+                                     eos_token_id=case.eos, variant=E.resolve_variant(case.preset))
         if served == "plain":
             if out.tokens.tolist() != greedy:
                 warnings.warn(PlainParted(f"plain bf16 parted; {case.describe()}"))
@@ -4411,7 +4386,7 @@ def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tm
         assert out.tokens.tolist() == greedy, f"exact bf16; {case.describe()}"
         rows = E.speculative_generate_batch(target, bf16_draft, [prompt, other],
                                             case.max_new_tokens, tree=shape,
-                                            eos_token_id=case.eos, preset=case.preset)
+                                            eos_token_id=case.eos, variant=E.resolve_variant(case.preset))
         assert rows[0].tokens.tolist() == greedy, f"exact bf16 batch row 0; {case.describe()}"
 
 

@@ -289,36 +289,6 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
 
 
-def test_train_on_policy_trains_on_the_rejected_rounds_and_keeps_the_held_out_replies(
-        train_chat_target, captured, tmp_path, monkeypatch):
-    c = train_chat_target
-    head = T.load_target_head(c.dir, features=captured.dir)
-    init = tmp_path / "init"
-    E.save_draft(tiny_draft(head, 82, None, std=0.02), str(init))
-    seen = {}
-
-    def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
-        seen.update(train=examples, held_out=held_out)
-        return [E.curve_point(1, 0.0, E.evaluate_draft(inputs, draft, held_out, cfg.ttt_steps))]
-    monkeypatch.setattr(E, "train_draft", train_draft)
-    proc = cli_here("train", "--target", c.dir, "--features", captured.dir, "--out",
-                    tmp_path / "out", "--init-draft", init, "--on-policy", 2, "--steps", 1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train, held_out = E.held_out_split(T.captured_examples(captured.dir))
-    assert seen["held_out"] == held_out
-    inputs = T.captured_inputs(head, c.tok.pad_token_id)
-    mined, rounds, rejected = T.rejected_rounds(inputs, E.load_draft(str(init), head), train, 2)
-    assert seen["train"] == [ex for ex in mined if sum(ex.reply_mask)] and 0 < rejected <= rounds
-    assert f"on-policy: {rejected} of {rounds} rounds of a 2-draft chain" in proc.stdout
-    line = S.refused(cli_here("train", "--target", c.dir, "--features", captured.dir, "--out",
-                              tmp_path / "out2", "--on-policy", 2))
-    assert "--on-policy 2 needs --init-draft" in line
-    line = S.refused(cli_here("train", "--target", c.dir, "--features", captured.dir, "--out",
-                              tmp_path / "out2", "--init-draft", init, "--on-policy", -1))
-    assert "--on-policy -1 must be a number of drafts, 1 or more (0: off)" in line
-    assert not (tmp_path / "out2").exists()
-
-
 @pytest.fixture(scope="module")
 def served_chain(zoo):
     """A drafter half-taught three greedy replies (20 Adam steps), and the first one's rounds
@@ -342,18 +312,6 @@ def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(served_
     assert 4 in lengths and min(lengths) == 1            # whole chains and first-draft misses
     starts = [8 - 1 + sum(lengths[:i]) for i in range(len(lengths))]
     assert [t for t, _ in rounds][:len(lengths)] == starts   # t: the round's root is x[t+1]
-
-
-def test_on_policy_masks_are_the_starts_of_the_rejected_rounds(served_chain):
-    s = served_chain
-    inputs = E.live_inputs(s.target, 0)
-    (mined,), rounds, rejected = T.rejected_rounds(inputs, s.draft, [s.example], 3)
-    served = s.served.accept_lengths
-    starts = [8 - 1 + sum(served[:i]) for i in range(len(served))]
-    missed = [t for t, n in zip(starts, served) if n < 4]       # a draft of the chain rejected
-    masked = [t for t, m in enumerate(E.collate([mined], 0)[1][0].tolist()) if m]
-    assert masked[:len(missed)] == missed and rejected == len(masked) < rounds
-    assert mined.tokens == s.example.tokens
 
 
 # ----------------------------------------------------------------------------------------
@@ -1669,7 +1627,7 @@ def engine_pair(tmp_path_factory):
     S.sharpen(draft, target, texts, steps=150)
     chain = E.TreeShape(top_k=1, depth=2, total_tokens=4)
     accepted = [r.accepted for p in prompts for r in E.speculative_generate(
-        target, draft, p, 40, tree=chain, preset="vllm").rounds]
+        target, draft, p, 40, tree=chain, variant=E.resolve_variant("vllm")).rounds]
     assert sum(accepted) > 2 * len(accepted), accepted          # deep: > 2 of 3 per round
     E.save_draft(draft, str(root / "for-vllm"), engine="vllm")
     E.save_draft(draft, str(root / "for-specforge"))          # ids [2, 4, 5]: vLLM reads
