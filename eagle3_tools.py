@@ -2204,11 +2204,12 @@ def our_side(args, target, drafts, prompts, eos):
         side["chains"][reading] = rows
     draft = next(iter(drafts.values()))
     tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
-    if tree:   # our own tree (official method), for speed only
+    if tree:   # our own tree (the official method), timed, and held against our greedy
         t = time.time()
-        side["tree_tokens"] = sum(len(speculative_generate(target, draft, x, n, tree=tree,
-                                                           eos_token_id=eos).tokens) for x in ids)
-        side["tree_s"] = time.time() - t
+        rows = [speculative_generate(target, draft, x, n, tree=tree, eos_token_id=eos).tokens
+                for x in ids]
+        side["tree_s"], side["tree_tokens"] = time.time() - t, sum(map(len, rows))
+        side["tree_equal"] = sum(r.tolist() == g for r, g in zip(rows, side["greedy"]))
     if args.batch > 1:
         variant = None if tree else E.resolve_variant("vllm")
         t, side["batch_tokens"] = time.time(), 0
@@ -2288,6 +2289,8 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
         exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=k,
         batch=args.batch, readings=readings, greedy_equal=a.count(None),
         greedy_partings=[dict(p, prompt=i) for i, p in enumerate(a) if p],
+        ours_lossless=sum(r["tokens"] == g for r, g in zip(first_chain, side["greedy"])),
+        ours_tree_lossless=side.get("tree_equal"),
         lossless=b.count(None), lossless_partings=[dict(p, prompt=i) for i, p in enumerate(b) if p],
         engine_rounds=sum(e["spec"]["rounds"] for e in eagle_rows),
         engine_per_position=[sum((e["spec"]["per_position"] + [0] * k)[j] for e in eagle_rows)
@@ -2302,7 +2305,9 @@ def print_engine_report(r):
            f"{' (ours: exact path)' if r['exact'] else ''}, {n} prompts x {r['max_new_tokens']} "
            f"tokens, chain of K={r['k']}")
     print0(f"  (a) engine greedy = ours:            {r['greedy_equal']} of {n}")
-    print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}")
+    print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}  (ours: chain "
+           f"{r['ours_lossless']} of {n}" + (f", tree {r['ours_tree_lossless']} of {n})"
+                                            if r["ours_tree_lossless"] is not None else ")"))
     for what, partings in (("(a)", r["greedy_partings"]), ("(b)", r["lossless_partings"])):
         for p in partings:
             print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
@@ -2333,6 +2338,10 @@ def engine_findings(r):
                                  f"feeds the drafter other layers than it was trained on, "
                                  f"re-save it for this engine (draft-check --for vllm --out DIR)"
                                  if engine_reading else ""))
+    if r["ours_lossless"] < r["prompts"]:
+        out.append(f"the reference's own chain parts from its greedy on "
+                   f"{r['prompts'] - r['ours_lossless']} prompts"
+                   + ("" if r["exact"] else " (not served exact: pass --exact in bf16)"))
     if r["greedy_equal"] < r["prompts"]:
         out.append(f"the engine's greedy parts from the reference's on "
                    f"{r['prompts'] - r['greedy_equal']} prompts (see each gap)")

@@ -1652,7 +1652,7 @@ def engine_check(pair, draft, batch):
 def test_engine_check_vllm_serves_our_drafter_exported_for_it_as_we_predict(engine_pair):
     proc, r = engine_check(engine_pair, "for-vllm", batch=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
+    assert (r["greedy_equal"], r["lossless"], r["ours_lossless"], r["findings"]) == (3, 3, 3, [])
     # the engine's own counters, against the chain computed above in this process
     assert (r["engine_rounds"], r["engine_per_position"]) == (
         engine_pair.rounds, engine_pair.per_position)
