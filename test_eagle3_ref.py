@@ -141,8 +141,9 @@ def test_commit_then_decode_equals_recompute_from_scratch(zoo):
         assert (logits[0, -1] - ref_logits[-1]).abs().max() <= ATOL, f"step {step}"
 
 
-# ----------------------------------------------------------------------------------------
-# the DeepSeek-V3 / Kimi-K2 family (MLA + MoE) against transformers' DeepseekV3ForCausalLM
+# ========================================================================================
+# SPEC 3 (continued): the DeepSeek-V3 / Kimi-K2 family (MLA + MoE) against transformers' DeepseekV3ForCausalLM
+# ========================================================================================
 
 DS_FP8_BLOCK = [32, 32]  # blocks straddle the W = 2 slices of q_b, kv_b and the experts
 MIN_ROUTING_GAP = 2e-5   # 20x the fp32 round-off of a router score between implementations
@@ -344,8 +345,9 @@ def test_deepseek_rope_interleave_follows_the_config_as_transformers(tmp_path):
     assert float((logits[True] - logits[False]).abs().max()) > 1e-2
 
 
-# ----------------------------------------------------------------------------------------
-# tensor parallelism: torchrun --nproc_per_node=2 (gloo) equals one process
+# ========================================================================================
+# SPEC 3 (continued): tensor parallelism: torchrun --nproc_per_node=2 (gloo) equals one process
+# ========================================================================================
 
 def run_workers(worker, job, root, timeout=600, world=2):
     """`worker(job, rank)` of this file on `world` torchrun ranks (gloo) -> each rank's result."""
@@ -948,8 +950,9 @@ def test_draft_tree_invariants_hold_for_random_drafters(zoo):
             assert set(tree.tokens[1:].tolist()) <= set(kept.tolist()), where
 
 
-# ----------------------------------------------------------------------------------------
-# greedy acceptance: speculative output equals greedy decoding
+# ========================================================================================
+# SPEC 5 (continued): greedy acceptance: speculative output equals greedy decoding
+# ========================================================================================
 
 SPEC_TARGETS = {  # target -> draft vocab (None: the target's) and whether it is sharpened
     "llama": dict(kept=None, sharpen=True),
@@ -1147,8 +1150,9 @@ def test_deepseek_greedy_speculative_equals_transformers_greedy(ds_speculation, 
     assert max(result.accept_lengths) >= 3     # rounds that accept >= 2 drafts
 
 
-# ----------------------------------------------------------------------------------------
-# sampling acceptance: the exact law of a vocab-6 target, and speculation replayed round by round
+# ========================================================================================
+# SPEC 5 (continued): sampling acceptance: the exact law of a vocab-6 target, and speculation replayed round by round
+# ========================================================================================
 
 V = 6                                  # target vocab: 6**3 = 216 three-token outcomes
 PROMPT = torch.tensor([[1, 4, 2]])
@@ -1439,8 +1443,9 @@ def accept_chain_residual_ignoring_q(logits, drafts, q, uniforms, sampling):
     return acc._replace(bonus=E.sample_inverse_cdf(p, acc.uniforms[-1]))
 
 
-# ----------------------------------------------------------------------------------------
-# sampling acceptance: hand-worked cases
+# ========================================================================================
+# SPEC 5 (continued): sampling acceptance: hand-worked cases
+# ========================================================================================
 
 # Tree (node: token):   0:0 (root) -> 1:1 -> 3:3
 #                                  -> 2:2
@@ -1971,8 +1976,9 @@ def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_ar
                                                            [12 + offset] * 2]
 
 
-# ----------------------------------------------------------------------------------------
-# the engines' own test cases, reproduced from their inputs (the commit each was read at is named)
+# ========================================================================================
+# SPEC 10 (continued): the engines' own test cases, reproduced from their inputs (the commit each was read at is named)
+# ========================================================================================
 
 # The engines' own output functions, restated from their inputs over eagle3_ref's trees and
 # acceptance: what their tests compare.
@@ -2369,8 +2375,9 @@ def test_ttt_loss_equals_the_stepwise_reference(train_target):
     assert [float(x) for x in result.counts] == counts
 
 
-# ----------------------------------------------------------------------------------------
-# the training loop: steps, data parallelism, resume
+# ========================================================================================
+# SPEC 6 (continued): the training loop: steps, data parallelism, resume
+# ========================================================================================
 
 
 def test_regenerated_replies_equal_transformers_greedy_cut_after_eos(zoo):
@@ -2840,8 +2847,9 @@ def test_bad_sampling_settings_are_refused_by_both_samplers(kwargs, match, vocab
             E.sample_generate(vocab6_target, PROMPT, 4, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------
-# checkpoints: truncated files are refused, interrupted writes leave whole files
+# ========================================================================================
+# SPEC 8 (continued): checkpoints: truncated files are refused, interrupted writes leave whole files
+# ========================================================================================
 
 
 @pytest.fixture(scope="module")
@@ -3203,8 +3211,9 @@ def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_sa
         assert c["scheme"] == sampling.get("--scheme", "tree") and c["dtype"] == "float32"
 
 
-# ----------------------------------------------------------------------------------------
-# a golden trace is what it claims to be
+# ========================================================================================
+# golden traces (continued): a golden trace is what it claims to be
+# ========================================================================================
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_RUNS))
@@ -3730,8 +3739,9 @@ def fuzz_build(case, root):
     return FuzzBuilt(case, hf, target, draft, root)
 
 
-# ----------------------------------------------------------------------------------------
-# the fuzzer's checks: transformers' greedy text, the sampled decisions replayed, batches, W = 2
+# ========================================================================================
+# the losslessness fuzzer (continued): the fuzzer's checks: transformers' greedy text, the sampled decisions replayed, batches, W = 2
+# ========================================================================================
 
 
 def top2_gap(target, ids):
@@ -4305,8 +4315,9 @@ def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
     assert torch.equal(E.greedy_generate(target, ids, 10), tokens)   # the default: tokens
 
 
-# ----------------------------------------------------------------------------------------
-# exact under torchrun, in the fuzzer, and through the command line
+# ========================================================================================
+# exact in low precision (continued): exact under torchrun, in the fuzzer, and through the command line
+# ========================================================================================
 
 # W = 2 (gloo) needs nothing (a sum of two is one addition); W = 3 sums in rank order.
 EXACT_TP = {2: dict(num_attention_heads=4, num_key_value_heads=2),
