@@ -3047,12 +3047,10 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     return curve
 
 
-def training_examples(tokenizer, data, max_len, limit=None, truncate=False):
+def training_examples(tokenizer, data, max_len, limit=None):
     """The conversations of a JSONL file (its first `limit`) with an assistant turn, as
-    Examples of at most max_len tokens (longer ones dropped, or with truncate cut)."""
+    Examples of at most max_len tokens (longer ones dropped)."""
     examples = [tokenize_conversation(tokenizer, m) for m in read_conversations(data)[:limit]]
-    if truncate:
-        examples = [Example(ex.tokens[:max_len], ex.reply_mask[:max_len]) for ex in examples]
     return [ex for ex in examples if len(ex.tokens) <= max_len and sum(ex.reply_mask)]
 
 

@@ -944,16 +944,15 @@ def cmd_capture(args):
     # the data and the directory are checked before the target is loaded (seconds, not minutes)
     cfg = read_target_config(args.target)
     examples = training_examples(load_tokenizer(args.target, args), args.data, args.max_len,
-                                 args.limit, truncate=args.truncate)
+                                 args.limit)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
     data = os.path.abspath(args.data)
     info = dict(target=os.path.abspath(args.target), data=data, aux_layers=list(aux_layers),
-                samples=len(examples), long="truncated" if args.truncate else "dropped",
-                max_len=args.max_len)
+                samples=len(examples), max_len=args.max_len)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     had = read_json(info_file) if os.path.isfile(info_file) else {}
-    for key in ("aux_layers", "long", "max_len"):   # sample i is the i-th kept conversation
+    for key in ("aux_layers", "max_len"):   # sample i is the i-th kept conversation
         if had.get(key, info[key]) != info[key]:
             fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
                  f"{info[key]!r}: capture into another directory")
@@ -2463,9 +2462,6 @@ def add_probe_commands(sub, train):
                                    "what is captured)",
                              dtype="the target's weights: bfloat16 captures 2x faster on a "
                                    "CPU with AMX (docs/real_models.md)")])
-    cap.add_argument("--truncate", action="store_true",
-                     help="cut a conversation longer than --max-len to its first --max-len "
-                          "tokens instead of dropping it (kept while a reply token remains)")
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
                         "acceptance, expected tau and break-even", parents=[common(

@@ -209,43 +209,26 @@ def test_capture_adds_a_second_data_file_after_the_first(train_chat_target, capt
     assert len(T.captured_examples(str(out))) == 18
 
 
-def test_capture_truncate_keeps_long_conversations_cut_to_max_len(train_chat_target, captured,
-                                                                  tmp_path):
+def test_capture_drops_long_conversations_and_refuses_another_max_len_before_loading(
+        train_chat_target, captured, tmp_path):
     c, out, full = train_chat_target, tmp_path / "features", captured.examples
     lengths = sorted(len(ex.tokens) for ex in full)
     max_len = lengths[len(lengths) // 2]             # about half the conversations are longer
-    long = [i for i, ex in enumerate(full) if len(ex.tokens) > max_len]
-    assert 0 < len(long) < len(full)
+    kept = [ex for ex in full if len(ex.tokens) <= max_len]
+    assert 0 < len(kept) < len(full)
     cli_here("capture", "--target", c.dir, "--data", captured.data, "--out", out,
-             "--max-len", max_len, "--truncate")
+             "--max-len", max_len)
     info = json.load(open(out / "capture.json"))
-    assert (info["samples"], info["long"], info["max_len"]) == (len(full), "truncated", max_len)
-    for i, ex in enumerate(full):   # a causal target's features of a prefix: the full run's rows
-        cut, whole = captured_sample(out, i), captured_sample(captured.dir, i)
-        n = min(len(ex.tokens), max_len)
-        assert cut["input_ids"].tolist() == ex.tokens[:n]
-        assert cut["loss_mask"].tolist() == ex.reply_mask[:n]
-        for key in ("hidden_state", "aux_hidden_state"):
-            assert_close(cut[key], whole[key][:, :n], f"{key} of conversation {i}")
-    # without --truncate the long ones are dropped; one directory never mixes the two
-    assert len(E.training_examples(c.tok, captured.data, max_len)) == len(full) - len(long)
-    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
-                              out, "--max-len", max_len))
-    assert "long='truncated'" in line and "another directory" in line
-    line = S.refused(cli_here("capture", "--target", c.dir, "--data", captured.data, "--out",
-                              out, "--max-len", max_len + 1, "--truncate"))
-    assert f"max_len={max_len}" in line and "another directory" in line
-    # and before the target's weights are read (minutes on a real model): a target dir
-    # without them is refused the same way
+    assert (info["samples"], info["max_len"]) == (len(kept), max_len)
+    assert [(x.tokens, x.reply_mask) for x in T.captured_examples(str(out))] == [
+        (x.tokens, x.reply_mask) for x in kept]
+    # sample i is the i-th kept conversation: one directory never mixes two --max-len, and
+    # that is refused before the target's weights are read (minutes on a real model)
     bare = tmp_path / "no_weights"
     shutil.copytree(c.dir, bare, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     line = S.refused(cli_here("capture", "--target", bare, "--data", captured.data, "--out",
-                              out, "--max-len", max_len))
-    assert "long='truncated'" in line and "another directory" in line
-    # a conversation whose prompt alone fills max_len keeps no reply token: dropped
-    first_reply = min(ex.reply_mask.index(1) for ex in full)
-    assert E.training_examples(c.tok, captured.data, first_reply, truncate=True) == []
-    assert len(E.training_examples(c.tok, captured.data, first_reply + 1, truncate=True)) >= 1
+                              out, "--max-len", max_len + 1))
+    assert f"max_len={max_len}" in line and "another directory" in line
 
 
 def test_offline_training_from_features_equals_online_training_step_for_step(
