@@ -1047,8 +1047,8 @@ class Variant(NamedTuple):
     warpers: tuple   # the order its sampling warps in (the official: OFFICIAL_ORDER)
     chain: bool      # drafts a chain of depth + 1 tokens, whatever the tree
     check: object    # (sampling) -> fails on what it cannot do
-    draft: object    # (draft, cache, n, h_last, root, run, randomness, tp) -> Drafted
-    accept: object   # sampled: (logits, drafted, run, randomness) -> (Acceptance, draws)
+    drafts: object   # (draft, cache, n, h_last, root, run, randomness, tp) -> Drafted
+    sampled: object  # sampling: (logits, drafted, run, randomness) -> (Acceptance, draws)
 
 
 def check_dtypes(target, draft):
@@ -1143,7 +1143,7 @@ def draft_step(draft, cache, state, run, randomness, tp):
     h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=h_last.device)
     if run.variant:
-        return run.variant.draft(draft, cache, state.n, h_last, root, run, randomness, tp)
+        return run.variant.drafts(draft, cache, state.n, h_last, root, run, randomness, tp)
     return Drafted(grow_tree(draft, cache, state.n, h_last, root, run.shape))
 
 
@@ -1152,7 +1152,7 @@ def accept(logits, drafted, run, randomness):
     if run.sampling.greedy:
         return accept_greedy(logits, drafted.tree), None
     if run.variant:
-        return run.variant.accept(logits, drafted, run, randomness)
+        return run.variant.sampled(logits, drafted, run, randomness)
     return accept_sampled(logits, drafted.tree, randomness.uniforms, run.sampling), None
 
 
