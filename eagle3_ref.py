@@ -1043,7 +1043,6 @@ class Variant(NamedTuple):
     what a run that uses one calls instead of the official tree and acceptance, resolved
     into plain functions and values before the run starts. A run without one is the method
     as this part writes it; greedy acceptance is the same for all."""
-    name: str        # for reports
     warpers: tuple   # the order its sampling warps in (the official: OFFICIAL_ORDER)
     chain: bool      # drafts a chain of depth + 1 tokens, whatever the tree
     check: object    # (sampling) -> fails on what it cannot do
@@ -1640,7 +1639,7 @@ def resolve_variant(preset="official", scheme="tree"):
         if preset.verify is not official_verify:
             fail(f"scheme='chain' is the official code's variant; preset {preset.name!r} "
                  f"verifies its own drafts: use scheme='tree'")
-        return Variant("chain", preset.warpers, True, check_chain, chain_draft, chain_accept)
+        return Variant(preset.warpers, True, check_chain, chain_draft, chain_accept)
     if preset == PRESETS["official"]:
         return None
 
@@ -1650,7 +1649,7 @@ def resolve_variant(preset="official", scheme="tree"):
 
     def tree_accept(logits, drafted, run, randomness):
         return preset.verify(logits, drafted.tree, randomness, run.sampling, preset)
-    return Variant(preset.name, preset.warpers, preset.argmax_chain, lambda sampling: None,
+    return Variant(preset.warpers, preset.argmax_chain, lambda sampling: None,
                    tree_draft, tree_accept)
 
 
