@@ -11,7 +11,7 @@ reference's own commands, generate / golden / train, work here too):
     4. cost-plan               measured round costs at real shapes (random weights)
     5. the offline probe       capture, eval-draft, train --features
     6. benchmark               bench: ours against transformers on the same prompts
-    7. real models             convert-gguf, prompts (ShareGPT), regenerate, curve, real-demo
+    7. real models             convert-gguf, prompts (ShareGPT), regenerate, real-demo
     8. exact-probe             does each verify row round as its decode step on this stack?
     9. command line            parsers and dispatch (each command's logic is in its section)
 
@@ -39,9 +39,9 @@ import torch.nn as nn
 
 import eagle3_ref as E
 from eagle3_ref import (
-    AUX_CONVENTIONS, AUX_CONVENTION_FLAG, CURVE_FILE, Checkpoint, DEMO, DeepSeekTarget,
+    AUX_CONVENTIONS, AUX_CONVENTION_FLAG, Checkpoint, DEMO, DeepSeekTarget,
     Progress, RUNS_DIR, SAVE_FOR_FLAG, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
-    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_point, best_time,
+    accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time,
     broadcast0, broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
     declared_aux_convention, default_dtype, demo_prompts, draft_config_for, draft_prefix,
@@ -51,7 +51,7 @@ from eagle3_ref import (
     load_tokenizer, measure_decoding, model_dirs, new_draft, pad_id_of, padded_greedy,
     parse_dtype, parse_numbers, print0, read_conversations, read_draft_config, read_json,
     read_target_config, remote_code_flag, save_draft, speculative_generate,
-    target_checkpoint, tau_sim, tokenize_conversation, training_examples, tree_shape, verify_tree,
+    target_checkpoint, tokenize_conversation, training_examples, tree_shape, verify_tree,
     why, world_info, write_json)
 
 
@@ -1551,55 +1551,6 @@ def cmd_regenerate(args):
            + f") into {args.out} in {time.time() - t0:.0f} s")
 
 
-def draw_curves(curves, png):
-    """The runs' held-out tau against training minutes, into a PNG (needs matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print0(f"matplotlib is not installed: no {png} (pip install matplotlib)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run, curve in curves.items():
-        line, = ax.plot([p["train_seconds"] / 60 for p in curve],
-                        [tau_sim(p) for p in curve], marker="o",
-                        label=os.path.basename(os.path.normpath(run)))
-        kept = best_point(curve)                       # the drafter train left: a star
-        ax.plot(kept["train_seconds"] / 60, tau_sim(kept), "*", ms=14,
-                color=line.get_color())
-    ax.set(xlabel="training minutes", ylabel="greedy chain tau (held out)",
-           title="what training time buys")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    atomic_write(png, lambda f: fig.savefig(f, format="png", dpi=120))
-    print0(f"wrote {png}")
-
-
-def cmd_curve(args):
-    """What training time bought: each run's held-out curve (curve.json) as a table, and as
-    a PNG when --png is given and matplotlib is installed."""
-    curves = {}
-    for run in args.runs:
-        path = os.path.join(run, CURVE_FILE)
-        if not os.path.isfile(path):
-            fail(f"{run!r} has no {CURVE_FILE}; expected the --out dir of a train run "
-                 f"with held-out evaluations")
-        curves[run] = read_json(path)["points"]
-    print0(f"{'run':40s} {'step':>6s} {'minutes':>8s} {'acc0':>6s} {'tau 3 drafts':>12s} "
-           f"{'tau all':>8s}  (greedy chain tau on the held-out replies; kept: the drafter "
-           f"train left, the best tau all)")
-    for run, curve in curves.items():
-        kept = best_point(curve)
-        for p in curve:
-            tau = p["chain_tau"]
-            print0(f"{run[-40:]:40s} {p['step']:6d} {p['train_seconds'] / 60:8.1f} "
-                   f"{p['step_accuracy'][0]:6.3f} {tau[min(2, len(tau) - 1)]:12.2f} "
-                   f"{tau[-1]:8.2f}" + ("  kept" if p is kept else ""))
-    if args.png:
-        draw_curves(curves, args.png)
-
-
 # ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
 
 
@@ -1693,7 +1644,7 @@ def real_paths(out, plan):
                  replies=f"replies_{size}.jsonl", features=f"features_{size}",
                  base_draft=f"draft_{base}", tune_replies=f"replies_{tuned}.jsonl",
                  tune_features=f"features_{tuned}", draft=f"draft_{run}",
-                 stages=f"stages_{run}.json", curve=f"curve_{run}.png",
+                 stages=f"stages_{run}.json",
                  golden=f"golden_{run}.safetensors")
     return {k: os.path.join(out, name) for k, name in names.items()}
 
@@ -1741,8 +1692,6 @@ def real_stages(args, plan, p):
                       "--dtype", plan.serve_dtype, "--layout", plan.serve_layout]),
         ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
                     p["golden"], "--prompt", GOLDEN_REAL_PROMPT]),
-        ("curve", ["curve", *dict.fromkeys([p["base_draft"], p["draft"]]),   # both, if tuned
-                   "--png", p["curve"]]),
     ]
 
 
@@ -1768,7 +1717,7 @@ def cmd_real_demo(args):
             atomic_write(p["stages"], lambda f: write_json(f, record))
         if name == args.stop_after:
             break
-    written = {k: v for k, v in p.items() if os.path.exists(v)}   # no PNG without matplotlib
+    written = {k: v for k, v in p.items() if os.path.exists(v)}
     result = {k: record[k]["result"] if k in record else None
               for k in ("train", "finetune", "evaluate")}
     print0(json.dumps(dict(plan=plan._asdict(), outputs=written,
@@ -2695,11 +2644,6 @@ def add_real_commands(sub):
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
                     "and a --max-new-tokens reply pass this (capture's --max-len)")
     rg.set_defaults(run=cmd_regenerate)
-    cu = sub.add_parser("curve", help="held-out tau against training time of train runs "
-                                      "(their curve.json), as a table and a PNG")
-    cu.add_argument("runs", nargs="+", metavar="DIR", help="train --out dirs")
-    cu.add_argument("--png", help="also draw the curves into this PNG file (needs matplotlib)")
-    cu.set_defaults(run=cmd_curve)
     rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
                         "capture, train, evaluate (each stage cached)",
                         parents=[common("gguf", "sharegpt")])
@@ -2713,7 +2657,7 @@ def add_real_commands(sub):
                          "prompts (0: no fine-tuning; own replies and bf16 only)")
     rd.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (convert, "
                     "prompts, regenerate, capture, train, capture-finetune, finetune, evaluate, "
-                    "golden, curve); a later run goes on from there")
+                    "golden); a later run goes on from there")
     rd.add_argument("--out", default=REAL_DIR)
     rd.set_defaults(run=cmd_real_demo)
 

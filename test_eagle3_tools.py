@@ -58,30 +58,6 @@ def probe(target, draft, examples, pad_id=0):
     return E.evaluate_draft(inputs_of(target, pad_id), draft, examples, batch=16)
 
 
-def test_curve_reads_back_each_runs_held_out_evaluations_as_a_table(tmp_path):
-    runs = {}
-    for name, taus in (("short", ([1.5] * 7, [1.2] * 7)), ("long", ([1.3] * 7, [1.9] * 6 + [2.4]))):
-        (tmp_path / name).mkdir()
-        runs[name] = [dict(step=10 * (i + 1), train_seconds=90.0 * (i + 1),
-                           step_accuracy=[0.1 * (i + 1)] * 7, chain_tau=tau)
-                      for i, tau in enumerate(taus)]
-        (tmp_path / name / "curve.json").write_text(json.dumps(dict(points=runs[name])))
-    png = tmp_path / "curve.png"
-    proc = cli_here("curve", tmp_path / "short", tmp_path / "long", "--png", png)
-    assert proc.returncode == 0, proc.stderr
-    rows = [line.split()[1:] for line in proc.stdout.splitlines()
-            if line.split()[0].endswith(("short", "long"))]
-    assert rows == [["10", "1.5", "0.100", "1.50", "1.50", "kept"],     # kept: the best tau all
-                    ["20", "3.0", "0.200", "1.20", "1.20"],
-                    ["10", "1.5", "0.100", "1.30", "1.30"], ["20", "3.0", "0.200", "1.90", "2.40",
-                                                             "kept"]]
-    try:
-        import matplotlib  # noqa: F401  (optional: without it there is a note instead)
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    except ImportError:
-        assert "matplotlib is not installed" in proc.stdout and not png.exists()
-
-
 # ========================================================================================
 # tools: the offline probe (capture, train --features, eval-draft)
 # ========================================================================================
@@ -1420,15 +1396,14 @@ def test_regenerate_offset_continues_where_a_first_file_ended(tiny_gguf, tmp_pat
 def test_real_demo_stages_run_in_processes_of_their_own(tmp_path, monkeypatch):
     # the stage's stdout comes back, its last line the result; the parent's code is not
     # what runs (a broken copy here changes nothing); a failing stage stops with one line
-    run = tmp_path / "run"
-    run.mkdir()
-    point = dict(step=5, train_seconds=60.0, step_accuracy=[0.5], chain_tau=[1.5])
-    (run / E.CURVE_FILE).write_text(json.dumps(dict(points=[point])))
-    monkeypatch.setattr(T, "cmd_curve", lambda args: 1 / 0)
-    assert T.run_command(["curve", str(run)]).split()[-6:] == [
-        "5", "1.0", "0.500", "1.50", "1.50", "kept"]
-    with pytest.raises(E.Eagle3Error, match="stage curve exited with code 2"):
-        T.run_command(["curve", str(tmp_path / "missing")])
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([dict(id="a_0", conversations=[
+        dict(**{"from": "human"}, value="Hi?"), dict(**{"from": "gpt"}, value="Hello.")])]))
+    monkeypatch.setattr(T, "cmd_prompts", lambda args: 1 / 0)
+    last = T.run_command(["prompts", "--sharegpt", str(sharegpt), "--out", str(tmp_path)])
+    assert json.loads(last)["train"] + json.loads(last)["held_out"] == 1
+    with pytest.raises(E.Eagle3Error, match="stage prompts exited with code 2"):
+        T.run_command(["prompts", "--sharegpt", str(tmp_path / "missing.json")])
 
 
 @pytest.fixture(scope="module")
@@ -1499,10 +1474,9 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     first, out = last_json(proc), out + proc.stdout
     if replies == "own":   # own replies, then a fine-tune on the target's (bf16 only)
         stages = ["convert", "prompts", "capture", "train", "regenerate", "capture-finetune",
-                  "finetune", "evaluate", "golden", "curve"]
+                  "finetune", "evaluate", "golden"]
     else:
-        stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden",
-                  "curve"]
+        stages = ["convert", "prompts", "regenerate", "capture", "train", "evaluate", "golden"]
     assert list(first["seconds"]) == stages
     assert early["seconds"].items() <= first["seconds"].items()
     assert proc.stdout.count("skipped") == list(stages).index("capture") + 1
@@ -1559,16 +1533,16 @@ def test_a_stage_runs_in_a_process_of_its_own_with_a_fixed_mmap_threshold(monkey
             return self.returncode
     monkeypatch.setattr(subprocess, "Popen", Proc)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    assert T.run_command(["curve", "d"]) == '{"ok": 1}'
+    assert T.run_command(["prompts", "d"]) == '{"ok": 1}'
     (argv, env), = calls
-    assert argv == [sys.executable, os.path.abspath(T.__file__), "curve", "d"]
+    assert argv == [sys.executable, os.path.abspath(T.__file__), "prompts", "d"]
     assert env["MALLOC_MMAP_THRESHOLD_"] == "131072"
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")          # a user's own is kept
-    T.run_command(["curve", "d"])
+    T.run_command(["prompts", "d"])
     assert calls[-1][1]["MALLOC_MMAP_THRESHOLD_"] == "65536"
     code[0] = 3
-    with pytest.raises(E.Eagle3Error, match="stage curve exited with code 3 .* resume there"):
-        T.run_command(["curve", "d"])
+    with pytest.raises(E.Eagle3Error, match="stage prompts exited with code 3 .* resume there"):
+        T.run_command(["prompts", "d"])
 
 
 def test_progress_eta_counts_only_the_steps_this_run_made():
@@ -1678,8 +1652,6 @@ def test_every_workbench_path_flag_refuses_missing_wrong_kind_and_unreadable_pat
 
 
 TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one line must say)
-    "curve of a dir that no train run wrote": (lambda b: ["curve", b.draft],
-        r"draft' has no curve.json; expected the --out dir of a train run"),
     "vocab-check --draft dir does not exist": (lambda b: [
         "vocab-check", "--draft", b.root / "nope", "--target", b.target],
         r"--draft '.*nope' does not exist; expected a local directory$"),
