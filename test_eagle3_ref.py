@@ -66,9 +66,7 @@ def test_target_logits_aux_features_and_greedy_decoding_equal_transformers(zoo, 
     logits, aux = zoo.target(name)(ids)
     assert logits.shape == (1, 40, VOCAB) and aux.shape == (1, 40, 3 * HIDDEN)
     assert (logits[0] - ref_logits).abs().max() <= ATOL
-    L = LAYERS
-    expected = torch.cat([hidden_states[2], hidden_states[L // 2], hidden_states[L - 3]], dim=-1)
-    assert_close(aux[0], expected)
+    assert_close(aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)))
     ids = random_prompt(5)
     expected = hf_greedy(zoo.hf(name), ids, 40)
     assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
@@ -105,39 +103,41 @@ def test_sharded_and_bin_checkpoints_load_like_transformers(zoo, tmp_path, name,
 # the KV cache: tree verification and commit
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_verify_tree_gives_each_node_the_logits_and_features_of_its_path(zoo, name):
-    hf, target = zoo.hf(name), zoo.target(name)
-    prefix = random_prompt(6, length=10)
-    tokens, parents = random_tree(7)
-    assert max(len(path_to(parents, i)) for i in range(len(parents))) >= 4, "tree too shallow"
+def verified_tree(target, seed):
+    """A random 10-token prefix prefilled, then a random tree verified after it; `sequences`:
+    each node's prefix + root-to-node tokens, what transformers scores for it."""
+    prefix, (tokens, parents) = random_prompt(seed, length=10), random_tree(seed + 1)
     cache = target.new_cache(64)
     target(prefix, cache=cache)
-    tree = E.tree_from_parents(tokens, torch.tensor(parents))
-    logits, aux = verify(target, cache, 10, tree)
-    for node in range(len(tokens)):
-        ids = torch.cat([prefix[0], tokens[path_to(parents, node)]])[None]
-        ref_logits, hidden_states = hf_forward(hf, ids)
-        assert (logits[node] - ref_logits[-1]).abs().max() <= ATOL, f"node {node}"
-        assert_close(aux[node], hf_aux(hidden_states, (2, 4, 5))[-1], f"node {node}")
+    logits, aux = verify(target, cache, 10, E.tree_from_parents(tokens, torch.tensor(parents)))
+    sequences = [torch.cat([prefix[0], tokens[path_to(parents, i)]])[None]
+                 for i in range(len(tokens))]
+    return SimpleNamespace(prefix=prefix, tokens=tokens, parents=parents, cache=cache,
+                           logits=logits, aux=aux, sequences=sequences)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_verify_tree_gives_each_node_the_logits_and_features_of_its_path(zoo, name):
+    v = verified_tree(zoo.target(name), 6)
+    assert max(len(ids[0]) for ids in v.sequences) >= 10 + 4, "tree too shallow"
+    for node, ids in enumerate(v.sequences):
+        ref_logits, hidden_states = hf_forward(zoo.hf(name), ids)
+        assert (v.logits[node] - ref_logits[-1]).abs().max() <= ATOL, f"node {node}"
+        assert_close(v.aux[node], hf_aux(hidden_states, (2, 4, 5))[-1], f"node {node}")
 
 
 def test_commit_then_decode_equals_recompute_from_scratch(zoo):
-    hf, target = zoo.hf("llama"), zoo.target("llama")
-    prefix = random_prompt(8, length=10)
-    tokens, parents = random_tree(9)
-    cache = target.new_cache(64)
-    target(prefix, cache=cache)
-    verify(target, cache, 10, E.tree_from_parents(tokens, torch.tensor(parents)))
-    path = max((path_to(parents, i) for i in range(len(parents))), key=len)  # deepest node
+    target = zoo.target("llama")
+    v = verified_tree(target, 8)
+    path = max((path_to(v.parents, i) for i in range(len(v.parents))), key=len)  # deepest node
     assert path != list(range(len(path))), "path must need a gather, not be the first nodes"
-    n = E.commit(cache, 10, torch.tensor(path))
+    n = E.commit(v.cache, 10, torch.tensor(path))
     assert n == 10 + len(path)
-    seq = torch.cat([prefix[0], tokens[path]])
+    seq = torch.cat([v.prefix[0], v.tokens[path]])
     for step, token in enumerate([3, 17, 11]):  # decode three more tokens on the cache
         seq = torch.cat([seq, torch.tensor([token])])
-        logits, _ = target(torch.tensor([[token]]), cache=cache, start=n + step)
-        ref_logits, _ = hf_forward(hf, seq[None])
+        logits, _ = target(torch.tensor([[token]]), cache=v.cache, start=n + step)
+        ref_logits, _ = hf_forward(zoo.hf("llama"), seq[None])
         assert (logits[0, -1] - ref_logits[-1]).abs().max() <= ATOL, f"step {step}"
 
 
@@ -198,21 +198,13 @@ def test_deepseek_logits_aux_cache_of_the_latent_and_tree_nodes_equal_transforme
     ours_logits, ours_aux = target(ids)
     assert_close(ours_logits[0], logits, "logits")
     assert_close(ours_aux[0], hf_aux(hidden_states, (2, LAYERS // 2, LAYERS - 3)), "aux")
-    cfg = target.cfg.mla
-    prefix = random_prompt(41, length=10)
-    cache = target.new_cache(32)
-    assert isinstance(cache, E.LatentCache)              # r + dr values per token and layer
-    assert cache.latent.shape == (LAYERS, 1, 1, 32, cfg.kv_lora_rank)
-    assert cache.k_pe.shape == (LAYERS, 1, 1, 32, cfg.qk_rope_head_dim)
-    target(prefix, cache=cache)
-    tokens, parents = random_tree(42)
-    tree = E.tree_from_parents(tokens, torch.tensor(parents))
-    logits, _ = verify(target, cache, 10, tree)
-    for node in range(len(tokens)):
-        path = tokens[path_to(parents, node)]
-        sequence = torch.cat([prefix[0], path])[None]
+    cfg, v = target.cfg.mla, verified_tree(target, 41)
+    assert isinstance(v.cache, E.LatentCache)              # r + dr values per token and layer
+    assert v.cache.latent.shape == (LAYERS, 1, 1, 64, cfg.kv_lora_rank)
+    assert v.cache.k_pe.shape == (LAYERS, 1, 1, 64, cfg.qk_rope_head_dim)
+    for node, sequence in enumerate(v.sequences):
         assert_routing_is_robust(hf, sequence)
-        assert_close(logits[node], hf_forward(hf, sequence)[0][-1], f"node {node}")
+        assert_close(v.logits[node], hf_forward(hf, sequence)[0][-1], f"node {node}")
 
 
 def ds_quantise(w, block):
@@ -230,26 +222,20 @@ def ds_quantise(w, block):
 
 def ds_fp8_dir(hf, root):
     """`hf`'s checkpoint, 2-D weights but the router in FP8, beside it the dequantised one."""
-    hf.save_pretrained(root)
-    state = load_file(root / "model.safetensors")
     dequantised = {}
-    for key in [k for k in state if k.startswith("model.layers.") and state[k].dim() == 2
-                and not k.endswith("mlp.gate.weight")]:
-        state[key], state[key + "_scale_inv"], dequantised[key] = ds_quantise(state[key],
-                                                                              DS_FP8_BLOCK)
-    save_file(state, root / "model.safetensors")
-    with open(root / "config.json") as f:
-        config = json.load(f)
-    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3",
-                                         activation_scheme="dynamic",
-                                         weight_block_size=DS_FP8_BLOCK)
-    with open(root / "config.json", "w") as f:
-        json.dump(config, f)
+
+    def quantise(state):
+        for key in [k for k in state if k.startswith("model.layers.") and state[k].dim() == 2
+                    and not k.endswith("mlp.gate.weight")]:
+            state[key], state[key + "_scale_inv"], dequantised[key] = ds_quantise(state[key],
+                                                                                  DS_FP8_BLOCK)
+    hf.save_pretrained(root)
+    edit_draft_dir(root, state=quantise, config=lambda c: c.update(quantization_config=dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+        weight_block_size=DS_FP8_BLOCK)))
     reference_dir = root.parent / (root.name + "-dequantised")
     hf.save_pretrained(reference_dir)
-    plain = load_file(reference_dir / "model.safetensors")
-    save_file(dict(plain, **dequantised), reference_dir / "model.safetensors")
-    return reference_dir
+    return edit_draft_dir(reference_dir, state=lambda plain: plain.update(dequantised))
 
 
 @pytest.fixture(scope="module")
@@ -276,16 +262,11 @@ def test_fp8_checkpoint_loads_to_the_dequantised_model_at_world_size_1_and_2(ds_
         assert_close(rank["fp8_logits"][0], reference, "fp8 logits at W = 2")
 
 
-def ds_rewrite_dir(src, dst, config_edit, key_edit=lambda k: k, extra=None):
-    """A copy of an HF dir with its config.json and weight names rewritten."""
+def ds_rewrite_dir(src, dst, config_edit, prefix="", extra=None):
+    """A copy of an HF dir with its config.json rewritten, `prefix` before each weight name."""
     shutil.copytree(src, dst)
-    with open(dst / "config.json") as f:
-        config = json.load(f)
-    with open(dst / "config.json", "w") as f:
-        json.dump(config_edit(config), f)
-    state = {key_edit(k): v for k, v in load_file(dst / "model.safetensors").items()}
-    save_file(dict(state, **(extra or {})), dst / "model.safetensors")
-    return dst
+    return edit_draft_dir(dst, config=config_edit, state=lambda state: dict(
+        {prefix + k: v for k, v in state.items()}, **(extra or {})))
 
 
 def kimi_k2_config(config):
@@ -306,18 +287,16 @@ VISION = {"vision_tower.patch_embed.weight": torch.zeros(8, 3),
           "mm_projector.proj.weight": torch.zeros(4, 8)}
 
 
-@pytest.mark.parametrize("name, source, edit, keys, extra, says", [
-    ("kimi_k2", "kimi", kimi_k2_config, None, None, ""),          # without remote code
+@pytest.mark.parametrize("name, source, edit, prefix, extra, says", [
+    ("kimi_k2", "kimi", kimi_k2_config, "", None, ""),            # without remote code
     ("kimi_k25", "kimi", kimi_k25_wrapper, "language_model.", VISION,
      "ignoring 2 non-text weights"),                                # its text model
-    ("mtp", "ds-v3", lambda c: dict(c, num_nextn_predict_layers=1), None, MTP,
+    ("mtp", "ds-v3", lambda c: dict(c, num_nextn_predict_layers=1), "", MTP,
      f"ignoring 2 MTP layer model.layers.{LAYERS}.* weights"),      # MTP layers skipped
 ])
-def test_deepseek_family_dirs_as_shipped_load_as_transformers_model(zoo, tmp_path, capsys, name,
-                                                                    source, edit, keys, extra,
-                                                                    says):
-    ds_rewrite_dir(zoo.dir(source), tmp_path / name, edit,
-                   key_edit=(lambda k: keys + k) if keys else (lambda k: k), extra=extra)
+def test_deepseek_family_dirs_as_shipped_load_as_transformers_model(
+        zoo, tmp_path, capsys, name, source, edit, prefix, extra, says):
+    ds_rewrite_dir(zoo.dir(source), tmp_path / name, edit, prefix, extra)
     ids = random_prompt(44, length=12)
     target = E.load_target(str(tmp_path / name))
     assert says in capsys.readouterr().err
@@ -763,9 +742,7 @@ def test_bad_draft_checkpoint_is_refused_naming_the_problem(zoo, tmp_path, probl
     kept, edit, message = BAD_DRAFTS[problem]
     target = zoo.target("llama")
     E.save_draft(tiny_draft(target, seed=2, kept=torch.tensor(kept)), str(tmp_path))
-    state = load_file(tmp_path / "model.safetensors")
-    edit(state)
-    save_file(state, tmp_path / "model.safetensors")
+    edit_draft_dir(tmp_path, state=edit)
     with pytest.raises(E.Eagle3Error, match=message):
         E.load_draft(str(tmp_path), target)
 
@@ -2687,10 +2664,7 @@ def truncate_half(path):
 def llama_copy(zoo, path, edit=lambda state: None):
     """The tiny llama checkpoint copied into `path`, its weights passed through `edit(state)`."""
     shutil.copytree(zoo.dir("llama"), path, dirs_exist_ok=True)
-    state = load_file(path / "model.safetensors")
-    edit(state)
-    save_file(state, path / "model.safetensors")
-    return path
+    return edit_draft_dir(path, state=edit)
 
 
 def cut_in_half(zoo, path):

@@ -237,17 +237,20 @@ def sharpen(draft, target, texts, steps=60):
 
 
 def edit_draft_dir(path, config=None, state=None):
-    """Rewrite a saved drafter's config.json and/or weights through the given edits."""
+    """Rewrite a saved model's config.json and/or weights through the edits: each changes
+    its dict in place, or returns a dict to write instead."""
+    def edited(edit, d):
+        new = edit(d)
+        return new if isinstance(new, dict) else d
     if config:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        config(raw)
         with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(raw, f)
+            json.dump(edited(config, raw), f)
     if state:
         weights = load_file(os.path.join(path, "model.safetensors"))
-        state(weights)
-        save_file(weights, os.path.join(path, "model.safetensors"))
+        save_file(edited(state, weights), os.path.join(path, "model.safetensors"))
+    return path
 
 
 # ----------------------------------------------------------------------------------------
