@@ -305,9 +305,7 @@ def cmd_draft_check(args):
 # 2. communication: the collectives of a real model at TP size W, without a GPU
 #
 # A verify forward of N nodes sends 2 all-reduces per layer of N x D values at TP size W;
-# their time is modelled per link as alpha + bytes x 2(W-1)/W / bandwidth (a ring). Where
-# cost-plan has measured the all-reduces on the real machine (--costs), comm-plan prints
-# those times in the same table instead of a second answer.
+# their time is modelled per link as alpha + bytes x 2(W-1)/W / bandwidth (a ring).
 
 
 class Link(NamedTuple):
@@ -361,10 +359,9 @@ def round_us(calls, broadcast_bytes, world, link, saving=0.0):
     return ar + link.alpha_us + broadcast_bytes / (link.gbps * 1e3)
 
 
-def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False,
-              measured=None):
+def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, draft_sharded=False):
     """Per shape (plain decoding first): a verify's all-reduces, then per token at each tau
-    their calls, bytes, modelled us per link (unfused, fused) and cost-plan's measured us."""
+    their calls, bytes and modelled us per link (unfused, fused)."""
     rows = []
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
@@ -378,8 +375,6 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
             for name, link in links.items():
                 per_token[name + "_us"] = round_us(calls, bcast, world, link) / tau
                 per_token[name + "_fused_us"] = round_us(calls, bcast, world, link, saving) / tau
-            if measured and row["nodes"] in measured:
-                per_token["measured_us"] = measured[row["nodes"]] / tau
             row["per_token"][tau] = {k: round(v, 3) for k, v in per_token.items()}
         rows.append(row)
     return rows
@@ -391,8 +386,7 @@ def comm_plan_table(rows, links):
     chain3 = next(r for r in rows if r["shape"].startswith("chain 3"))
     head = f"{'shape':31s} {'N':>3s} {'tau':>4s} {'AR/tok':>7s} {'MiB/tok':>8s}"
     head += "".join(f" {k + ' us/tok':>14s} {'(fused)':>8s} {'x chain3':>8s}" for k in links)
-    measured = any("measured_us" in t for r in rows for t in r["per_token"].values())
-    lines = [head + (f" {'measured us/tok':>15s}" if measured else "")]
+    lines = [head]
     for row in rows:
         for tau, t in row["per_token"].items():
             line = (f"{row['shape']:31s} {row['nodes']:3d} {tau:4.1f} "
@@ -401,8 +395,6 @@ def comm_plan_table(rows, links):
                 c = chain3["per_token"].get(tau)   # same tau: the ratio of round times
                 vs = f"{t[k + '_us'] / c[k + '_us']:8.2f}" if c else f"{'-':>8s}"
                 line += f" {t[k + '_us']:14.0f} {t[k + '_fused_us']:8.0f} {vs}"
-            if measured:   # cost-plan's timed all-reduces of this verify size, per token
-                line += (f" {t['measured_us']:15.0f}" if "measured_us" in t else f" {'-':>15s}")
             lines.append(line)
     return "\n".join(lines)
 
@@ -422,16 +414,8 @@ def cmd_comm_plan(args):
     extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
     for shape in extra:
         check_tree_shape(shape, cfg.vocab_size)
-    measured = None   # {N: us} of a verify's all-reduces as cost-plan measured them
-    if args.costs:
-        costs = read_costs(args.costs)
-        if costs.get("world") != args.tp:
-            fail(f"--costs {args.costs!r} was measured at W={costs.get('world')}, not --tp "
-                 f"{args.tp}: run cost-plan under torchrun --nproc_per_node={args.tp}")
-        measured = {v["nodes"]: v["allreduce_ms"] * 1e3 for v in costs["verify"]
-                    if v.get("allreduce_ms") is not None}
     rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
-                     args.fusion_saving_us, args.draft_sharded, measured)
+                     args.fusion_saving_us, args.draft_sharded)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
     print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
@@ -1166,7 +1150,7 @@ def bench_prompts(args, target_dir):
 
 def bench_ours(args, target, draft, prompts, eos, t0):
     """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
-    flags or the --sweep, and with --t1 tau at T=1 (lossless sampled verification)."""
+    flags or the --sweep."""
     n = args.max_new_tokens
     shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
              if args.sweep else tree_shape(args))
@@ -1175,12 +1159,7 @@ def bench_ours(args, target, draft, prompts, eos, t0):
     print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
            f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
            f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    if not args.t1:
-        return ours, shape, None
-    lengths = [a for b, ids in enumerate(prompts) for a in speculative_generate(
-        target, draft, ids, n, temperature=1.0, tree=shape, seed=args.seed + b,
-        eos_token_id=eos).accept_lengths]
-    return ours, shape, sum(lengths) / len(lengths)
+    return ours, shape
 
 
 def bench_table(ours, peers, world, prompts):
@@ -1205,7 +1184,7 @@ def bench_table(ours, peers, world, prompts):
 
 def cmd_bench(args):
     """One measurement path for every prompt set: our greedy and EAGLE-3, the peers of
-    transformers on the same prompts and weights, tau at T=1."""
+    transformers on the same prompts and weights."""
     if args.max_new_tokens < 2:
         fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
              f"(the first token comes from the prefill); use at least 2")
@@ -1220,18 +1199,17 @@ def cmd_bench(args):
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
-    ours, shape, tau_t1 = bench_ours(args, target, draft, prompts, eos, t0)
+    ours, shape = bench_ours(args, target, draft, prompts, eos, t0)
     del target, draft                      # transformers' copy of the weights comes next
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
              if world == 1 and device.type == "cpu" else {})
     rows, same = bench_table(ours, peers, world, len(prompts))
-    print0(f"tau {ours.tau:.2f} (greedy)" + (f", {tau_t1:.2f} (T=1)" if args.t1 else "") +
-           f"; output identical to greedy on every prompt: {ours.lossless}; peak RSS "
+    print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: {ours.lossless}; peak RSS "
            f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
            f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
         prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
-        tau_t1=round(tau_t1, 3) if args.t1 else None, lossless=ours.lossless,
+        lossless=ours.lossless,
         accept_rate_by_depth=[round(a, 3) for a in ours.accept_rate_by_depth],
         tokens_per_s={key: round(tps, 2) for key, _, tps, _ in rows},
         speedup_vs={key: round(ours.spec_tokens_per_s / tps, 3) for key, _, tps, _ in rows
@@ -2556,15 +2534,13 @@ def add_probe_commands(sub, train):
 def add_bench_command(sub):
     models, tree, _ = flag_groups()
     b = sub.add_parser("bench", parents=[models, tree, common("prompts", "per_category",
-                                                              "layout", "seed",
-                                                              seed="the T=1 run's seed")],
+                                                              "layout")],
                        help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
                    help="pick the tree shape by measuring each candidate's speedup")
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
-    b.add_argument("--t1", action="store_true", help="also tau at temperature 1")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
     b.set_defaults(run=cmd_bench)
@@ -2580,8 +2556,6 @@ def add_cost_commands(sub):
                     help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
     cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
                     help="us saved per call by fusing all-reduce + residual + RMSNorm")
-    cp.add_argument("--costs", help="cost-plan's output at W = --tp: its measured all-reduce "
-                                    "times join the table (measured us/tok)")
     cp.add_argument("--draft-sharded", action="store_true",
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
     cp.set_defaults(run=cmd_comm_plan)

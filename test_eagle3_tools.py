@@ -619,28 +619,6 @@ def test_comm_plan_equals_a_hand_computation_and_gives_kimi_k2_122_all_reduces(z
     assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
 
 
-def test_comm_plan_prints_cost_plans_measured_all_reduces_in_the_same_table(zoo, tmp_path):
-    # cost-plan timed the all-reduces of verifies of 1 and 4 nodes at W=2: comm-plan sets
-    # them per token beside the modelled links, "-" where no verify of that size was timed
-    costs = tmp_path / "costs.txt"
-    costs.write_text("a table first\n" + json.dumps(dict(world=2, shapes=[], verify=[
-        dict(nodes=1, allreduce_ms=0.5), dict(nodes=4, allreduce_ms=1.2),
-        dict(nodes=8, allreduce_ms=None)])) + "\n")
-    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--tau", "1.5,2",
-                                  "--costs", costs)
-    rows = {r["shape"]: r for r in plan["shapes"]}
-    assert rows["plain decoding"]["per_token"]["1.0"]["measured_us"] == pytest.approx(500)
-    chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))
-    assert chain3["nodes"] == 4
-    assert chain3["per_token"]["1.5"]["measured_us"] == pytest.approx(1200 / 1.5, abs=1e-3)
-    assert chain3["per_token"]["2.0"]["measured_us"] == pytest.approx(600, abs=1e-3)
-    assert "measured_us" not in rows["tree 10/7/60"]["per_token"]["2.0"]
-    assert "measured us/tok" in stdout and re.search(r"^tree 10/7/60 .* -$", stdout, re.M)
-    line = S.refused(cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 1,
-                              "--costs", costs))
-    assert "measured at W=2, not --tp 1" in line
-
-
 # ========================================================================================
 # tools: cost-plan (and eval-draft's verdict on its measured costs)
 # the table's arithmetic against a hand computation from injected timings,
