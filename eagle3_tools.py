@@ -627,12 +627,6 @@ def cost_rows(timings, shapes, taus):
     return rows
 
 
-def break_even_tau(verify_cost, draft_cost, drafts):
-    """A round costs one verify plus `drafts` draft steps, in plain-decode-step units, and
-    yields tau tokens: speculation beats plain decoding only when tau exceeds that cost."""
-    return verify_cost + drafts * draft_cost
-
-
 def speed_verdict(tau, break_even):
     if tau < break_even:
         return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
@@ -965,9 +959,9 @@ def cmd_capture(args):
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
 
 
-def measured_verdict(shapes, costs, verdict):
+def measured_verdict(shapes, costs):
     """eval-draft --costs: the probe's tau on each shape cost-plan measured, printed; the
-    best chain's verdict (`verdict` when no chain was measured)."""
+    best chain's verdict (None when no chain was measured)."""
     print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
            f"on {costs['device']}, W={costs['world']}"
            f"{', an estimate' if costs['estimate'] else ''}):")
@@ -978,7 +972,7 @@ def measured_verdict(shapes, costs, verdict):
         print0(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
     chains = [r for r in shapes if r["tau"] is not None]
     if not chains:
-        return verdict
+        return None
     top = max(chains, key=lambda r: r["speedup"])
     verdict = f"measured costs, {top['shape']}: {top['verdict']}"
     print0(f"best measured shape: {verdict}")
@@ -994,23 +988,13 @@ def cmd_eval_draft(args):
     print0(f"draft accuracy per TTT step: {' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
     print0(f"greedy-chain acceptance rate by depth: "
            f"{' '.join(f'{a:.3f}' for a in stats.accept_rate)}")
-    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s} {'break-even':>10s} "
-           f"{'x plain':>8s}  (a round = 1 verify at {args.verify_cost:g} + k drafts at "
-           f"{args.draft_cost:g} plain steps)")
-    rows = []   # per chain of k drafts at the flags' costs
+    print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s}")
     for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
-        even = break_even_tau(args.verify_cost, args.draft_cost, k)
-        rows.append(dict(drafts=k, expected_tau=round(tau, 4), replayed_tau=round(replayed, 4),
-                         break_even=round(even, 4)))
-        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f} {even:10.3f} {replayed / even:8.2f}")
-    best = max(rows, key=lambda r: r["replayed_tau"] / r["break_even"])
-    verdict = speed_verdict(best["replayed_tau"], best["break_even"])
-    print0(f"best chain: {best['drafts']} drafts: {verdict}")
+        print0(f"{k:8d} {tau:12.3f} {replayed:12.3f}")
     shapes = projected(stats, costs) if costs else None
-    if shapes:
-        verdict = measured_verdict(shapes, costs, verdict)
+    verdict = measured_verdict(shapes, costs) if costs else None
     print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
-                           chains=rows, best=best, verdict=verdict, projected=shapes)))
+                           verdict=verdict, projected=shapes)))
 
 
 def cmd_train(args):
@@ -2517,15 +2501,11 @@ def add_probe_commands(sub, train):
                                    "CPU with AMX (docs/real_models.md)")])
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                        "acceptance, expected tau and break-even", parents=[common(
+                        "acceptance, expected tau (with --costs: a verdict per measured shape)", parents=[common(
                             "draft!", "target!", "aux_convention", "dtype",
                             target="its config, embedding and lm_head only")])
     ev.add_argument("--features", required=True, help="captured features (held out)")
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
-    ev.add_argument("--draft-cost", type=float, default=0.05,
-                    help="one draft step in plain decode steps (measure it: cost-plan)")
-    ev.add_argument("--verify-cost", type=float, default=1.1,
-                    help="one verify forward in plain decode steps")
     ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
                                     "per shape on the measured round costs")
     ev.set_defaults(run=cmd_eval_draft)
@@ -2675,7 +2655,7 @@ def add_tool_commands(sub, commands):
 
 
 TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
-    "tp", "max_examples", "draft_cost", "verify_cost", "context", "layers", "repeats",
+    "tp", "max_examples", "context", "layers", "repeats",
     "limit", "per_category", "rows", "k")
 TOOL_PATH_FLAGS = dict(
     E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",

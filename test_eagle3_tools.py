@@ -274,7 +274,7 @@ def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(served_
 
 
 # ----------------------------------------------------------------------------------------
-# eval-draft: the offline probe, break-even tau
+# eval-draft: the offline probe
 
 
 def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
@@ -318,22 +318,6 @@ def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_
     live = probe(target, E.load_draft(str(tmp_path / "draft"), target), examples)
     assert len(report["expected_tau"]) == 7       # what it printed is the live target's probe
     assert report["step_accuracy"] == pytest.approx(live.step_accuracy, abs=1e-3)
-
-
-# break-even: a round = 1 verify + k draft steps, in plain decode steps
-@pytest.mark.parametrize("tau, verify, draft, drafts, expected, slower", [
-    (1.5, 1.1, 0.05, 3, 1.25, False),      # 1.1 + 3 * 0.05 = 1.25 < 1.5: pays, 1.2x
-    (1.5, 1.3, 0.1, 4, 1.7, True),         # 1.3 + 4 * 0.1 = 1.7 > 1.5: slower, 0.88x
-    (1.5, 1.4, 0.1, 2, 1.6, True),         # the seed's probe: tau 1.5 under 1.6
-    (3.0, 1.2, 0.3, 6, 3.0, False),        # exactly at break-even: no gain, no loss
-])
-def test_break_even_tau_and_verdict_follow_from_the_costs(tau, verify, draft, drafts, expected,
-                                                          slower):
-    even = T.break_even_tau(verify, draft, drafts)
-    assert even == pytest.approx(expected)
-    verdict = T.speed_verdict(tau, even)
-    assert ("makes decoding slower" in verdict) == slower
-    assert f"{tau / expected:.2f}x" in verdict and f"break-even {expected:.2f}" in verdict
 
 
 def test_chain_stats_by_hand():
