@@ -73,16 +73,6 @@ def test_target_logits_aux_features_and_greedy_decoding_equal_transformers(zoo, 
     assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("ids, expected", [
-    ([2, 30, 58], dict(specforge=(3, 31, 59), vllm=(2, 30, 58), sglang=(2, 30, 58),
-                       **{"sglang-legacy": (3, 31, 59)})),
-    ([1, 29, 57], dict(specforge=(2, 30, 58), vllm=(1, 29, 57), sglang=(2, 30, 58),
-                       **{"sglang-legacy": (2, 30, 58)})),
-])
-def test_aux_layer_ids_map_to_hidden_states_per_convention(ids, expected):
-    assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == expected
-
-
 @pytest.mark.parametrize("name, layout", [("qwen2", "sharded"), ("llama", "pytorch_model.bin")])
 def test_sharded_and_bin_checkpoints_load_like_transformers(zoo, tmp_path, name, layout):
     model = zoo.hf(name)
@@ -565,23 +555,19 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees_without_a_
         speculation, tmp_path):
     s = speculation["qwen3"]                                      # has d2t/t2d
     E.save_draft(s.draft, str(tmp_path))
-    with open(tmp_path / "config.json") as f:
-        assert json.load(f)["architectures"] == ["LlamaForCausalLMEagle3"]
-    official_keys = {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-                     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-                     "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-                     "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
-                     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-                     "norm.weight", "lm_head.weight", "d2t", "t2d"}
-    assert set(load_file(tmp_path / "model.safetensors")) == official_keys  # no embed_tokens
+    assert E.read_json(tmp_path / "config.json")["architectures"] == ["LlamaForCausalLMEagle3"]
+    layer = ["hidden_norm", "input_layernorm", "post_attention_layernorm"] + [
+        f"self_attn.{x}_proj" for x in "qkvo"] + [f"mlp.{x}_proj" for x in ("gate", "up", "down")]
+    assert set(load_file(tmp_path / "model.safetensors")) == {  # the official keys: no embedding
+        "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"midlayer.{name}.weight" for name in layer}
     loaded = E.load_draft(str(tmp_path), s.target)
     _, aux = s.target(s.prompts["fresh"])
     ids = torch.cat([s.prompts["fresh"], s.reference["fresh"][:1][None]], dim=1)
     h = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(0))
     assert torch.equal(loaded.logits(h), s.draft.logits(h))
     trees = E.draft_tree(loaded, aux, ids, 3, 3, 16), E.draft_tree(s.draft, aux, ids, 3, 3, 16)
-    for a, b in zip(*trees):
-        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(*trees))
     # The official loader's case: draft_vocab_size == vocab_size and no d2t/t2d stored. It
     # must draft exactly as the same weights with an explicit identity map.
     s = speculation["llama"]               # a full-vocab drafter, sharpened: drafts go deep
@@ -594,39 +580,38 @@ def test_draft_checkpoint_round_trip_gives_identical_logits_and_trees_without_a_
     bare, mapped = E.load_draft(bare, s.target), E.load_draft(mapped, s.target)
     assert mapped.cfg.has_vocab_map and not bare.cfg.has_vocab_map
     for kind, prompt in s.prompts.items():
-        a = E.speculative_generate(s.target, mapped, prompt, 24, tree=E.TreeShape(3, 3, 12))
-        b = E.speculative_generate(s.target, bare, prompt, 24, tree=E.TreeShape(3, 3, 12))
+        a, b = (E.speculative_generate(s.target, draft, prompt, 24, tree=E.TreeShape(3, 3, 12))
+                for draft in (mapped, bare))
         assert a.tokens.tolist() == b.tokens.tolist() == s.reference[kind][:24].tolist()
         assert a.accept_lengths == b.accept_lengths
-        for ra, rb in zip(a.rounds, b.rounds):
-            assert torch.equal(ra.tree.tokens, rb.tree.tokens), kind
+        assert all(torch.equal(ra.tree.tokens, rb.tree.tokens)
+                   for ra, rb in zip(a.rounds, b.rounds)), kind
         if kind == "memorized":
             assert max(a.accept_lengths) >= 3  # deep paths: the map is really exercised
 
 
 def official_draft_dir(path, target, draft_vocab_size=20):
     """A drafter dir as released for LLaMA-3.1-8B (.bin, no embedding nor rope_theta) -> state."""
-    os.makedirs(path, exist_ok=True)
+    path.mkdir()
     kept = torch.arange(draft_vocab_size)
     draft = tiny_draft(target, seed=5, kept=kept, std=0.2)
     state = {k: v.clone() for k, v in draft.state_dict().items()
              if not k.startswith("embed_tokens")}
-    torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    torch.save(state, path / "pytorch_model.bin")
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=HIDDEN,
                   intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=1, max_position_embeddings=2048, rms_norm_eps=1e-5,
                   hidden_act="silu", initializer_range=0.02, pad_token_id=0,
                   tie_word_embeddings=False, torch_dtype="float16", use_cache=True,
                   vocab_size=VOCAB, draft_vocab_size=draft_vocab_size)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    (path / "config.json").write_text(json.dumps(config))
     return state
 
 
 def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
     target = zoo.target("llama3-rope")           # rope_theta 500000 + llama3 scaling
-    state = official_draft_dir(str(tmp_path), target)
-    draft = E.load_draft(str(tmp_path), target)
+    state = official_draft_dir(tmp_path / "draft", target)
+    draft = E.load_draft(str(tmp_path / "draft"), target)
     hs = HIDDEN // 4
     expected = 1.0 / 10000 ** (torch.arange(0, hs, 2, dtype=torch.float) / hs)
     assert torch.allclose(draft.cfg.inv_freq.cpu(), expected, rtol=1e-6, atol=0)
@@ -636,17 +621,21 @@ def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
     assert draft.cfg.aux_layers == (2, 4, 5)
 
 
-def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo, tmp_path):
+def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo):
     # SpecForge's output-of-layer-k ids (the default reading) are inputs of layer k + 1; vLLM's
-    # the inputs themselves; a config without ids reads the default (2, L//2, L-3)
+    # the inputs themselves; SGLang's add 1 only after a 1 (its legacy reading: always); a
+    # config without ids reads the default (2, L//2, L-3)
+    for ids, expected in (([2, 30, 58], ((3, 31, 59), (2, 30, 58), (2, 30, 58), (3, 31, 59))),
+                          ([1, 29, 57], ((2, 30, 58), (1, 29, 57), (2, 30, 58), (2, 30, 58)))):
+        assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == dict(zip(
+            ("specforge", "vllm", "sglang", "sglang-legacy"), expected))
     target = zoo.target("llama")
-    L = LAYERS
 
     def aux_layers(ids, **convention):
         raw = draft_config(target.cfg, eagle_config=dict(eagle_aux_hidden_state_layer_ids=ids))
         return E.read_draft_config(raw, target.cfg, **convention).aux_layers
 
-    assert aux_layers([1, L // 2 - 1, L - 4]) == (2, L // 2, L - 3)
+    assert aux_layers([1, LAYERS // 2 - 1, LAYERS - 4]) == (2, LAYERS // 2, LAYERS - 3)
     assert aux_layers([0, 3, 6]) == (1, 4, 7)
     assert aux_layers([2, 4, 5]) == (3, 5, 6)
     assert aux_layers([2, 4, 5], aux_convention="vllm") == (2, 4, 5)
@@ -656,8 +645,7 @@ def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo
 
 def saved_eagle_config(draft, path, engine):
     E.save_draft(draft, str(path), engine=engine)
-    with open(path / "config.json") as f:
-        raw = json.load(f)
+    raw = E.read_json(path / "config.json")
     # engines build num_hidden_layers layers (transformers' default: 32): one is written
     assert raw["num_hidden_layers"] == 1
     return raw["eagle_config"]
@@ -2685,7 +2673,7 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
         E.check_aux_layers((2, 3, 3), 6)          # (2, L//2, L-3) for L = 6 collide
     six = tiny_model(num_hidden_layers=6)
     six.save_pretrained(tmp_path / "target")
-    official_draft_dir(str(tmp_path / "draft"), zoo.target("llama"))
+    official_draft_dir(tmp_path / "draft", zoo.target("llama"))
     with pytest.raises(E.Eagle3Error, match=r"aux layers \(2, 3, 3\) for a 6-layer target"):
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
 
