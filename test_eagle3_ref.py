@@ -786,13 +786,25 @@ def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_pa
 # the draft tree: a hand-worked example with a scripted drafter, and invariants
 
 
-class MarkovDrafter:
+class ScriptedDrafter:
+    """A drafter over the whole target vocab (no map), without a cache."""
+
+    def __init__(self, V, aux_layers=(2, 4, 5)):
+        self.cfg = SimpleNamespace(aux_layers=aux_layers, vocab_size=V, draft_vocab_size=V)
+
+    def to_target_ids(self, draft_ids):
+        return draft_ids
+
+    def new_cache(self, length):
+        return None
+
+
+class MarkovDrafter(ScriptedDrafter):
     """Scripted: log-probs of the next token depend on the last token only; records its calls."""
 
     def __init__(self, probs):
         self.table = torch.tensor(probs).log()                       # (V, V) log-probs
-        V = self.table.shape[0]
-        self.cfg = SimpleNamespace(aux_layers=(2, 4, 5), vocab_size=V, draft_vocab_size=V)
+        super().__init__(self.table.shape[0])
         self.calls = []
 
     def fc(self, aux):
@@ -805,12 +817,6 @@ class MarkovDrafter:
 
     def logits(self, h):
         return h @ self.table
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids
-
-    def new_cache(self, length):
-        return None
 
 
 def markov_rows(top, V=6):
@@ -961,26 +967,14 @@ COMBOS = [  # (target, prompt, top_k, depth, total_tokens, max_new_tokens)
 ]
 
 
-def combo_id(c):
-    return f"{c[0]}-{c[1]}-k{c[2]}-d{c[3]}-n{c[4]}-m{c[5]}"
-
-
-def run_combo(speculation, combo):
-    name, kind, top_k, depth, total, max_new = combo
-    s = speculation[name]
-    result = E.speculative_generate(s.target, s.draft, s.prompts[kind], max_new,
-                                    tree=E.TreeShape(top_k, depth, total))
-    return s, result
-
-
-@pytest.mark.parametrize("combo", COMBOS, ids=combo_id)
-def test_greedy_speculative_equals_greedy_and_accepts_the_longest_matching_path(speculation,
-                                                                                combo):
+@pytest.mark.parametrize("name, kind, top_k, depth, total, max_new", COMBOS)
+def test_greedy_speculative_equals_greedy_and_accepts_the_longest_matching_path(
+        speculation, name, kind, top_k, depth, total, max_new):
     # Against transformers' greedy text; each round's accept length against a brute force
     # over every node of its tree: the deepest whose root-to-node tokens are the greedy text.
-    s, result = run_combo(speculation, combo)
-    name, kind, _, depth, _, max_new = combo
-    text = s.reference[kind].tolist()
+    s, text = speculation[name], speculation[name].reference[kind].tolist()
+    result = E.speculative_generate(s.target, s.draft, s.prompts[kind], max_new,
+                                    tree=E.TreeShape(top_k, depth, total))
     assert result.tokens.tolist() == text[:max_new]
     assert E.greedy_generate(s.target, s.prompts[kind], max_new).tolist() == text[:max_new]
     at = 0                                       # output index of this round's root
@@ -996,13 +990,12 @@ def test_greedy_speculative_equals_greedy_and_accepts_the_longest_matching_path(
         assert max(result.accept_lengths) >= 3, "no round accepted two drafts"
 
 
-class OracleDrafter:
+class OracleDrafter(ScriptedDrafter):
     """Scripted: draft position p predicts token p+2 of `sequence`; records its fc inputs."""
 
     def __init__(self, sequence, aux_layers=(2, 4, 5)):
-        self.sequence = sequence
-        self.cfg = SimpleNamespace(aux_layers=aux_layers, vocab_size=VOCAB, draft_vocab_size=VOCAB)
-        self.fed = []
+        super().__init__(VOCAB, aux_layers)
+        self.sequence, self.fed = sequence, []
 
     def fc(self, aux):
         self.fed.append(aux.clone())
@@ -1014,12 +1007,6 @@ class OracleDrafter:
 
     def logits(self, h):
         return 50.0 * F.one_hot(self.sequence[h[..., 0].long() + 2], VOCAB).to(h.dtype)
-
-    def to_target_ids(self, draft_ids):
-        return draft_ids
-
-    def new_cache(self, length):
-        return None
 
 
 @pytest.mark.parametrize("top_k, depth, total", [(1, 3, 5), (2, 2, 7), (3, 4, 20), (4, 1, 6)])
