@@ -1111,6 +1111,7 @@ class Case(NamedTuple):
     shape: E.TreeShape
     draft: str                         # key of vocab6_drafts
     preset: str = "official"           # whose tree builder (score space, draft positions)
+    engine: bool = False               # replays draw as the preset's loop does, not coins()
 
 
 CASES = {
@@ -1323,28 +1324,6 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
 
 def monte_carlo(replay, uniforms, *accept):
     return [replay(uniforms, *accept) for _ in range(TRIALS)]
-
-
-# ----------------------------------------------------------------------------------------
-# sampled speculation is lossless: chi-square against the enumeration, the real loop replayed
-
-
-@pytest.mark.parametrize("sampling_name", SAMPLINGS)
-@pytest.mark.parametrize("case_name", CASES)
-def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_round(
-        case_name, sampling_name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
-    case, s = CASES[case_name], SAMPLINGS[sampling_name]
-    replay = vocab6_replay(case, s)
-    p = chi_square_p(monte_carlo(replay, coins(2024)), vocab6_exact_law(s).joint)
-    assert p >= ALPHA, f"first {N_TOKENS} tokens deviate from the exact law: p = {p:.2e}"
-    # the real loop gives, seed for seed, the replay the chi-square samples (many rounds)
-    for seed in range(REPLAY_SEEDS):
-        result = E.speculative_generate(
-            vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, tree=case.shape, seed=seed,
-            variant=E.resolve_variant(scheme=case.scheme))
-        assert tuple(result.tokens.tolist()) == replay(coins(seed), n_tokens=REPLAY_TOKENS), \
-            f"seed {seed}"
 
 
 def accept_sampled_without_renormalising(logits, tree, uniforms, sampling):
@@ -1799,15 +1778,17 @@ def test_vllm_rejection_sampling_on_the_hand_worked_chain(uniforms, bonus, expec
 
 
 # ----------------------------------------------------------------------------------------
-# losslessness of the engines' sampled verification, by chi-square against the enumeration
+# sampled speculation is lossless, official and the engines': chi-square against the
+# enumeration, the real loop replayed
 
 TKP, TPK = T1_K4_P08["T-k-p"], T1_K4_P08["T-p-k"]
 PRESET_CASES = {  # name -> (Case, sampling)
-    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang"), TKP),
-    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang"), TKP),
-    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm"), TKP),
-    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official"), TPK),
+    "sglang-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "sglang", True), TKP),
+    "sglang-tree-3-1-4-vd4": (Case("tree", E.TreeShape(3, 1, 4), "vd4", "sglang", True), TKP),
+    "vllm-chain-3": (Case("tree", E.TreeShape(1, 2, 4), "full", "vllm", True), TKP),
+    "official-tree-2-2-5": (Case("tree", E.TreeShape(2, 2, 5), "full", "official", True), TPK),
 }
+LOSSLESS = {f"{c}-{s}": (CASES[c], SAMPLINGS[s]) for c in CASES for s in SAMPLINGS} | PRESET_CASES
 
 
 def preset_accept(preset, generator, **overrides):
@@ -1821,10 +1802,14 @@ def preset_accept(preset, generator, **overrides):
     return accept
 
 
-def engine_draws(preset, seed, make_accept=preset_accept):
-    """(uniforms, accept) both drawing from one generator seeded with `seed`, as the real loop."""
+def draws(case, seed, *broken):
+    """(uniforms, accept) of a replay: the documented coins() stream with the scheme's own
+    acceptance (or `broken`), or, for an engine's case, both drawing from the one generator
+    its real loop seeds with `seed` (`broken` then makes the acceptance of that generator)."""
+    if not case.engine:
+        return (coins(seed), *broken)
     g = torch.Generator().manual_seed(seed)
-    return E.uniform_stream(g), make_accept(preset, g)
+    return E.uniform_stream(g), (broken[0] if broken else preset_accept)(case.preset, g)
 
 
 def sglang_residual_ignoring_rejections(preset, generator):
@@ -1860,41 +1845,37 @@ def sglang_lossy_threshold_acc(preset, generator):
     return preset_accept(preset, generator, threshold_acc=0.5)
 
 
-@pytest.mark.parametrize("case, sampling, stream, broken", [
-    (CASES["tree-3-1-4-vd4"], T1, "coins", accept_sampled_without_renormalising),
-    (CASES["tree-2-2-5"], T1, "coins", accept_sampled_bonus_ignoring_rejections),
-    (CASES["chain-2"], T1, "coins", accept_chain_residual_ignoring_q),
-    (*PRESET_CASES["sglang-tree-2-2-5"], "engine", sglang_residual_ignoring_rejections),
-    (*PRESET_CASES["sglang-tree-2-2-5"], "engine", sglang_lossy_threshold_acc),
-    (*PRESET_CASES["vllm-chain-3"], "engine", vllm_recovered_keeping_the_draft)],
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_sampled_speculation_is_lossless_and_the_real_loop_replays_round_by_round(
+        name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
+    case, s = LOSSLESS[name]
+    replay = vocab6_replay(case, s)
+    p = chi_square_p(monte_carlo(replay, *draws(case, 2024)), vocab6_exact_law(s).joint)
+    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
+    # the real loop draws its random numbers as the replay does, so the chi-square samples
+    # speculative_generate itself, seed for seed (many rounds)
+    for seed in range(REPLAY_SEEDS):
+        result = E.speculative_generate(
+            vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, tree=case.shape, seed=seed,
+            variant=E.resolve_variant(case.preset, case.scheme))
+        expected = replay(*draws(case, seed), n_tokens=REPLAY_TOKENS)
+        assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
+
+
+@pytest.mark.parametrize("case, sampling, broken", [
+    (CASES["tree-3-1-4-vd4"], T1, accept_sampled_without_renormalising),
+    (CASES["tree-2-2-5"], T1, accept_sampled_bonus_ignoring_rejections),
+    (CASES["chain-2"], T1, accept_chain_residual_ignoring_q),
+    (*PRESET_CASES["sglang-tree-2-2-5"], sglang_residual_ignoring_rejections),
+    (*PRESET_CASES["sglang-tree-2-2-5"], sglang_lossy_threshold_acc),
+    (*PRESET_CASES["vllm-chain-3"], vllm_recovered_keeping_the_draft)],
     ids=lambda x: getattr(x, "__name__", None))
-def test_chi_square_rejects_broken_acceptance(case, sampling, stream, broken, vocab6_replay,
+def test_chi_square_rejects_broken_acceptance(case, sampling, broken, vocab6_replay,
                                               vocab6_exact_law):
-    # the official copies draw from the documented coins() stream, an engine's copies from
-    # the generator its real loop draws from
-    uniforms, accept = ((coins(2024), broken) if stream == "coins"
-                        else engine_draws(case.preset, 2024, broken))
-    samples = monte_carlo(vocab6_replay(case, sampling), uniforms, accept)
+    samples = monte_carlo(vocab6_replay(case, sampling), *draws(case, 2024, broken))
     p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
     assert p < ALPHA, f"{broken.__name__} passed the losslessness test (p = {p:.2e})"
-
-
-@pytest.mark.parametrize("name", list(PRESET_CASES))
-def test_each_presets_sampled_verification_is_lossless_and_the_real_loop_replays_it(
-        name, vocab6_target, vocab6_drafts, vocab6_replay, vocab6_exact_law):
-    case, sampling = PRESET_CASES[name]
-    replay = vocab6_replay(case, sampling)
-    samples = monte_carlo(replay, *engine_draws(case.preset, 2024))
-    p = chi_square_p(samples, vocab6_exact_law(sampling).joint)
-    assert p >= ALPHA, f"{name}: first {N_TOKENS} tokens deviate from the exact law (p = {p:.2e})"
-    # the real loop under the preset draws its random numbers as the replay does, so the
-    # chi-square samples speculative_generate itself
-    for seed in range(20):
-        result = E.speculative_generate(
-            vocab6_target, vocab6_drafts[case.draft], PROMPT, REPLAY_TOKENS, temperature=1.0,
-            top_k=4, top_p=0.8, tree=case.shape, seed=seed, variant=E.resolve_variant(case.preset))
-        expected = replay(*engine_draws(case.preset, seed), n_tokens=REPLAY_TOKENS)
-        assert tuple(result.tokens.tolist()) == expected, f"seed {seed}"
 
 
 def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_are_one_late():
