@@ -1336,8 +1336,8 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
 #   PART II: VARIANTS AND TOOLS
 #
 #   First the variants of the method a learner can skip: the engines' conventions,
-#   batched decoding, DeepSeek-V3 / Kimi targets. Then the tools: checkpoint and config IO,
-#   tiny models, golden traces, diagnostics, benchmark, demo and the command line.
+#   batched decoding, DeepSeek-V3 / Kimi targets. Then what running it needs: checkpoint and
+#   config IO, training, tiny models, golden traces, the demo and the command line.
 #   Everything below uses Part I; nothing above calls anything below.
 #
 # ========================================================================================
@@ -1500,10 +1500,6 @@ def check_chain(sampling):
 # (Part I's one seam) that a run hands its rounds.
 
 
-def probs(logits):
-    return torch.softmax(logits.float(), -1)
-
-
 def cdf_pick(r, coin):
     """SGLang's final draw: the first id with r > 0 whose cumulative sum exceeds coin *
     sum(r) (else the last id with r > 0, else V - 1). The sum runs in float64, each prefix
@@ -1606,7 +1602,7 @@ class Preset(NamedTuple):
                                # EOS included (official, vLLM)
 
 
-PROB_SCORING = Scoring(probs, operator.mul)
+PROB_SCORING = Scoring(lambda logits: torch.softmax(logits.float(), -1), operator.mul)
 PRESETS = dict(
     official=Preset("official", Scoring(), argmax_chain=False, warpers=OFFICIAL_ORDER,
                     verify=official_verify),
@@ -1624,7 +1620,6 @@ def as_preset(preset):
     if preset not in PRESETS:
         fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
     return PRESETS[preset]
-
 
 
 def resolve_variant(preset="official", scheme="tree"):
@@ -2237,9 +2232,7 @@ class Checkpoint:
             shape = t.get_shape() if hasattr(t, "get_shape") else t.shape
             lo, hi = slice_bounds(shape[dim], rank, world) if dim is not None else (0, 0)
             x = t[:] if dim is None else t[lo:hi] if dim == 0 else t[:, lo:hi]
-            if name in self.scaled:
-                x = self.dequantise(name, x, dim, lo)
-            return x
+            return self.dequantise(name, x, dim, lo) if name in self.scaled else x
         except Eagle3Error:
             raise
         except Exception as e:
@@ -2408,16 +2401,12 @@ AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
 
 
-def check_aux_convention(convention):
-    if convention not in AUX_CONVENTIONS:
-        fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
-    return convention
-
-
 def aux_inputs(ids, convention="specforge"):
     """The hidden_states indices the ids name under `convention`."""
+    if convention not in AUX_CONVENTIONS:
+        fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
     shift = dict(specforge=1, vllm=0, sglang=int(ids[0] == 1), **{"sglang-legacy": 1})
-    return tuple(k + shift[check_aux_convention(convention)] for k in ids)
+    return tuple(k + shift[convention] for k in ids)
 
 
 def aux_ids_for(layers, convention):
@@ -2464,11 +2453,9 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     target; aux-layer ids read in `aux_convention` (None: the one the config declares, else
     SpecForge's). Given `weight_keys`, a full-vocab drafter without d2t/t2d weights has the
     identity map, as the official loader reads it."""
-    if isinstance(path_or_dict, dict):
-        raw, where = path_or_dict, "the drafter config"
-    else:
-        where = os.path.join(path_or_dict, "config.json")
-        raw = read_json(where)
+    given = isinstance(path_or_dict, dict)
+    where = "the drafter config" if given else os.path.join(path_or_dict, "config.json")
+    raw = path_or_dict if given else read_json(where)
     c = draft_llama_config(raw, where)
     if c.vocab_size != target_cfg.vocab_size:
         fail(f"draft vocab_size={c.vocab_size} != target vocab_size={target_cfg.vocab_size}: "
@@ -3332,8 +3319,7 @@ def read_golden(path):
         f = safe_open(path, framework="pt")
         header = json.loads((f.metadata() or {}).get("eagle3_golden", "{}"))
     except Exception as e:  # not safetensors, truncated, or a broken header: not a trace
-        fail(f"{path!r} is not a golden trace ({why(e)}); write one "
-             f"with `golden --out`")
+        fail(f"{path!r} is not a golden trace ({why(e)}); write one with `golden --out`")
     if header.get("format") != GOLDEN_FORMAT or header.get("version") != GOLDEN_VERSION:
         fail(f"{path!r} is not a golden trace of format {GOLDEN_FORMAT!r} version "
              f"{GOLDEN_VERSION} (found format={header.get('format')!r}, "
@@ -3344,12 +3330,10 @@ def read_golden(path):
 def golden_where(name):
     """'row01.round0003.path' -> 'row 1, round 3, field path'."""
     parts = []
-    if name.startswith("row"):
-        parts.append(f"row {int(name[3:5])}")
-        name = name[6:]
-    if name.startswith("round"):
-        parts.append(f"round {int(name[5:9])}")
-        name = name[10:]
+    for what in ("row", "round"):
+        if name.startswith(what):
+            number, name = name[len(what):].split(".", 1)
+            parts.append(f"{what} {int(number)}")
     return ", ".join(parts + [f"field {name}"])
 
 
@@ -3442,9 +3426,8 @@ def greedy_with_comm(target, ids, max_new_tokens, eos):
 def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), eos=None, repeats=2):
     """Speculative vs plain greedy on the same prompts: speed, tau, exactness and the
     all-reduces each sends per token at this run's world size."""
-    rounds, n_tokens, forwards, lossless = [], 0, 0, True
+    rounds, n_tokens, forwards, lossless, spec_comm, greedy_comm = [], 0, 0, True, [], []
     spec_s = greedy_s = 0.0
-    spec_comm, greedy_comm = [], []
     speculative_generate(target, draft, prompts[0], 8, tree=tree)  # warm-up, untimed
     bar = Progress("decode: speculative and greedy", len(prompts))
     for ids in prompts:
@@ -3629,10 +3612,8 @@ def tree_shape(args):
 
 def preset_of(args):
     """--preset, with the SGLang thresholds and draft RoPE offset when given."""
-    preset = as_preset(args.preset)
-    for flag in ("threshold_single", "threshold_acc", "draft_pos_offset"):
-        if getattr(args, flag) is not None:
-            preset = preset._replace(**{flag: getattr(args, flag)})
+    preset = as_preset(args.preset)._replace(
+        **{k: getattr(args, k) for k in PRESET_NUMBERS if getattr(args, k) is not None})
     if preset.threshold_single < 1 or preset.threshold_acc < 1:
         print(f"note: threshold_single={preset.threshold_single:g}, threshold_acc="
               f"{preset.threshold_acc:g} < 1 accept more drafts than p allows: the output is "
@@ -3708,10 +3689,6 @@ def cmd_generate(args):
     if args.comm:
         print0(f"collectives at world size {world_info()[1]} (nothing is sent at 1):")
         print0(comm_report(result))
-
-
-def cmd_demo(args):
-    main_demo(args.exact)
 
 
 def parse_numbers(text, kind, what, count=None):
@@ -4005,7 +3982,7 @@ def build_parser(*extensions, description="EAGLE-3 reference: with no command, r
         extend(sub, commands)
     if default is None:   # the main job is this parser's own
         p.add_argument("--exact", **EXACT_FLAG)
-    p.set_defaults(run=default or cmd_demo)
+    p.set_defaults(run=default or (lambda args: main_demo(args.exact)))
     return p
 
 
