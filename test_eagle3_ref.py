@@ -870,6 +870,20 @@ def test_draft_tree_and_its_draft_passes_match_the_hand_worked_example():
     ]
 
 
+def tree_paths(tree, where=""):
+    """Each node's root-first path, once the tree's fields are checked against its parents
+    (each before its child): positions, mask, retrieve_indices (a row per leaf, -1 padded)."""
+    parents = tree.parents.tolist()
+    assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, len(parents))), where
+    paths = [path_to(parents, i) for i in range(len(parents))]
+    assert tree.positions.tolist() == [len(p) - 1 for p in paths], where
+    assert tree.mask.tolist() == [[j in p for j in range(len(paths))] for p in paths], where
+    width = max(len(p) for p in paths)
+    assert tree.retrieve_indices.tolist() == [p + [-1] * (width - len(p)) for i, p in
+                                              enumerate(paths) if i not in parents], where
+    return paths
+
+
 def test_draft_tree_invariants_hold_for_random_drafters(zoo):
     target = zoo.target("llama")
     kept = torch.tensor([0, 1, 2, 4, 5, 7, 8, 9, 11, 12, 14, 15, 17, 19, 20, 23])  # 16 of 24
@@ -886,19 +900,9 @@ def test_draft_tree_invariants_hold_for_random_drafters(zoo):
         ids = torch.randint(0, VOCAB, (1, T + 1), generator=g)
         tree = E.draft_tree(draft, aux, ids, top_k, depth, total)
         where = f"case {case}: top_k={top_k} depth={depth} total_tokens={total}"
-        parents = tree.parents.tolist()
-        assert len(parents) == total and parents[0] == -1, where
-        assert tree.tokens[0] == ids[0, -1], where
-        assert all(0 <= parents[i] < i for i in range(1, total)), where       # parent first
-        paths = [path_to(parents, i) for i in range(total)]
-        for i, path in enumerate(paths):
-            assert tree.mask[i].nonzero().flatten().tolist() == sorted(path), where
-            assert tree.positions[i] == len(path) - 1, where
+        paths, parents = tree_paths(tree, where), tree.parents.tolist()
+        assert len(paths) == total and tree.tokens[0] == ids[0, -1], where
         assert max(len(p) for p in paths) <= depth + 2, where
-        leaves = [i for i in range(total) if i not in parents]
-        width = max(len(p) for p in paths)
-        assert tree.retrieve_indices.tolist() == [paths[leaf] + [-1] * (width - len(paths[leaf]))
-                                                  for leaf in leaves], where
         for node in range(total):
             children = [int(tree.tokens[c]) for c in range(total) if parents[c] == node]
             assert len(children) == len(set(children)), where            # distinct siblings
@@ -3152,18 +3156,10 @@ def test_golden_rounds_concatenate_to_the_output_tree_fields_follow_parents_logi
     assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
     nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
     for r in range(len(t["accept_lengths"])):
-        parents = golden_round(t, r, "parents").tolist()
-        N = len(parents)
-        assert N == nodes and parents[0] == -1
-        assert all(0 <= parents[i] < i for i in range(1, N))
-        chains = [path_to(parents, i) for i in range(N)]
-        assert golden_round(t, r, "positions").tolist() == [len(c) - 1 for c in chains]
-        mask = [[j in chains[i] for j in range(N)] for i in range(N)]
-        assert golden_round(t, r, "mask").tolist() == mask
-        leaves = [i for i in range(N) if i not in parents]
-        width = max(len(c) for c in chains)
-        rows = [chains[i] + [-1] * (width - len(chains[i])) for i in leaves]
-        assert golden_round(t, r, "retrieve_indices").tolist() == rows
+        chains = tree_paths(SimpleNamespace(**{field: golden_round(t, r, field) for field in (
+            "parents", "positions", "mask", "retrieve_indices")}), f"round {r}")
+        N = len(chains)
+        assert N == nodes
         path = golden_round(t, r, "path").tolist()
         assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
         prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
