@@ -1611,55 +1611,44 @@ BATCH_PROMPTS = [random_prompt(700 + i, length=L) for i, L in enumerate((6, 9, 7
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
-def test_each_presets_greedy_speculation_alone_and_in_a_batch_of_4_equals_greedy_decoding(
+def test_each_presets_greedy_speculation_alone_and_in_batches_equals_greedy_decoding(
         speculation, preset):
+    variant = E.resolve_variant(preset)
     for name in ("llama", "qwen3"):
         s = speculation[name]
         for kind in ("memorized", "fresh"):
             result = E.speculative_generate(s.target, s.draft, s.prompts[kind], 32,
-                                            tree=E.TreeShape(3, 3, 12), variant=E.resolve_variant(preset))
+                                            tree=E.TreeShape(3, 3, 12), variant=variant)
             assert result.tokens.tolist() == s.reference[kind][:32].tolist(), (name, kind)
+    # Batches whose last row drafts deep: 4 prompts; and an 8- and a 9-token prompt on a short
+    # chain, where the 9-token row finishes first, often committing past its budget in its
+    # last round; it then rides along in the batched verify, padded to the widest tree, so
+    # the cache must hold that too (it once wrote past the end: "expanded size 3 vs 4").
     s = speculation["llama"]
-    prompts = BATCH_PROMPTS[:3] + [s.prompts["memorized"]]    # one row drafts deep
-    results = E.speculative_generate_batch(s.target, s.draft, prompts, 24,
-                                           tree=E.TreeShape(3, 3, 12), variant=E.resolve_variant(preset))
-    for ids, r in zip(prompts, results):
-        assert r.tokens.tolist() == hf_greedy(s.hf, ids, 24).tolist()
-    assert max(results[3].accept_lengths) >= 3
+    memorized = torch.cat([s.prompts["memorized"], s.reference["memorized"][None, :1]], 1)
+    pair = [s.prompts["fresh"], memorized]
+    assert [p.shape[1] for p in pair] == [8, 9]
+    batches = [(BATCH_PROMPTS[:3] + [s.prompts["memorized"]], (3, 3, 12), 24)]
+    for prompts, shape, max_new in batches + [(pair, (1, 2, 4), n) for n in (28, 29, 30, 31)]:
+        batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
+                                             tree=E.TreeShape(*shape), variant=variant)
+        for ids, r in zip(prompts, batch):
+            assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
+        assert max(batch[-1].accept_lengths) >= 3            # its drafts were accepted
+        assert prompts is not pair or len(batch[1].rounds) < len(batch[0].rounds)  # finished first
 
 
 @pytest.mark.parametrize("preset", list(E.PRESETS))
 def test_batch_sampled_rows_equal_their_own_runs_with_seed_plus_row(speculation, preset):
     # row b draws from its own generator seeded seed + b, so it is exactly the batch-1 run
     # with that seed: each row keeps the (tested lossless) distribution of a single run
-    s = speculation["qwen3"]
-    results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16,
-                                           temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
-                                           seed=40, variant=E.resolve_variant(preset))
+    s, run = speculation["qwen3"], dict(temperature=0.9, top_k=8, tree=E.TreeShape(2, 2, 7),
+                                        variant=E.resolve_variant(preset))
+    results = E.speculative_generate_batch(s.target, s.draft, BATCH_PROMPTS, 16, seed=40, **run)
     for b, (ids, r) in enumerate(zip(BATCH_PROMPTS, results)):
-        single = E.speculative_generate(s.target, s.draft, ids, 16, temperature=0.9, top_k=8,
-                                        tree=E.TreeShape(2, 2, 7), seed=40 + b, variant=E.resolve_variant(preset))
+        single = E.speculative_generate(s.target, s.draft, ids, 16, seed=40 + b, **run)
         assert r.tokens.tolist() == single.tokens.tolist(), b
         assert r.accept_lengths == single.accept_lengths
-
-
-@pytest.mark.parametrize("preset", ["official", "sglang", "vllm"])
-def test_batch_of_8_and_9_token_prompts_on_a_short_chain_equals_each_prompt_alone(speculation,
-                                                                                   preset):
-    # The 9-token row drafts deep and finishes first, often committing past its budget in its
-    # last round; it then rides along in the batched verify, padded to the widest tree, so
-    # the cache must hold that too (it once wrote past the end: "expanded size 3 vs 4").
-    s = speculation["llama"]
-    memorized = torch.cat([s.prompts["memorized"], s.reference["memorized"][None, :1]], 1)
-    prompts = [s.prompts["fresh"], memorized]
-    assert [p.shape[1] for p in prompts] == [8, 9]
-    for max_new in (28, 29, 30, 31):
-        batch = E.speculative_generate_batch(s.target, s.draft, prompts, max_new,
-                                             tree=E.TreeShape(1, 2, 4), variant=E.resolve_variant(preset))
-        for ids, r in zip(prompts, batch):
-            assert r.tokens.tolist() == hf_greedy(s.hf, ids, max_new).tolist()
-        assert len(batch[1].rounds) < len(batch[0].rounds)   # the long row finished first
-        assert max(batch[1].accept_lengths) >= 3             # its drafts were accepted
 
 
 # ========================================================================================
