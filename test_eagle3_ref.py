@@ -1516,7 +1516,8 @@ def test_the_seed_alone_decides_the_tokens_and_the_trace_records_its_uniforms(
 
     def run(seed, n=24, **sampling):
         return E.speculative_generate(vocab6_target, vocab6_drafts[case.draft], PROMPT, n,
-                                      tree=case.shape, seed=seed, variant=E.resolve_variant(scheme=case.scheme), **sampling)
+                                      tree=case.shape, seed=seed, **sampling,
+                                      variant=E.resolve_variant(scheme=case.scheme))
     first, second = run(7, temperature=0.8, top_p=0.95), run(7, temperature=0.8, top_p=0.95)
     assert first.tokens.tolist() == second.tokens.tolist()
     assert first.accept_lengths == second.accept_lengths
@@ -1542,10 +1543,9 @@ def test_sample_generate_replays_inverse_cdf_of_exact_law_and_its_first_token_fi
                                 seed=seed).tolist()
         assert got == expected, f"seed {seed}"
 
-    def run():  # and with every warper on, 24 tokens: the same seed, the same tokens
-        return E.sample_generate(vocab6_target, PROMPT, 24, temperature=0.8, top_p=0.9,
-                                 top_k=3, seed=5).tolist()
-    assert run() == run()
+    every = dict(temperature=0.8, top_p=0.9, top_k=3, seed=5)  # every warper on, 24 tokens:
+    assert torch.equal(*(E.sample_generate(vocab6_target, PROMPT, 24, **every)  # the same seed,
+                         for _ in range(2)))                                    # the same tokens
     law = vocab6_exact_law(T1).p1           # and 1000 first tokens: chi-square against the law
     samples = [tuple(E.sample_generate(vocab6_target, PROMPT, 1, seed=seed).tolist())
                for seed in range(1000)]
@@ -1557,9 +1557,8 @@ def test_sample_generate_replays_inverse_cdf_of_exact_law_and_its_first_token_fi
 # tensor parallelism: rank 0 decides, every rank emits its decisions
 
 
-def test_tensor_parallel_ranks_emit_rank0s_greedy_and_sampled_decisions(speculation, tp_run,
-                                                                         vocab6_target,
-                                                                         vocab6_drafts):
+def test_tensor_parallel_ranks_emit_rank0s_greedy_and_sampled_decisions(
+        speculation, tp_run, vocab6_target, vocab6_drafts):
     s = speculation[TP_TARGETS[0]]                 # llama: its lm_head is not tied
     expected = s.reference["memorized"][:TP_NEW_TOKENS].tolist()
     rank0, rank1 = (rank["rank1_disagrees"] for rank in tp_run.ranks)
@@ -1586,13 +1585,14 @@ TP_SEED = 11
 
 def tp_outputs(target, draft, seed, generators=("tree", "chain", "plain")):
     """Sampled tokens of each generator, as the tensor-parallel tests compare them."""
+    sampling = dict(temperature=0.9, top_p=0.9, seed=seed)
     run = dict(
-        tree=lambda: E.speculative_generate(target, draft, PROMPT, 16, temperature=0.9, top_p=0.9,
-                                            tree=CASES["tree-2-2-5"].shape, seed=seed).tokens,
-        chain=lambda: E.speculative_generate(target, draft, PROMPT, 16, temperature=0.9,
-                                             top_p=0.9, tree=CASES["chain-2"].shape, seed=seed,
+        tree=lambda: E.speculative_generate(target, draft, PROMPT, 16, **sampling,
+                                            tree=CASES["tree-2-2-5"].shape).tokens,
+        chain=lambda: E.speculative_generate(target, draft, PROMPT, 16, **sampling,
+                                             tree=CASES["chain-2"].shape,
                                              variant=E.resolve_variant(scheme="chain")).tokens,
-        plain=lambda: E.sample_generate(target, PROMPT, 16, temperature=0.9, top_p=0.9, seed=seed))
+        plain=lambda: E.sample_generate(target, PROMPT, 16, **sampling))
     return {name: run[name]().tolist() for name in generators}
 
 
@@ -1898,24 +1898,24 @@ def test_sglang_product_scores_grow_the_official_tree_and_pre_25015_positions_ar
 
 def sglang_build_tree(score_list, token_list, parents_list, verified_id, seq_lens, topk,
                       num_draft_tokens):
-    """SGLang's organize_draft_results + build_tree_kernel_efficient -> (Trees, its tensors)."""
-    trees, out = [], dict(positions=[], retrive_index=[], retrive_next_token=[],
-                          retrive_next_sibling=[], draft_tokens=[])
+    """SGLang's organize_draft_results + build_tree_kernel_efficient, each step's inputs
+    (nested lists) indexed by request -> its outputs as lists, and each tree's mask."""
+    out = dict(positions=[], retrive_index=[], retrive_next_token=[], retrive_next_sibling=[],
+               draft_tokens=[], mask=[])
     for b in range(len(verified_id)):
-        scores = torch.cat([x[b].flatten() for x in score_list])
-        tokens = torch.cat([x[b].flatten() for x in token_list])
-        group_parent = torch.cat([x[b] for x in parents_list[:-1]])
+        scores = torch.cat([torch.tensor(x[b]).flatten() for x in score_list])
+        tokens = torch.cat([torch.tensor(x[b]).flatten() for x in token_list])
+        group_parent = torch.cat([torch.tensor(x[b]) for x in parents_list[:-1]])
         tree = E.select_tree(scores, tokens, group_parent, torch.tensor(verified_id[b]),
-                           num_draft_tokens, topk)
-        trees.append(tree)
+                             num_draft_tokens, topk)
         lists = E.sglang_tree(tree)
-        out["positions"].append(seq_lens[b] + tree.positions)
-        out["retrive_index"].append(b * num_draft_tokens + torch.arange(num_draft_tokens))
-        out["retrive_next_token"].append(lists["retrive_next_token"])
-        out["retrive_next_sibling"].append(lists["retrive_next_sibling"])
-        out["draft_tokens"].append(tree.tokens)
-    flat = ("positions", "draft_tokens")
-    return trees, {k: torch.cat(v) if k in flat else torch.stack(v) for k, v in out.items()}
+        out["positions"] += (seq_lens[b] + tree.positions).tolist()
+        out["retrive_index"].append(list(range(b * num_draft_tokens, (b + 1) * num_draft_tokens)))
+        out["retrive_next_token"].append(lists["retrive_next_token"].tolist())
+        out["retrive_next_sibling"].append(lists["retrive_next_sibling"].tolist())
+        out["draft_tokens"] += tree.tokens.tolist()
+        out["mask"].append(tree.mask.int().tolist())
+    return out
 
 
 def sglang_linked_tree(tokens, next_token, next_sibling):
@@ -2001,21 +2001,35 @@ SGL_PARENTS = [[[-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]], [[4, 8, 9, 10], [4, 5, 6, 7
                [[20, 24, 21, 28], [24, 28, 20, 21]], [[36, 40, 41, 44], [36, 40, 44, 45]]]
 
 
-def test_sglang_preset_reproduces_sglangs_build_eagle_tree_self_test():
-    trees, out = sglang_build_tree(
-        [torch.tensor(x) for x in SGL_SCORES], [torch.tensor(x) for x in SGL_TOKENS],
-        [torch.tensor(x) for x in SGL_PARENTS], [29974, 13], [5, 10], topk=4,
-        num_draft_tokens=8)
-    assert out["positions"].tolist() == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
-    assert out["retrive_index"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7],
-                                             [8, 9, 10, 11, 12, 13, 14, 15]]
-    assert out["retrive_next_token"].tolist() == [[1, 3, 4, 5, 6, 7, -1, -1],
-                                                  [1, 2, -1, 6, -1, -1, 7, -1]]
-    assert out["retrive_next_sibling"].tolist() == [[-1, 2, -1, -1, -1, -1, -1, -1],
-                                                    [-1, -1, 3, 4, 5, -1, -1, -1]]
-    assert out["draft_tokens"].tolist() == [29974, 29896, 29906, 29889, 29974, 29946, 29896,
-                                            29946, 13, 13, 22550, 4136, 16492, 8439, 29871,
-                                            29941]
+SGL_TREES = {  # name -> (sglang_build_tree's inputs, the outputs its test expects)
+    "build_eagle_tree.py": (  # the self-test, sglang@009db01a: bs 2, topk 4, 4 steps, ndt 8
+        (SGL_SCORES, SGL_TOKENS, SGL_PARENTS, [29974, 13], [5, 10], 4, 8), dict(
+            positions=[5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14],
+            retrive_index=[[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]],
+            retrive_next_token=[[1, 3, 4, 5, 6, 7, -1, -1], [1, 2, -1, 6, -1, -1, 7, -1]],
+            retrive_next_sibling=[[-1, 2, -1, -1, -1, -1, -1, -1], [-1, -1, 3, 4, 5, -1, -1, -1]],
+            draft_tokens=[29974, 29896, 29906, 29889, 29974, 29946, 29896, 29946, 13, 13, 22550,
+                          4136, 16492, 8439, 29871, 29941])),
+    # test/srt/cpu/test_spec_kernels.py, sglang@3da9e7e6: topk 2, 2 steps, 4 draft tokens;
+    # the pool is given by its selected indices: scores that select exactly them
+    "cpu-topk-2": (([[[[0.6, 0.3]]], [[[0.5, 0.1], [0.05, 0.01]]]], [[[1, 2]], [[3, 4, 5, 6]]],
+                    [[[-1, 0, 1]], [[2, 3]]], [0], [5], 2, 4), dict(
+        retrive_next_token=[[1, 3, -1, -1]], retrive_next_sibling=[[-1, 2, -1, -1]],
+        positions=[5, 6, 6, 7], mask=[[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]])),
+    # the topk = 1 chain, 3 steps: seq_lens 7 and 12, a causal mask, consecutive positions
+    "cpu-chain": (([[[[0.9]], [[0.9]]], [[[0.8]], [[0.8]]], [[[0.7]], [[0.7]]]],
+                   [[[1], [1]], [[2], [2]], [[3], [3]]],
+                   [[[-1, 0], [-1, 0]], [[1], [1]], [[2], [2]]], [0, 0], [7, 12], 1, 4), dict(
+        positions=[7, 8, 9, 10, 12, 13, 14, 15], mask=[torch.ones(4, 4).tril().int().tolist()] * 2,
+        retrive_next_token=[[1, 2, 3, -1]] * 2)),
+}
+
+
+@pytest.mark.parametrize("name", SGL_TREES)
+def test_sglang_preset_reproduces_sglangs_tree_building_tests(name):
+    inputs, expected = SGL_TREES[name]
+    out = sglang_build_tree(*inputs)
+    assert {key: out[key] for key in expected} == expected
 
 
 SGL_CANDIDATES = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]  # test_eagle_utils.py, sglang@9bfd52e8
@@ -2069,36 +2083,13 @@ def test_sglang_preset_reproduces_sglangs_verify_and_tree_sampling_kernel_tests(
     assert sglang_test_run(accept) == (predicts, index, num)
 
 
-def test_sglang_preset_reproduces_sglangs_cpu_hand_cases():
-    # test/srt/cpu/test_spec_kernels.py, sglang@3da9e7e6: topk 2, 2 steps, 4 draft tokens;
-    # the pool is given by its selected indices: scores that select exactly them
-    trees, out = sglang_build_tree([torch.tensor([[[0.6, 0.3]]]), torch.tensor([[[0.5, 0.1],
-                                      [0.05, 0.01]]])], [torch.tensor([[1, 2]]),
-                                      torch.tensor([[3, 4, 5, 6]])],
-                                     [torch.tensor([[-1, 0, 1]]), torch.tensor([[2, 3]])], [0],
-                                     [5], topk=2, num_draft_tokens=4)
-    assert out["retrive_next_token"].tolist() == [[1, 3, -1, -1]]
-    assert out["retrive_next_sibling"].tolist() == [[-1, 2, -1, -1]]
-    assert out["positions"].tolist() == [5, 6, 6, 7]
-    assert trees[0].mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0],
-                                            [1, 1, 0, 1]]
-    # the greedy chain hand case: drafts 3, 4, 5 after the root 10; targets 3, 4, 9, 9
-    chain, kids = sglang_linked_tree([10, 3, 4, 5], [1, 2, 3, -1], [-1, -1, -1, -1])
+def test_sglang_preset_reproduces_sglangs_cpu_greedy_chain_case():
+    # test/srt/cpu/test_spec_kernels.py, sglang@3da9e7e6: drafts 3, 4, 5 after the root 10;
+    # targets 3, 4, 9, 9
+    chain, _ = sglang_linked_tree([10, 3, 4, 5], [1, 2, 3, -1], [-1, -1, -1, -1])
     acc = E.accept_greedy(F.one_hot(torch.tensor([3, 4, 9, 9]), 12).float(), chain)
-    predicts, index, num = sglang_verify_outputs([(acc, chain.tokens)],
-                                                   torch.tensor([[0, 1, 2, 3]]), 4)
-    assert (predicts.tolist(), index.tolist(), num.tolist()) == ([3, 4, 9, -1], [[0, 1, 2, -1]],
-                                                                 [2])
-    # the topk = 1 chain, 3 steps: seq_lens 7 and 12, a causal mask, consecutive positions
-    trees, out = sglang_build_tree(
-        [torch.tensor([[[0.9]], [[0.9]]]), torch.tensor([[[0.8]], [[0.8]]]),
-         torch.tensor([[[0.7]], [[0.7]]])], [torch.tensor([[1], [1]]), torch.tensor([[2], [2]]),
-                                             torch.tensor([[3], [3]])],
-        [torch.tensor([[-1, 0], [-1, 0]]), torch.tensor([[1], [1]]), torch.tensor([[2], [2]])],
-        [0, 0], [7, 12], topk=1, num_draft_tokens=4)
-    assert out["positions"].tolist() == [7, 8, 9, 10, 12, 13, 14, 15]
-    assert all(t.mask.int().tolist() == torch.ones(4, 4).tril().int().tolist() for t in trees)
-    assert out["retrive_next_token"].tolist() == [[1, 2, 3, -1]] * 2
+    outputs = sglang_verify_outputs([(acc, chain.tokens)], torch.tensor([[0, 1, 2, 3]]), 4)
+    assert [x.tolist() for x in outputs] == [[3, 4, 9, -1], [[0, 1, 2, -1]], [2]]
 
 
 @pytest.mark.parametrize("drafts, targets, bonus, expected", [  # vLLM test_rejection_sampler.py
