@@ -2000,10 +2000,7 @@ def sum_in_rank_order(x):
     same bits in a decode step and in a verify, and on every rank."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return x.copy_(total)
+    return x.copy_(sum(parts[1:], parts[0]))   # sum() adds left to right from its start
 
 
 EXACT_WEIGHTED = (nn.Linear, RowInvariantLinear, nn.Embedding, RMSNorm, Router)  # the
