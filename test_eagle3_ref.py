@@ -2143,10 +2143,11 @@ def train_collate(examples, pad_id):
 
 
 def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, decay=0.8):
-    """The TTT loss on reference_drafter's steps -> (total, losses, hits, counts)."""
+    """The TTT loss on reference_drafter's steps -> (total, losses, hits, counts, floor); the
+    floor, the lowest loss any drafter could reach, is the restricted teacher's entropy."""
     t2d = draft.t2d.detach()
     B, T = input_ids.shape
-    total, losses, hits, counts = 0.0, [], [], []
+    total, losses, hits, counts, floor = 0.0, [], [], [], 0.0
     for k, (_, log_q) in enumerate(reference_drafter(draft, aux, input_ids, steps, H=4, Hkv=2,
                                                      hs=8)):
         teacher = shift_left(target_logits.float(), 1 + k)   # target's dist. of x[t+2+k]
@@ -2158,7 +2159,8 @@ def train_reference_ttt(draft, aux, input_ids, loss_mask, target_logits, steps, 
         hits.append(float(((log_q.argmax(-1) == p.argmax(-1)).float() * position_mask).sum()))
         counts.append(float(lm.sum()))
         total += decay ** k * float(loss_k)
-    return total, losses, hits, counts
+        floor += decay ** k * float(-(position_mask * (p * p.log()).sum(-1)).sum() / (B * T))
+    return total, losses, hits, counts, floor
 
 
 @pytest.fixture(scope="module")
@@ -2182,22 +2184,9 @@ def train_target(tmp_path_factory):
 
 def train_max_diff(dir_a, dir_b):
     """Largest |difference| over every tensor of two saved drafters (same keys required)."""
-    a, b = load_file(os.path.join(dir_a, "model.safetensors")), load_file(
-        os.path.join(dir_b, "model.safetensors"))
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (dir_a, dir_b))
     assert sorted(a) == sorted(b)
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
-def train_teacher_floor(t2d, loss_mask, target_logits, steps, decay=0.8):
-    """The lowest TTT loss: the restricted teacher's entropy, masked like the loss."""
-    B, T = loss_mask.shape
-    floor = 0.0
-    for k in range(steps):
-        teacher = shift_left(target_logits.float(), 1 + k)
-        p = torch.softmax(teacher[..., t2d], -1)
-        position_mask = t2d[teacher.argmax(-1)].float() * shift_left(loss_mask, k)
-        floor += decay ** k * float(-(position_mask * (p * p.log()).sum(-1)).sum() / (B * T))
-    return floor
 
 
 # ----------------------------------------------------------------------------------------
@@ -2269,7 +2258,8 @@ def test_ttt_loss_equals_the_stepwise_reference(train_target):
     assert 0 < int((in_vocab & loss_mask.bool()).sum()) < int(loss_mask.sum())
     with torch.no_grad():
         result = E.ttt_loss(draft, aux, ids, loss_mask, logits, steps=7)
-    total, losses, hits, counts = train_reference_ttt(draft, aux, ids, loss_mask, logits, steps=7)
+    total, losses, hits, counts, _ = train_reference_ttt(draft, aux, ids, loss_mask, logits,
+                                                         steps=7)
     assert abs(float(result.loss) - total) <= 1e-5
     actual = [float(x) for x in result.losses]
     assert len(actual) == 7
@@ -2303,8 +2293,7 @@ def test_a_few_optimizer_steps_reduce_the_ttt_loss(train_target, tmp_path):
     with torch.no_grad():
         out = t.hf(ids, output_hidden_states=True)
     logits, aux = out.logits, hf_aux(out.hidden_states, TRAIN_AUX)
-    floor = train_teacher_floor(draft.t2d, mask, logits, steps=3)
-    before, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
+    before, *_, floor = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
     train_draft(t.target, draft, t.examples, [], train_config(steps=20), str(tmp_path), TRAIN_PAD)
     after, *_ = train_reference_ttt(draft, aux, ids, mask, logits, steps=3)
     assert after - floor < 0.75 * (before - floor), (floor, before, after)
