@@ -775,6 +775,9 @@ def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_pa
     h = draft(draft.fc(aux), tokens, torch.arange(T), torch.ones(T, T).tril().bool())
     assert_close(h, h_ref, "pre-norm output")
     assert_close(torch.log_softmax(draft.logits(h), -1), log_q_ref, "log-probabilities")
+    # a head width of 1 (hidden_size / heads: transformers' RoPE check misses it) is refused
+    with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
+        E.read_draft_config(draft_config(target.cfg, num_attention_heads=HIDDEN), target.cfg)
 
 
 # ========================================================================================
@@ -2548,21 +2551,6 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the
 # the target's config and weights
 
 
-def test_odd_head_dim_is_refused_for_target_and_drafter(zoo, tmp_path):
-    # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error).
-    # transformers' own validation catches the target's explicit head_dim (in one line of
-    # ours); a drafter's head width from hidden_size / heads slips past it.
-    config = dict(zoo.hf("llama").config.to_dict(), head_dim=9)
-    (tmp_path / "target").mkdir()
-    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(E.Eagle3Error, match=r"config.json is not a valid config: RoPE requires "
-                                            r"an even rotary dimension.*head_dim.*9"):
-        E.read_target_config(str(tmp_path / "target"))
-    with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
-        cfg = zoo.target("llama").cfg
-        E.read_draft_config(draft_config(cfg, num_attention_heads=HIDDEN), cfg)
-
-
 def config_dir(tmp_path, family="deepseek_v3", **overrides):
     """A dir holding only the config.json of a tiny target of `family` (ZOO's ds-v3 shape)."""
     ds = {**DS_TINY, **ZOO["ds-v3"][2]} if family == "deepseek_v3" else {}
@@ -2619,28 +2607,30 @@ def test_fewer_than_7_layers_is_refused_when_aux_features_are_needed(tmp_path, z
         E.load_draft(str(tmp_path / "draft"), E.load_target(str(tmp_path / "target")))
 
 
+HEADS = r"num_attention_heads=4 and num_key_value_heads={} must both be divisible by the world"
+
+
 @pytest.mark.parametrize("family, world, overrides, message", [   # world None: the config
-    ("llama", 3, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
-                     r"by the world size 3"),       # neither head count divides
-    ("llama", 4, {}, r"num_attention_heads=4 and num_key_value_heads=2 must both be divisible "
-                     r"by the world size 4"),       # the kv heads do not
-    ("deepseek_v3", 3, {}, r"num_attention_heads=4 and num_key_value_heads=4 must both be "
-                           r"divisible by the world size 3"),
-    ("deepseek_v3", 4, dict(num_key_value_heads=2), r"num_key_value_heads=2 must both be "
-                                                    r"divisible"),
-    ("deepseek_v3", 2, dict(moe_intermediate_size=33), r"moe_intermediate_size=33 is not "
-                                                       r"divisible by the world size 2"),
-    ("deepseek_v3", None, dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 in .*config.json "
-                                                     r"must be even"),
+    ("llama", 3, {}, HEADS.format(2) + " size 3"),       # neither head count divides
+    ("llama", 4, {}, HEADS.format(2) + " size 4"),       # the kv heads do not
+    ("deepseek_v3", 3, {}, HEADS.format(4) + " size 3"),
+    ("deepseek_v3", 4, dict(num_key_value_heads=2), HEADS.format(2) + " size 4"),
+    ("deepseek_v3", 2, dict(moe_intermediate_size=33),
+     r"moe_intermediate_size=33 is not divisible by the world size 2"),
+    ("deepseek_v3", None, dict(qk_rope_head_dim=7),
+     r"qk_rope_head_dim=7 in .*config.json must be even"),
     ("deepseek_v3", None, dict(num_experts_per_tok=3, topk_group=1),
      r"cannot select num_experts_per_tok=3 experts: topk_group \* n_routed_experts / n_group = "
      r"1 \* 8 / 4 = 2"),
     ("deepseek_v3", None, dict(n_group=3), r"n_routed_experts=8, n_group=3"),
+    # RoPE rotates pairs: an odd width would fail deep in the rotation (a shape error);
+    # transformers' own validation catches an explicit head_dim (in one line of ours)
+    ("llama", None, dict(head_dim=9),
+     r"config.json is not a valid config: RoPE requires an even rotary dimension.*head_dim.*9"),
 ], ids=["heads", "kv-heads", "ds-heads", "ds-kv-heads", "ds-experts-width", "ds-odd-rope-dim",
-        "ds-routing-cannot-select", "ds-groups-do-not-split"])
-def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(tmp_path, family,
-                                                                           world, overrides,
-                                                                           message):
+        "ds-routing-cannot-select", "ds-groups-do-not-split", "odd-head-dim"])
+def test_bad_configs_and_sizes_not_divisible_by_the_world_size_are_refused(
+        tmp_path, family, world, overrides, message):
     with pytest.raises(E.Eagle3Error, match=message):
         cfg = E.read_target_config(config_dir(tmp_path, family, **overrides))
         if world:
