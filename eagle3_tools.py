@@ -1235,7 +1235,7 @@ class RealPlan(NamedTuple):
     lr: float = 1e-3              # few steps: 10x SpecForge's 1e-4
     autocast: str = "bf16"        # training matmuls in bf16 where it is native
     fp32_share: float = 0.7       # of the conversations, where bf16 is not native (fp32 is
-                                  # slower: 3,000 took 107 min on an AVX2 CPU)
+                                  # slower: docs/results.md, the default real-demo)
     eval_prompts: int = 8         # held-out prompts the demo's bench runs (--per-category N:
                                   # ShareGPT rows have one category)
     eval_new_tokens: int = 64     # new tokens per prompt in the demo's bench
@@ -1251,7 +1251,7 @@ REAL_PLAN = RealPlan()
 
 def native_bf16():
     """Does this machine multiply bf16 natively (a GPU, a CPU with AMX or AVX512-BF16)?
-    Elsewhere torch emulates it: a bf16 prefill ran ~20x slower than fp32 (docs/real_models.md)."""
+    Elsewhere torch emulates it: a bf16 capture takes ~10x fp32's time (docs/results.md)."""
     cpu = torch.cpu
     return torch.cuda.is_available() or any(
         getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported",
@@ -2498,7 +2498,7 @@ def add_probe_commands(sub, train):
                              limit="only the first N conversations (a larger N later keeps "
                                    "what is captured)",
                              dtype="the target's weights: bfloat16 captures 2x faster on a "
-                                   "CPU with AMX (docs/real_models.md)")])
+                                   "CPU with AMX (docs/results.md)")])
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
                         "acceptance, expected tau (with --costs: a verdict per measured shape)", parents=[common(
