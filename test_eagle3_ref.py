@@ -2731,29 +2731,19 @@ def test_bad_sampling_settings_are_refused_by_both_samplers(kwargs, match, vocab
 # ========================================================================================
 
 
-@pytest.fixture(scope="module")
-def train_checkpoint(train_target, tmp_path_factory):
-    """A 2-step training run with its checkpoint (drafter dir + train_state.pt)."""
-    t = train_target
-    out = tmp_path_factory.mktemp("train_checkpoint")
+def test_truncated_train_state_or_draft_safetensors_is_refused(train_target, tmp_path):
+    t, intact, broken = train_target, tmp_path / "intact", tmp_path / "broken"
     train_draft(t.target, tiny_draft(t.target, 51, t.kept, std=0.02), t.examples, [],
-                  train_config(steps=2, save_every=2), str(out), TRAIN_PAD)
-    return str(out)
-
-
-def test_truncated_train_state_or_draft_safetensors_is_refused(train_target, train_checkpoint,
-                                                                tmp_path):
-    t, intact, broken = train_target, str(tmp_path / "intact"), str(tmp_path / "broken")
-    shutil.copytree(train_checkpoint, intact)
-    shutil.copytree(train_checkpoint, broken)
-    E.load_draft(intact, t.target)  # the untouched copy loads
-    truncate_half(os.path.join(broken, "model.safetensors"))
+                train_config(steps=2, save_every=2), str(intact), TRAIN_PAD)  # a checkpoint
+    shutil.copytree(intact, broken)
+    E.load_draft(str(intact), t.target)  # the untouched copy loads
+    truncate_half(broken / "model.safetensors")
     with pytest.raises(E.Eagle3Error, match="corrupt|truncated"):
-        E.load_draft(broken, t.target)
-    truncate_half(os.path.join(intact, "train_state.pt"))
+        E.load_draft(str(broken), t.target)
+    truncate_half(intact / "train_state.pt")
     with pytest.raises(E.Eagle3Error, match="truncated, corrupt or not ours"):
         train_draft(t.target, tiny_draft(t.target, 52, t.kept, std=0.02), t.examples, [],
-                    train_config(steps=4), intact, TRAIN_PAD, resume=True)
+                    train_config(steps=4), str(intact), TRAIN_PAD, resume=True)
 
 
 KILLABLE = """
