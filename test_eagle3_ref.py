@@ -657,7 +657,7 @@ def test_a_drafter_saved_for_an_engine_is_fed_the_layers_it_was_trained_on(zoo, 
     # each engine, read the way that engine reads them (and by our loader, which follows the
     # config's declared convention), name those layers again
     target = zoo.target("llama")
-    draft = tiny_draft(target, seed=1, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
+    draft = tiny_draft(target, 1, eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
     assert draft.cfg.aux_layers == (3, 5, 6) and not draft.cfg.aux_default
     eagle = saved_eagle_config(draft, tmp_path, engine)
     ids = eagle["eagle_aux_hidden_state_layer_ids"]
@@ -3217,20 +3217,28 @@ def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden
 # golden --check, and batches in the engines' layouts
 
 
+def golden_write(path, header, tensors):
+    save_file(tensors, str(path), metadata={"eagle3_golden": json.dumps(header)})
+
+
+def golden_flip(file, name, index, out):
+    """A copy of a golden trace, one token of tensor `name` changed -> (old token, new)."""
+    header, tensors = golden_read(file)
+    flipped = dict(tensors, **{name: tensors[name].clone()})
+    old = int(flipped[name][index])
+    flipped[name][index] = (old + 1) % GOLDEN_VOCAB
+    golden_write(out, header, flipped)
+    return old, int(flipped[name][index])
+
+
 @pytest.fixture(scope="module")
 def golden_checks(golden_traces, tmp_path_factory):
     """`golden --check` on both traces, a flipped tree token, a version-2 header."""
     root = tmp_path_factory.mktemp("golden_checks")
-    header, tensors = golden_read(golden_trace(golden_traces, "greedy")["file"])
-    meta = {"eagle3_golden": json.dumps(header)}
-    old = int(tensors["round0002.tree_tokens"][3])
-    new = (old + 1) % GOLDEN_VOCAB
-    flipped = dict(tensors)
-    flipped["round0002.tree_tokens"] = tensors["round0002.tree_tokens"].clone()
-    flipped["round0002.tree_tokens"][3] = new
-    save_file(flipped, str(root / "flipped.safetensors"), metadata=meta)
-    v2 = {"eagle3_golden": json.dumps(dict(header, version=2))}
-    save_file(tensors, str(root / "version2.safetensors"), metadata=v2)
+    file = golden_trace(golden_traces, "greedy")["file"]
+    old, new = golden_flip(file, "round0002.tree_tokens", 3, root / "flipped.safetensors")
+    header, tensors = golden_read(file)
+    golden_write(root / "version2.safetensors", dict(header, version=2), tensors)
     files = {kind: golden_trace(golden_traces, kind)["file"] for kind in GOLDEN_RUNS}
     files.update(flipped=str(root / "flipped.safetensors"),
                  version2=str(root / "version2.safetensors"))
@@ -3276,16 +3284,11 @@ def batch_golden(golden_models, tmp_path_factory):
             procs = [cli_here(*args, "--out", files[1])]    # one in this process meanwhile
             runs[preset] = list(zip(files, finish(started) + procs))
         file = runs["sglang"][0][0]
-        header, tensors = golden_read(file)
-        name = next(k for k in sorted(tensors) if k.startswith("row01.round0001.tree_tokens"))
-        flipped = dict(tensors, **{name: tensors[name].clone()})
-        old = int(flipped[name][2])
-        flipped[name][2] = (old + 1) % GOLDEN_VOCAB
-        save_file(flipped, str(root / "batch-flipped.safetensors"),
-                  metadata={"eagle3_golden": json.dumps(header)})
+        old, new = golden_flip(file, "row01.round0001.tree_tokens", 2,
+                               root / "batch-flipped.safetensors")
         check = [cli_here("golden", "--check", f)
                  for f in (root / "batch-flipped.safetensors", file)]
-        return SimpleNamespace(runs=runs, check=check, old=old, new=(old + 1) % GOLDEN_VOCAB)
+        return SimpleNamespace(runs=runs, check=check, old=old, new=new)
     built = built_once(tmp_path_factory, "batch_golden", build)
     runs = {preset: [(f, p, golden_read(f) if os.path.isfile(f) else None) for f, p in pairs]
             for preset, pairs in built.runs.items()}
@@ -4282,9 +4285,8 @@ def test_exact_is_a_switch_off_by_default_golden_records_it_and_check_reruns_the
     check = cli_here("golden", "--check", trace)
     assert check.returncode == 0 and "match" in check.stdout, check.stdout + check.stderr
     del header["config"]["exact"]
-    plain = tmp_path / "plain.safetensors"
-    save_file(tensors, plain, metadata={"eagle3_golden": json.dumps(header)})
-    check = cli_here("golden", "--check", plain)
+    golden_write(tmp_path / "plain.safetensors", header, tensors)
+    check = cli_here("golden", "--check", tmp_path / "plain.safetensors")
     assert check.returncode == 1 and "first divergence" in check.stdout, check.stdout
 
 
