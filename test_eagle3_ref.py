@@ -2970,21 +2970,6 @@ def golden_warped(logits):
     return hf_warped_probs(logits[None], E.Sampling(temperature=0.8, top_p=0.9))[0]
 
 
-def assert_uniforms_are_the_seeded_stream(tensors, seed):
-    """Every uniform is one Generator's float64 draw, in order."""
-    rounds = range(len(tensors["accept_lengths"]))
-    used = [tensors["first_uniforms"]] + [golden_round(tensors, r, "uniforms") for r in rounds]
-    g = torch.Generator().manual_seed(seed)
-    stream = torch.stack([torch.rand((), generator=g, dtype=torch.float64)
-                          for _ in range(sum(len(u) for u in used))])
-    assert torch.equal(torch.cat(used), stream)
-
-
-def golden_root_index(tensors, r):
-    """Index in `tokens` of round r's root: each round emits accept_length tokens."""
-    return int(tensors["accept_lengths"][:r].sum())
-
-
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
     """A random 8-layer target, a drafter over 18 of its 24 ids sharpened on its greedy text."""
@@ -3093,33 +3078,29 @@ def test_golden_rounds_concatenate_to_the_output_tree_fields_follow_parents_logi
     # path is a root-first chain of parent links. Node i of round r is scored (transformers)
     # after prompt + output before the root + its ancestors.
     t = golden_trace(golden_traces, kind)["tensors"]
+    nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
     out = t["tokens"][:1].tolist()  # the prefill's token is round 0's root
     for r in range(len(t["accept_lengths"])):
         assert len(out) < GOLDEN_NEW_TOKENS, f"round {r} runs after the output was complete"
-        tree_tokens, path = golden_round(t, r, "tree_tokens"), golden_round(t, r, "path")
-        assert int(tree_tokens[0]) == out[-1], f"round {r} root"
-        out += tree_tokens[path[1:]].tolist() + golden_round(t, r, "bonus").tolist()
-        length = int(t["accept_lengths"][r])       # accepted nodes + the bonus = the path
-        assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
-    assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
-    assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
-    nodes = GOLDEN_TREE[2] if kind != "chain" else GOLDEN_TREE[1] + 2  # root + depth+1 drafts
-    for r in range(len(t["accept_lengths"])):
+        tokens, path = golden_round(t, r, "tree_tokens"), golden_round(t, r, "path").tolist()
+        assert int(tokens[0]) == out[-1], f"round {r} root"
         chains = tree_paths(SimpleNamespace(**{field: golden_round(t, r, field) for field in (
             "parents", "positions", "mask", "retrieve_indices")}), f"round {r}")
-        N = len(chains)
-        assert N == nodes
-        path = golden_round(t, r, "path").tolist()
+        assert len(chains) == nodes
         assert path == chains[path[-1]], f"round {r}: path {path} is not a root-first chain"
-        prefix = GOLDEN_PROMPT + t["tokens"][:golden_root_index(t, r)].tolist()
-        tokens, logits = golden_round(t, r, "tree_tokens"), golden_round(t, r, "logits")
-        assert logits.shape == (N, GOLDEN_VOCAB) and logits.dtype == torch.float32
-        for i in range(N):
-            ids = torch.tensor([prefix + tokens[chains[i]].tolist()])
+        length = int(t["accept_lengths"][r])       # accepted nodes + the bonus = the path
+        assert golden_round(t, r, "accept_length").tolist() == [len(path)] == [length]
+        prefix = GOLDEN_PROMPT + t["tokens"][:len(out) - 1].tolist()   # before the root
+        logits = golden_round(t, r, "logits")
+        assert logits.shape == (nodes, GOLDEN_VOCAB) and logits.dtype == torch.float32
+        for i, chain in enumerate(chains):
             with torch.no_grad():
-                expected = golden_models["hf"](ids).logits[0, -1]
-            diff = float((logits[i] - expected).abs().max())
+                hf_out = golden_models["hf"](torch.tensor([prefix + tokens[chain].tolist()]))
+            diff = float((logits[i] - hf_out.logits[0, -1]).abs().max())
             assert diff <= GOLDEN_ATOL, f"round {r} node {i}: max abs diff {diff:.3g}"
+        out += tokens[path[1:]].tolist() + golden_round(t, r, "bonus").tolist()
+    assert len(t["tokens"]) == GOLDEN_NEW_TOKENS
+    assert out[:GOLDEN_NEW_TOKENS] == t["tokens"].tolist()
 
 
 def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_no_uniforms(
@@ -3145,71 +3126,62 @@ def test_golden_greedy_trace_is_transformers_text_the_longest_argmax_match_and_n
     assert max(depths) >= 2, f"accepted depths {depths}: the trace never goes below level 1"
 
 
+@pytest.mark.parametrize("kind", ["sampled", "chain"])
 def test_golden_sampled_uniforms_are_the_seeded_stream_and_acceptance_replays_from_them(
-        golden_traces, golden_models):
+        golden_traces, golden_models, kind):
     # first_uniforms, then each round's: one seeded generator (seed 7), one float64 draw at
-    # a time. Replayed with transformers' warpers: try children in node order, accept x iff
-    # u < p(x), else zero p(x) and renormalise; the bonus by inverse CDF. A round uses up
-    # its uniforms: one per tried sibling, one for the bonus.
-    t = golden_trace(golden_traces, "sampled")["tensors"]
-    assert_uniforms_are_the_seeded_stream(t, seed=7)
+    # a time. Replayed with transformers' warpers: a tree tries children in node order,
+    # accepts x iff u < p(x), else zeroes p(x) and renormalises; a chain's drafts are q's
+    # inverse CDF, each accepted iff u * q(x) < p(x), else the bonus is drawn from
+    # norm(max(0, p - q)); the bonus by inverse CDF. A round uses up its uniforms: one per
+    # tried sibling (or per draft and decision), one for the bonus.
+    t = golden_trace(golden_traces, kind)["tensors"]
+    rounds = range(len(t["accept_lengths"]))
+    used = torch.cat([t["first_uniforms"]] + [golden_round(t, r, "uniforms") for r in rounds])
+    assert used.tolist() == list(itertools.islice(coins(7), len(used)))
     assert len(t["first_uniforms"]) == 1
     with torch.no_grad():
         prefill = golden_models["hf"](torch.tensor([GOLDEN_PROMPT])).logits[0, -1]
-    assert int(t["tokens"][0]) == inverse_cdf(golden_warped(prefill),
-                                                     float(t["first_uniforms"][0]))
-    rejected = 0
-    for r in range(len(t["accept_lengths"])):
-        tokens, parents = golden_round(t, r, "tree_tokens"), golden_round(t, r, "parents").tolist()
-        logits, coins = golden_round(t, r, "logits"), iter(golden_round(t, r, "uniforms").tolist())
-        node, path, p = 0, [0], golden_warped(logits[0])
-        while True:
-            for child in children(parents, node):
-                x = int(tokens[child])
-                if next(coins) < p[x]:
-                    node, p = child, golden_warped(logits[child])
-                    path.append(node)
-                    break
-                rejected += 1
-                p[x] = 0
-                p = p / p.sum()
-            else:
-                break
-        assert golden_round(t, r, "path").tolist() == path, f"round {r}"
-        assert golden_round(t, r, "bonus").tolist() == [inverse_cdf(p, next(coins))]
-        assert next(coins, None) is None, f"round {r} recorded unused uniforms"
-    assert rejected > 0 and max(t["accept_lengths"].tolist()) >= 2  # both branches replayed
-
-
-def test_golden_chain_replays_from_stored_draft_probs_logits_and_uniforms(golden_traces):
-    """Drafts: inverse CDF of q; accept iff u * q(x) < p(x); else norm(max(0, p - q)); else p."""
-    t = golden_trace(golden_traces, "chain")["tensors"]
-    rounds = range(len(t["accept_lengths"]))
-    assert_uniforms_are_the_seeded_stream(t, seed=7)
-    outside = sorted(set(range(GOLDEN_VOCAB)) - set(GOLDEN_KEPT))
+    assert int(t["tokens"][0]) == inverse_cdf(golden_warped(prefill), float(used[0]))
+    outside, k = sorted(set(range(GOLDEN_VOCAB)) - set(GOLDEN_KEPT)), GOLDEN_TREE[1] + 1
     rejected = 0
     for r in rounds:
         tokens, logits = golden_round(t, r, "tree_tokens"), golden_round(t, r, "logits")
-        q = golden_round(t, r, "draft_probs")
-        coins = iter(golden_round(t, r, "uniforms").tolist())
-        k = GOLDEN_TREE[1] + 1
-        assert q.shape == (k, GOLDEN_VOCAB) and q.dtype == torch.float64
-        assert torch.allclose(q.sum(-1), torch.ones(k, dtype=q.dtype)), f"round {r}: q rows"
-        assert not q[:, outside].any(), f"round {r}: q outside the draft vocab"
-        drafts = [inverse_cdf(q[i], next(coins)) for i in range(k)]
-        assert tokens[1:].tolist() == drafts, f"round {r}: drafts are not q's inverse CDF"
-        for i, x in enumerate(drafts):
-            p = golden_warped(logits[i])
-            if next(coins) * q[i, x] < p[x]:
-                continue
-            rejected += 1
-            path, p = list(range(i + 1)), (p - q[i]).clamp(min=0)
-            break
+        parents, uniforms = golden_round(t, r, "parents").tolist(), golden_round(t, r, "uniforms")
+        u = iter(uniforms.tolist())
+        if kind == "sampled":
+            node, path, p = 0, [0], golden_warped(logits[0])
+            while True:
+                for child in children(parents, node):
+                    x = int(tokens[child])
+                    if next(u) < p[x]:
+                        node, p = child, golden_warped(logits[child])
+                        path.append(node)
+                        break
+                    rejected += 1
+                    p[x] = 0
+                    p = p / p.sum()
+                else:
+                    break
         else:
-            path, p = list(range(k + 1)), golden_warped(logits[k])
+            q = golden_round(t, r, "draft_probs")
+            assert q.shape == (k, GOLDEN_VOCAB) and q.dtype == torch.float64
+            assert torch.allclose(q.sum(-1), torch.ones(k, dtype=q.dtype)), f"round {r}: q rows"
+            assert not q[:, outside].any(), f"round {r}: q outside the draft vocab"
+            drafts = [inverse_cdf(q[i], next(u)) for i in range(k)]
+            assert tokens[1:].tolist() == drafts, f"round {r}: drafts are not q's inverse CDF"
+            for i, x in enumerate(drafts):
+                p = golden_warped(logits[i])
+                if next(u) * q[i, x] < p[x]:
+                    continue
+                rejected += 1
+                path, p = list(range(i + 1)), (p - q[i]).clamp(min=0)
+                break
+            else:
+                path, p = list(range(k + 1)), golden_warped(logits[k])
         assert golden_round(t, r, "path").tolist() == path, f"round {r}"
-        assert golden_round(t, r, "bonus").tolist() == [inverse_cdf(p, next(coins))]
-        assert next(coins, None) is None, f"round {r} recorded unused uniforms"
+        assert golden_round(t, r, "bonus").tolist() == [inverse_cdf(p, next(u))]
+        assert next(u, None) is None, f"round {r} recorded unused uniforms"
     assert rejected > 0 and max(t["accept_lengths"].tolist()) >= 2  # both branches replayed
 
 
