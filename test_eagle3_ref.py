@@ -3312,11 +3312,16 @@ def test_batch_golden_records_each_engines_random_numbers_and_check_names_a_flip
 # ========================================================================================
 
 
+def generate_chat(c, setup, *more):
+    """`generate` of TRAIN_GEN_PROMPT, chat-templated: 12 tokens, trees of 6 nodes."""
+    return ["generate", "--target", c.dir, "--draft", setup.draft_dir, "--prompt",
+            TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", 12, "--tree-top-k", 2, "--depth", 2,
+            "--total-tokens", 6, *more]
+
+
 def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
     c = train_chat_target
-    proc = cli_here("generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir,
-                    "--prompt", TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", 12,
-                    "--tree-top-k", 2, "--depth", 2, "--total-tokens", 6)
+    proc = cli_here(*generate_chat(c, train_generate_setup))
     assert proc.returncode == 0, proc.stderr[-3000:]
     new = hf_greedy(c.hf, train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT), 12,
                     c.tok.eos_token_id).tolist()
@@ -3332,11 +3337,7 @@ def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_ge
 
 def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_target,
                                                                      train_generate_setup):
-    c = train_chat_target
-    proc = finish(cli(
-        "generate", "--target", c.dir, "--draft", train_generate_setup.draft_dir, "--prompt",
-        TRAIN_GEN_PROMPT, "--chat", "--max-new-tokens", "12", "--tree-top-k", "2", "--depth",
-        "2", "--total-tokens", "6", "--comm", world=2))[0]
+    proc = run_cli(*generate_chat(train_chat_target, train_generate_setup, "--comm"), world=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)$",
                       proc.stdout, re.M)
@@ -3357,19 +3358,16 @@ class TinyCustomTokenizer(PreTrainedTokenizerFast):
 """
 
 
-def test_tokenizer_with_its_own_code_needs_trust_remote_code(train_chat_target,
-                                                             train_generate_setup, tmp_path,
-                                                             monkeypatch):
+def test_tokenizer_with_its_own_code_needs_trust_remote_code(
+        train_chat_target, train_generate_setup, tmp_path, monkeypatch):
     # Kimi's tokenizer ships its own code: without the flag a one-line error says so; with
     # it the command runs (and golden encodes the prompt through that tokenizer)
     target = tmp_path / "target"
     shutil.copytree(train_chat_target.dir, target)
-    with open(target / "tokenizer_config.json") as f:
-        config = json.load(f)
-    config.update(tokenizer_class="TinyCustomTokenizer",
-                  auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]})
-    with open(target / "tokenizer_config.json", "w") as f:
-        json.dump(config, f)
+    config = E.read_json(target / "tokenizer_config.json")
+    (target / "tokenizer_config.json").write_text(json.dumps(dict(
+        config, tokenizer_class="TinyCustomTokenizer",
+        auto_map={"AutoTokenizer": [None, "tokenization_tiny.TinyCustomTokenizer"]})))
     (target / "tokenization_tiny.py").write_text(CUSTOM_TOKENIZER)
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # where it is copied
     args = ["golden", "--out", str(tmp_path / "trace.safetensors"), "--target", str(target),
