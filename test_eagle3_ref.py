@@ -2311,8 +2311,7 @@ def test_deepseek_drafter_training_lowers_the_ttt_loss(ds_speculation, tmp_path)
         with torch.no_grad():
             return float(ttt_batch(s.target, draft, [example], 0, steps=3).loss)
     before = loss()
-    train_draft(s.target, draft, [example] * 4, [], train_config(steps=30, batch=4),
-                  str(tmp_path), 0)
+    train_draft(s.target, draft, [example] * 4, [], train_config(steps=30, batch=4), tmp_path, 0)
     assert loss() < 0.8 * before, (before, loss())
 
 
@@ -2322,7 +2321,7 @@ def train_dp_worker(job, rank):
     draft = E.load_draft(job["draft_dir"], target)
     examples = [E.Example(t, m) for t, m in job["examples"]]
     train_draft(target, draft, examples, [], E.TrainConfig(**job["cfg"]), job["out"],
-                  job["pad_id"])
+                job["pad_id"])
     return dict(world=E.world_info()[1])
 
 
@@ -2347,9 +2346,8 @@ def test_data_parallel_steps_at_world_size_2_equal_world_size_1(train_target, tm
     assert [r["world"] for r in run_workers(train_dp_worker, job, tmp_path)] == [2, 2]
 
     draft = E.load_draft(init_dir, t.target)
-    train_draft(t.target, draft, examples, [], E.TrainConfig(**cfg), str(tmp_path / "w1"),
-                  TRAIN_PAD)
     w1, w2 = str(tmp_path / "w1"), str(tmp_path / "w2")
+    train_draft(t.target, draft, examples, [], E.TrainConfig(**cfg), w1, TRAIN_PAD)
     assert train_max_diff(init_dir, w1) > 1e-4  # training moved the weights
     assert train_max_diff(w1, w2) <= 1e-5
     assert train_optimizer_max_rel_diff(os.path.join(w1, "train_state.pt"),
@@ -2373,22 +2371,6 @@ def test_bf16_autocast_step_is_the_fp32_step_within_bf16_rounding(train_target):
     assert 0 < abs(losses[1] - losses[0]) <= 0.03 * abs(losses[0]), losses   # 1.4% here
     cosine = float(F.cosine_similarity(grads[0], grads[1], dim=0))
     assert 0.98 <= cosine < 1.0, cosine                                     # 0.994 here
-
-
-class TrainInterrupted(Exception):
-    pass
-
-
-def train_interrupt_after(monkeypatch, n_steps):
-    """Make train_draft die at the start of step n_steps + 1, like a killed job."""
-    real, calls = E.ttt_batch, []
-
-    def ttt_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > n_steps:
-            raise TrainInterrupted
-        return real(*args, **kwargs)
-    monkeypatch.setattr(E, "ttt_batch", ttt_batch)
 
 
 def test_training_keeps_the_drafter_with_the_best_held_out_tau(train_target, tmp_path):
@@ -2420,18 +2402,22 @@ def test_resumed_training_equals_uninterrupted_training(train_target, tmp_path, 
     straight = tiny_draft(t.target, 41, t.kept, std=0.02)
     train_draft(t.target, straight, t.examples, [], cfg, str(tmp_path / "straight"), TRAIN_PAD)
 
-    interrupted = tiny_draft(t.target, 41, t.kept, std=0.02)
-    with monkeypatch.context() as m:
-        train_interrupt_after(m, 2)
-        with pytest.raises(TrainInterrupted):
-            train_draft(t.target, interrupted, t.examples, [], cfg, str(tmp_path / "run"),
-                          TRAIN_PAD)
+    interrupted, real, calls = tiny_draft(t.target, 41, t.kept, std=0.02), E.ttt_batch, []
+
+    def dying_ttt_batch(*args, **kwargs):   # train_draft dies at the start of step 3
+        calls.append(1)
+        if len(calls) > 2:
+            raise InterruptedError("killed")
+        return real(*args, **kwargs)
+    with monkeypatch.context() as m, pytest.raises(InterruptedError):
+        m.setattr(E, "ttt_batch", dying_ttt_batch)
+        train_draft(t.target, interrupted, t.examples, [], cfg, str(tmp_path / "run"), TRAIN_PAD)
     at_step_2 = str(tmp_path / "at_step_2")
     shutil.copytree(tmp_path / "run", at_step_2)
     # a new process would start from fresh weights: everything must come from the checkpoint
     resumed = tiny_draft(t.target, 999, t.kept, std=0.02)
     train_draft(t.target, resumed, t.examples, [], cfg, str(tmp_path / "run"), TRAIN_PAD,
-                  resume=True)
+                resume=True)
     assert train_max_diff(at_step_2, str(tmp_path / "straight")) > 1e-4  # steps 3-4 did work
     assert train_max_diff(str(tmp_path / "run"), str(tmp_path / "straight")) <= 1e-6
 
