@@ -43,10 +43,10 @@ from test_eagle3_scaffold import (
     TRAIN_GEN_PROMPT, TRAIN_TINY, VOCAB, ZOO, assert_close, bad_inputs, built_once, chat_data,
     check_bad_input, check_path_flag, children, cli, cli_env, cli_here, cli_path_flags,
     draft_config, edit_draft_dir, finish, grow, hf_aux, hf_forward, hf_greedy, hf_warped_probs,
-    inverse_cdf, path_to, pick, random_prompt, random_tree, refused, reply_token_counts, run_cli,
-    sent, sharpen, shift_left, tiny_draft, tiny_model, train_chat_prompt_ids, train_chat_target,
-    train_config, train_conversations, train_draft, train_generate_setup, train_render,
-    train_step, train_top_ids, ttt_batch, verify, zoo)
+    inverse_cdf, last_json, path_to, pick, random_prompt, random_tree, refused,
+    reply_token_counts, run_cli, sent, sharpen, shift_left, tiny_draft, tiny_model,
+    train_chat_prompt_ids, train_chat_target, train_config, train_conversations, train_draft,
+    train_generate_setup, train_render, train_step, train_top_ids, ttt_batch, verify, zoo)
 
 
 # ========================================================================================
@@ -2437,13 +2437,15 @@ def test_tokenize_conversation_marks_exactly_the_assistant_tokens(train_chat_tar
 
 @pytest.fixture(scope="module")
 def train_cli_run(train_chat_target):
-    c = train_chat_target
-    chats = train_conversations()
-    data = chat_data(c.root / "chats.jsonl", chats)
-    out = c.root / "trained"
-    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", out, "--epochs", 1,
-                    "--batch", 2, "--draft-vocab-size", 64)
-    return SimpleNamespace(proc=proc, out=str(out), chats=chats)
+    c, chats = train_chat_target, train_conversations()
+    proc = cli_here(*train_argv(c, chat_data(c.root / "chats.jsonl", chats), c.root / "trained",
+                                "--epochs", 1, "--draft-vocab-size", 64))
+    return SimpleNamespace(proc=proc, out=str(c.root / "trained"), chats=chats)
+
+
+def train_argv(c, data, out, *more):
+    """`train` on the chat target, batches of 2."""
+    return ["train", "--target", c.dir, "--data", data, "--out", out, "--batch", 2, *more]
 
 
 def test_train_cli_writes_a_drafter_over_the_64_most_frequent_reply_tokens(train_chat_target,
@@ -2467,11 +2469,8 @@ def test_train_cli_steps_budget_and_best_point(train_chat_target, train_cli_run,
     c, seen = train_chat_target, []
     real = E.train_draft
     monkeypatch.setattr(E, "train_draft", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
-    proc = cli_here("train", "--target", c.dir, "--data", c.root / "chats.jsonl", "--out",
-                    tmp_path, "--steps", 3, "--eval-every", 1, "--batch", 2,
-                    "--draft-vocab-size", 64)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json(cli_here(*train_argv(c, c.root / "chats.jsonl", tmp_path, "--steps", 3,
+                                            "--eval-every", 1, "--draft-vocab-size", 64)))
     assert seen[0].steps == 3 and seen[0].eval_every == 1
     curve = json.loads((tmp_path / "curve.json").read_text())["points"]
     assert report["steps"] == 3 and [p["step"] for p in curve] == [1, 2, 3]
@@ -2488,9 +2487,8 @@ def test_train_init_draft_keeps_the_drafters_own_embedding_frozen(train_chat_tar
     kept = train_top_ids([counts[v] for v in range(c.vocab)], 64)
     draft = tiny_draft(target, 5, kept, own_embedding=True)
     E.save_draft(draft, str(tmp_path / "init"))
-    data = chat_data(tmp_path / "chats.jsonl")
-    proc = cli_here("train", "--target", c.dir, "--data", data, "--out", tmp_path / "out",
-                    "--init-draft", tmp_path / "init", "--epochs", 1, "--batch", 2, "--lr", 1e-2)
+    proc = cli_here(*train_argv(c, chat_data(tmp_path / "chats.jsonl"), tmp_path / "out",
+                                "--init-draft", tmp_path / "init", "--epochs", 1, "--lr", 1e-2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = load_file(tmp_path / "init" / "model.safetensors")
     after = load_file(tmp_path / "out" / "model.safetensors")
@@ -2508,10 +2506,8 @@ def test_tiny_demo_configs_give_a_deep_target_and_a_drafter_of_its_width_and_the
         train_chat_target):
     # depth >= 8 layers (aux layers 2, L//2, L-3 distinct and apart); the drafter is one layer
     # of the target's width
-    with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_target.json")) as f:
-        target = json.load(f)
-    with open(os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json")) as f:
-        draft = json.load(f)
+    target, draft = (E.read_json(os.path.join(E.TINY_CONFIGS, f"tiny_demo_{part}.json"))
+                     for part in ("target", "draft"))
     L = target["num_hidden_layers"]
     assert L >= 8 and len({2, L // 2, L - 3}) == 3
     assert draft["num_hidden_layers"] == 1 and draft["hidden_size"] == target["hidden_size"]
@@ -2782,8 +2778,7 @@ def test_training_killed_while_writing_checkpoints_resumes_to_the_same_weights(
     c, rng = train_chat_target, random.Random(15)
     assert train_cli_run.proc.returncode == 0, train_cli_run.proc.stderr[-3000:]
     out = tmp_path / "run"
-    argv = ["train", "--target", c.dir, "--data", str(c.root / "chats.jsonl"), "--out", str(out),
-            "--epochs", "1", "--batch", "2", "--draft-vocab-size", "64"]
+    argv = train_argv(c, c.root / "chats.jsonl", out, "--epochs", 1, "--draft-vocab-size", 64)
     target, kills = E.load_target(c.dir, dtype=torch.float32), []
     for write, state, name, step in ((7, "cut", "train_state.pt", 1),      # in step 2
                                      (5, "whole", "model.safetensors", 2),  # in step 3
