@@ -3926,35 +3926,24 @@ def partings(target, draft, prompts):
         greedy = E.greedy_generate(target, ids, EXACT_NEW).tolist()
         for j, shape in enumerate(EXACT_SHAPES):
             preset = list(E.PRESETS)[(i + j) % len(E.PRESETS)]
-            out = E.speculative_generate(target, draft, ids, EXACT_NEW,
-                                         tree=E.TreeShape(*shape), variant=E.resolve_variant(preset))
+            out = E.speculative_generate(target, draft, ids, EXACT_NEW, tree=E.TreeShape(*shape),
+                                         variant=E.resolve_variant(preset))
             if out.tokens.tolist() != greedy:
                 parted.append((i, shape, preset))
             deepest = max(deepest, *out.accept_lengths)
     return parted, deepest
 
 
-@pytest.fixture(scope="module")
-def exact_partings(bf16_pair, tmp_path_factory):
-    """Per family on the exact bf16 path: dict(exact=partings, deepest=accept length)."""
-    def build(root):
-        found = {}
-        for f, name in enumerate(EXACT_FAMILIES):
-            _, exact, _, exact_draft = bf16_pair(name)
-            prompts = exact_prompts(f) + memorized_prompts()[:1]
-            parted, deepest = partings(exact, exact_draft, prompts)
-            found[name] = dict(exact=parted, deepest=deepest)
-        return found
-    return built_once(tmp_path_factory, "exact_partings", build)
-
-
 @pytest.mark.parametrize("name", EXACT_FAMILIES)
 def test_exact_bf16_greedy_speculation_equals_greedy_decoding_every_preset_tree_and_chain(
-        exact_partings, name):
+        bf16_pair, name):
     # Each prompt, tree or chain (tree top-k 1) and preset in bf16 on the exact path:
     # speculation equals the same target's greedy decoding token for token.
-    assert exact_partings[name]["exact"] == [], name
-    assert exact_partings[name]["deepest"] >= 3          # verified rows went deep
+    _, exact, _, exact_draft = bf16_pair(name)
+    prompts = exact_prompts(EXACT_FAMILIES.index(name)) + memorized_prompts()[:1]
+    parted, deepest = partings(exact, exact_draft, prompts)
+    assert parted == [], name
+    assert deepest >= 3          # verified rows went deep
 
 
 class RowCountRounding(torch.nn.Module):
