@@ -71,6 +71,14 @@ def test_target_logits_aux_features_and_greedy_decoding_equal_transformers(zoo, 
     expected = hf_greedy(zoo.hf(name), ids, 40)
     assert len(set(expected[10:].tolist())) >= 3, "degenerate test model: constant text"
     assert E.greedy_generate(zoo.target(name), ids, 40).tolist() == expected.tolist()
+    # recorded, the row that chose token i is transformers' last-position logits after
+    # token i - 1 (fp32 round-off), and its argmax
+    tokens, logits = E.greedy_generate(zoo.target(name), ids, 40, record_logits=True)
+    assert torch.equal(tokens, expected)
+    assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
+    full, _ = hf_forward(zoo.hf(name), torch.cat([ids, tokens[None, :-1]], 1))
+    assert_close(logits, full[ids.shape[1] - 1:], "greedy logits")
+    assert logits.argmax(-1).tolist() == tokens.tolist()
 
 
 @pytest.mark.parametrize("name, layout", [("qwen2", "sharded"), ("llama", "pytorch_model.bin")])
@@ -4105,18 +4113,6 @@ def test_make_exact_twice_is_a_no_op_what_it_cannot_serve_or_an_fp32_drafter_is_
     target.model.layers[1].mlp.up_proj = Transposed(target.model.layers[1].mlp.up_proj)
     with pytest.raises(E.Eagle3Error, match=r"model\.layers\.1\.mlp\.up_proj.*Transposed"):
         E.make_exact(target)
-
-
-def test_greedy_generate_records_the_logits_each_token_was_chosen_from(zoo):
-    # Against transformers' forward over prompt + output: the row that chose token i is
-    # transformers' last-position logits after token i - 1 (fp32 round-off), its argmax.
-    target, ids = zoo.target("qwen2"), random_prompt(3, 7)
-    tokens, logits = E.greedy_generate(target, ids, 10, record_logits=True)
-    assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
-    full, _ = hf_forward(zoo.hf("qwen2"), torch.cat([ids, tokens[None, :-1]], 1))
-    assert_close(logits, full[ids.shape[1] - 1:], "greedy logits")
-    assert logits.argmax(-1).tolist() == tokens.tolist()
-    assert torch.equal(E.greedy_generate(target, ids, 10), tokens)   # the default: tokens
 
 
 # ========================================================================================
