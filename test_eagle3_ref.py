@@ -11,6 +11,7 @@ torchrun worker (run_workers):
     python -m torch.distributed.run --standalone --nproc_per_node=2 test_eagle3_ref.py WORKER DIR
 """
 import ast
+import functools
 import inspect
 import itertools
 import json
@@ -1230,21 +1231,15 @@ def round_start(target, draft, ctx):
     return target_cache, draft_cache, n, h_last, torch.tensor(ctx[-1])
 
 
-class TreeRounds:
+def tree_rounds(target, draft, shape, preset="official"):
     """Lazy ctx -> (tree, verify logits (N, V)) from the real grow_tree, verify_tree."""
-
-    def __init__(self, target, draft, shape, preset="official"):
-        self.target, self.draft, self.shape, self.preset = target, draft, shape, preset
-        self.rounds = {}
-
+    @functools.cache
     @torch.no_grad()
-    def __getitem__(self, ctx):
-        if ctx not in self.rounds:
-            target_cache, draft_cache, n, h_last, root = round_start(self.target, self.draft, ctx)
-            tree = grow(self.draft, draft_cache, n, h_last, root, self.shape, self.preset)
-            self.rounds[ctx] = tree, verify(self.target, target_cache, n, tree,
-                                            self.draft.cfg.aux_layers)[0]
-        return self.rounds[ctx]
+    def round_after(ctx):
+        target_cache, draft_cache, n, h_last, root = round_start(target, draft, ctx)
+        tree = grow(draft, draft_cache, n, h_last, root, shape, preset)
+        return tree, verify(target, target_cache, n, tree, draft.cfg.aux_layers)[0]
+    return round_after
 
 
 def uniform_choosing(q, token):
@@ -1258,12 +1253,11 @@ class ChainRounds:
 
     def __init__(self, target, draft, sampling, length):
         self.target, self.draft, self.sampling, self.length = target, draft, sampling, length
-        self.starts, self.q_rows, self.chain_logits = {}, {}, {}
+        self.q_rows = {}
 
+    @functools.cache
     def start(self, ctx):
-        if ctx not in self.starts:
-            self.starts[ctx] = round_start(self.target, self.draft, ctx)
-        return self.starts[ctx]
+        return round_start(self.target, self.draft, ctx)
 
     @torch.no_grad()
     def q(self, ctx, drafted):
@@ -1280,22 +1274,20 @@ class ChainRounds:
                 self.q_rows.setdefault((ctx, tokens[:i]), q[i])
         return self.q_rows[(ctx, drafted)]
 
+    @functools.cache
     @torch.no_grad()
     def logits(self, ctx, drafts):
-        if (ctx, drafts) not in self.chain_logits:
-            target_cache, _, n, _, root = self.start(ctx)
-            chain = E.tree_from_parents(torch.tensor((int(root),) + drafts),
-                                        torch.arange(-1, len(drafts)))
-            self.chain_logits[(ctx, drafts)] = verify(self.target, target_cache, n, chain,
-                                                      self.draft.cfg.aux_layers)[0]
-        return self.chain_logits[(ctx, drafts)]
+        target_cache, _, n, _, root = self.start(ctx)
+        chain = E.tree_from_parents(torch.tensor((int(root),) + drafts),
+                                    torch.arange(-1, len(drafts)))
+        return verify(self.target, target_cache, n, chain, self.draft.cfg.aux_layers)[0]
 
 
 def replay_tree(prefill_logits, rounds, sampling, uniforms, accept, n_tokens):
     """First n_tokens of the tree scheme: the first token's uniform, then each round's accept."""
     out = [E.next_token(prefill_logits, sampling, uniforms, E.LOCAL)[0]]
     while len(out) < n_tokens:
-        tree, logits = rounds[tuple(out)]
+        tree, logits = rounds(tuple(out))
         acc = accept(logits, tree, uniforms, sampling)
         out += tree.tokens[acc.path[1:]].tolist() + [acc.bonus]
     return tuple(out[:n_tokens])
@@ -1325,7 +1317,7 @@ def vocab6_replay(vocab6_target, vocab6_drafts):
         draft = vocab6_drafts[case.draft]
         if case.scheme == "tree":
             key = (case, None)  # trees and target logits do not depend on the sampling
-            tables.setdefault(key, TreeRounds(vocab6_target, draft, case.shape, case.preset))
+            tables.setdefault(key, tree_rounds(vocab6_target, draft, case.shape, case.preset))
             run, default_accept = replay_tree, E.accept_sampled
         else:
             key = (case, sampling)  # the drafter's q is warped like the target
