@@ -3031,19 +3031,17 @@ def test_golden_trace_is_bit_identical_across_runs_equal_at_w2_and_its_header_sa
                 assert diff <= GOLDEN_ATOL, f"{name}: max abs diff {diff:.3g} between W=1 and W=2"
             else:
                 assert torch.equal(x, y), f"{name} differs between {run} and a first run"
+    config = dict(target=os.path.abspath(golden_models["target"]), input_ids=GOLDEN_PROMPT,
+                  draft=os.path.abspath(golden_models["draft"]), tree=GOLDEN_TREE,
+                  max_new_tokens=GOLDEN_NEW_TOKENS, top_k=0, eos_token_id=None, dtype="float32",
+                  temperature=float(sampling.get("--temperature", 0.0)),
+                  top_p=float(sampling.get("--top-p", 1.0)), seed=int(sampling.get("--seed", 0)),
+                  scheme=sampling.get("--scheme", "tree"))
     for run, world in (("w1a", 1), ("w2", 2)):
         h = golden_trace(golden_traces, kind, run)["header"]
         assert (h["format"], h["version"], h["world_size"]) == ("eagle3-ref-golden", 1, world)
         assert (h["torch"], h["transformers"]) == (torch.__version__, transformers.__version__)
-        c = h["config"]
-        assert c["target"] == os.path.abspath(golden_models["target"])
-        assert c["draft"] == os.path.abspath(golden_models["draft"])
-        assert (c["input_ids"], c["max_new_tokens"], c["tree"]) == (GOLDEN_PROMPT,
-                                                                    GOLDEN_NEW_TOKENS, GOLDEN_TREE)
-        assert c["temperature"] == float(sampling.get("--temperature", 0.0))
-        assert c["top_p"] == float(sampling.get("--top-p", 1.0)) and c["top_k"] == 0
-        assert c["seed"] == int(sampling.get("--seed", 0)) and c["eos_token_id"] is None
-        assert c["scheme"] == sampling.get("--scheme", "tree") and c["dtype"] == "float32"
+        assert {key: h["config"][key] for key in config} == config
 
 
 # ========================================================================================
@@ -3760,11 +3758,11 @@ def test_fuzz_greedy_equals_transformers_and_samples_replay(fuzz_seed, tmp_path,
 
 
 def file_parts():
-    """(Part I's top-level nodes, Part II's top-level names), split at 'PART II'."""
+    """(Part I's top-level nodes, Part II's top-level names, all top-level nodes), split at
+    the 'PART II' banner."""
     with open(E.__file__) as f:
         source = f.read()
-    lines = source.splitlines()
-    wall = next(i + 1 for i, line in enumerate(lines)
+    wall = next(i + 1 for i, line in enumerate(source.splitlines())
                 if line.startswith("#") and "PART II" in line)
     body = ast.parse(source).body
     part2 = set()
@@ -3774,7 +3772,7 @@ def file_parts():
                 part2.add(node.name)
             elif isinstance(node, ast.Assign):
                 part2.update(t.id for t in node.targets if isinstance(t, ast.Name))
-    return [node for node in body if node.lineno < wall], part2
+    return [node for node in body if node.lineno < wall], part2, body
 
 
 PROJECT_MODULES = ("eagle3_ref", "eagle3_tools", "test_eagle3_ref", "test_eagle3_scaffold",
@@ -3792,7 +3790,7 @@ def imported_modules(path):
 
 
 def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_project_file():
-    part1, part2 = file_parts()
+    part1, part2, body = file_parts()
     defined1 = {n.name for n in part1 if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     # the wall sits where it should: the method above, the IO and tools below
     assert {"speculative_generate", "ttt_loss", "grow_tree", "Target", "Draft"} <= defined1
@@ -3804,8 +3802,6 @@ def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_pro
     # nor does Part II change what Part I's names hold: no item set, no update() of a table
     names1 = {t.id for n in part1 if isinstance(n, ast.Assign) for t in n.targets
               if isinstance(t, ast.Name)} | defined1
-    with open(E.__file__) as f:
-        body = ast.parse(f.read()).body
     rewrites = sorted({n.lineno for node in body if node not in part1 for n in ast.walk(node)
                        if (isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store) or
                            isinstance(n, ast.Attribute) and n.attr == "update")
@@ -3818,23 +3814,17 @@ def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_pro
             assert "eagle3_tools" not in imported_modules(os.path.join(here, name)), name
 
 
-def readme_api_rows():
-    """(name, parameters or None) of each row of the README's Public API table."""
-    with open(os.path.join(os.path.dirname(os.path.abspath(E.__file__)), "README.md")) as f:
-        text = f.read()
-    section = text.split("## Public API", 1)[1].split("\n## ", 1)[0]
-    calls = re.findall(r"^\| `([A-Za-z_][\w.]*)(\((.*?)\))?`", section, re.M)
-    return [(name, params if paren else None) for name, paren, params in calls]
-
-
 def test_readme_api_names_exist_with_the_parameters_it_lists():
-    rows = readme_api_rows()
+    # each row of the README's Public API table: a name, and maybe its parameters
+    with open(os.path.join(os.path.dirname(os.path.abspath(E.__file__)), "README.md")) as f:
+        section = f.read().split("## Public API", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([A-Za-z_][\w.]*)(\((.*?)\))?`", section, re.M)
     assert len(rows) >= 8, rows
-    for name, params in rows:
+    for name, paren, params in rows:
         obj = E
         for part in name.split("."):          # a module's call runs its forward
             obj = getattr(obj, "forward" if part == "__call__" else part)  # or a ghost: fails
-        if params is not None:
+        if paren:
             shown = str(inspect.signature(obj))[1:-1]
             shown = re.sub(r"\bself, ", "", shown)
             assert re.sub(r"\s+", " ", params) == shown, (name, params, shown)
