@@ -4163,23 +4163,22 @@ def test_fuzz_bf16_exact_greedy_speculation_equals_greedy_decoding(fuzz_seed, tm
     hf = fuzz_hf_model(case)
     hf.save_pretrained(tmp_path / "target")
     draft = fuzz_draft(case, E.load_target(str(tmp_path / "target")), hf)
-    prompt, shape = torch.tensor([case.prompt]), E.TreeShape(*case.shape)
+    prompt, n = torch.tensor([case.prompt]), case.max_new_tokens
     other = torch.tensor([[(t + 1) % case.config["vocab_size"] for t in case.prompt] + [0]])
+    run = dict(tree=E.TreeShape(*case.shape), eos_token_id=case.eos,
+               variant=E.resolve_variant(case.preset))
     for served in ("exact", "plain"):
         target = E.load_target(str(tmp_path / "target"), dtype=torch.bfloat16)
         target = E.make_exact(target) if served == "exact" else target
         bf16_draft = copy_draft(draft, target)
-        greedy = E.greedy_generate(target, prompt, case.max_new_tokens, case.eos).tolist()
-        out = E.speculative_generate(target, bf16_draft, prompt, case.max_new_tokens, tree=shape,
-                                     eos_token_id=case.eos, variant=E.resolve_variant(case.preset))
+        greedy = E.greedy_generate(target, prompt, n, case.eos).tolist()
+        out = E.speculative_generate(target, bf16_draft, prompt, n, **run)
         if served == "plain":
             if out.tokens.tolist() != greedy:
                 warnings.warn(PlainParted(f"plain bf16 parted; {case.describe()}"))
             continue
         assert out.tokens.tolist() == greedy, f"exact bf16; {case.describe()}"
-        rows = E.speculative_generate_batch(target, bf16_draft, [prompt, other],
-                                            case.max_new_tokens, tree=shape,
-                                            eos_token_id=case.eos, variant=E.resolve_variant(case.preset))
+        rows = E.speculative_generate_batch(target, bf16_draft, [prompt, other], n, **run)
         assert rows[0].tokens.tolist() == greedy, f"exact bf16 batch row 0; {case.describe()}"
 
 
