@@ -515,11 +515,10 @@ def ds_tp_worker(job, rank):
         results[case["name"]] = dict(
             logits=logits, aux=aux, all_reduces=calls[0],
             comm=comm_of_runs(target, draft, job["prompt"], case["spec_prompt"]),
-            slices=dict(q=q.weight.clone(), kv_b=attn.kv_b_proj.weight.clone(),
-                        o=attn.o_proj.weight.clone(),
-                        expert_up=moe.experts[1].up_proj.weight.clone(),
-                        expert_down=moe.experts[1].down_proj.weight.clone(),
-                        shared_gate=moe.shared_experts.gate_proj.weight.clone()),
+            slices={key: m.weight.clone() for key, m in dict(
+                q=q, kv_b=attn.kv_b_proj, o=attn.o_proj, expert_up=moe.experts[1].up_proj,
+                expert_down=moe.experts[1].down_proj, shared_gate=moe.shared_experts.gate_proj,
+            ).items()},
             greedy=E.greedy_generate(target, case["spec_prompt"], 24),
             speculative=tp_speculative(target, draft, case["spec_prompt"], DS_SHAPES, 24))
     results["fp8_logits"] = E.load_target(job["fp8"])(job["prompt"])[0]
@@ -4003,11 +4002,9 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
             slot = int(torch.randint(0, 4, (), generator=g))
             prompts = others[:slot] + [needle] + others[slot:]
             for target, draft in ((exact, exact_draft), (plain, plain_draft)):
-                alone = E.speculative_generate(target, draft, needle, EXACT_NEW,
-                                               tree=E.TreeShape(2, 3, 8), record_logits=True)
-                batch = E.speculative_generate_batch(target, draft, prompts, EXACT_NEW,
-                                                     tree=E.TreeShape(2, 3, 8),
-                                                     record_logits=True)
+                run = dict(tree=E.TreeShape(2, 3, 8), record_logits=True)
+                alone = E.speculative_generate(target, draft, needle, EXACT_NEW, **run)
+                batch = E.speculative_generate_batch(target, draft, prompts, EXACT_NEW, **run)
                 same = [torch.equal(a.logits, b.logits)
                         for a, b in zip(alone.rounds, batch[slot].rounds)]
                 if target is plain:
@@ -4016,8 +4013,7 @@ def test_exact_needle_in_a_batch_equals_itself_alone_and_its_greedy_decoding(bf1
                 assert batch[slot].tokens.tolist() == alone.tokens.tolist(), (name, trial, slot)
                 assert all(same), (name, trial, slot)
                 for ids, row in zip(prompts, batch):
-                    assert row.tokens.tolist() == E.greedy_generate(exact, ids,
-                                                                    EXACT_NEW).tolist()
+                    assert torch.equal(row.tokens, E.greedy_generate(exact, ids, EXACT_NEW))
     assert logits_differ > 0, "the plain bf16 batch rounded the needle as alone every time"
 
 
