@@ -43,16 +43,6 @@ def inputs_of(target, pad_id):
     return inputs(target, pad_id)
 
 
-def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id=0, resume=False):
-    """train_draft on a live target or on a TargetHead's captured features."""
-    return E.train_draft(inputs_of(target, pad_id), draft, examples, held_out, cfg, out_dir,
-                         resume)
-
-
-def train_step(target, draft, opt, examples, pad_id, step, cfg):
-    return E.train_step(inputs_of(target, pad_id), draft, opt, examples, step, cfg)
-
-
 def probe(target, draft, examples, pad_id=0):
     """The held-out ChainStats of a drafter, on a live target or captured features."""
     return E.evaluate_draft(inputs_of(target, pad_id), draft, examples, batch=16)
@@ -216,12 +206,11 @@ def test_offline_training_from_features_equals_online_training_step_for_step(
     drafts = [tiny_draft(t, 81, kept, std=0.02) for t in (captured.target, head)]
     cfg = train_config(steps=6, batch=4)
     opts = [E.new_optimizer(d, cfg) for d in drafts]
+    inputs = [inputs_of(t, c.tok.pad_token_id) for t in (captured.target, head)]
     for step in range(cfg.steps):
         rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
-        a = train_step(captured.target, drafts[0], opts[0], [online[i] for i in rows],
-                         c.tok.pad_token_id, step, cfg)
-        b = train_step(head, drafts[1], opts[1], [offline[i] for i in rows],
-                         c.tok.pad_token_id, step, cfg)
+        a, b = (E.train_step(x, d, opt, [exs[i] for i in rows], step, cfg)
+                for x, d, opt, exs in zip(inputs, drafts, opts, (online, offline)))
         for la, lb in zip(a.losses, b.losses):
             assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
         assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
@@ -248,8 +237,7 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 8   # 17 // 2 steps ran
 
 
-@pytest.fixture(scope="module")
-def served_chain(zoo):
+def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(zoo):
     """A drafter half-taught three greedy replies (20 Adam steps), and the first one's rounds
     served as a chain of 3 drafts over 30 new tokens."""
     hf, target = zoo.hf("llama"), zoo.target("llama")
@@ -259,14 +247,9 @@ def served_chain(zoo):
     served = E.speculative_generate(target, draft, prompts[0], 30, tree=E.TreeShape(1, 2, 4))
     assert served.tokens.tolist() == texts[0][8:38].tolist()
     example = E.Example(texts[0].tolist(), [0] * 8 + [1] * 48)
-    return SimpleNamespace(target=target, draft=draft, served=served, example=example)
-
-
-def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(served_chain):
-    s = served_chain
-    r = E.ttt_batch(E.live_inputs(s.target, 0), s.draft, [s.example], steps=3)
+    r = E.ttt_batch(E.live_inputs(target, 0), draft, [example], steps=3)
     rounds = E.replay_rounds(E.accepted_runs(r).clamp(max=3), r.scored[0])[0]
-    lengths = s.served.accept_lengths
+    lengths = served.accept_lengths
     assert [n + 1 for _, n in rounds][:len(lengths)] == lengths
     assert 4 in lengths and min(lengths) == 1            # whole chains and first-draft misses
     starts = [8 - 1 + sum(lengths[:i]) for i in range(len(lengths))]
@@ -283,7 +266,7 @@ def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
     kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
                       if m))[:64]
     draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
-    train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
+    S.train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
                   str(captured.root / "probe_draft"), c.tok.pad_token_id)
     live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
     head = T.load_target_head(c.dir, features=captured.dir)
@@ -387,13 +370,6 @@ def token_strings(tokenizer, ids):
             for i in ids]
 
 
-def draft_vocab_coverage(tokenizer, pairs, kept):
-    """Share of all chat-template tokens of the data that are in the draft vocab."""
-    ids = [i for p, r in pairs for i in tokenizer(E.chat_text(p, r)).input_ids]
-    inside = set(kept.tolist())
-    return sum(i in inside for i in ids) / len(ids)
-
-
 @pytest.mark.parametrize("case, tokenizer, pairs", [("same", "tok1", "pairs1"),
                                                     ("other", "tok2", "pairs2")])
 def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_coverage(
@@ -411,7 +387,8 @@ def test_vocab_check_counts_the_d2t_entries_naming_the_same_token_and_t2d_covera
     assert fit["fits"] is (case == "same")
     assert ("WARNING" in v[case].stderr) is (case == "other")
     assert f"{matching} of 96" in v[case].stdout
-    expected = draft_vocab_coverage(v[tokenizer], v[pairs], kept)
+    ids = [i for p, r in v[pairs] for i in v[tokenizer](E.chat_text(p, r)).input_ids]
+    expected = sum(i in set(kept.tolist()) for i in ids) / len(ids)   # chat tokens drafted
     assert 0 < expected < 1
     assert fit["coverage"] == pytest.approx(expected, rel=1e-6)
 
@@ -453,21 +430,15 @@ def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compa
     assert report["overlap"] > report["positional"]        # strings shared, offsets shifted
 
 
-@pytest.fixture(scope="module")
-def remapped(vocab_tools):
-    """Both drafters loaded, and draft-id pairs (old i, new j) naming one token string."""
+def test_remap_draft_keeps_shared_rows_and_the_body_starts_new_rows_and_maps_the_top_tokens(
+        vocab_tools):
     assert vocab_tools["remap"].returncode == 0, vocab_tools["remap"].stderr[-3000:]
     old = E.load_draft(vocab_tools["draft1"], E.load_target(vocab_tools["target1"]))
     new = E.load_draft(vocab_tools["draft2"], E.load_target(vocab_tools["target2"]))
     old_strings = token_strings(vocab_tools["tok1"], torch.arange(96) + old.d2t)
     new_strings = token_strings(vocab_tools["tok2"], torch.arange(96) + new.d2t)
+    # draft-id pairs (old i, new j) naming one token string: the logits of shared tokens
     shared = [(old_strings.index(s), j) for j, s in enumerate(new_strings) if s in old_strings]
-    return old, new, shared
-
-
-def test_remap_draft_keeps_shared_rows_and_the_body_starts_new_rows_and_maps_the_top_tokens(
-        vocab_tools, remapped):
-    old, new, shared = remapped        # the logits of tokens shared by both vocabularies
     assert 0 < len(shared) < 96  # some tokens carried, some new
     i, j = (torch.tensor(x) for x in zip(*shared))
     assert torch.equal(new.lm_head.weight[j], old.lm_head.weight[i])
@@ -519,7 +490,7 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     d2t, _ = E.build_vocab_mapping(E.count_reply_tokens(examples, c.vocab), 64)
     draft = tiny_draft(target, 71, (torch.arange(64) + d2t).tolist(), std=0.02)
     assert draft.cfg.aux_layers == (2, 4, 5)
-    train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
+    S.train_draft(target, draft, examples, [], train_config(steps=200, batch=8),
                   str(tmp_path / "draft"), c.tok.pad_token_id)
     edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
@@ -564,17 +535,12 @@ KIMI_K2_CONFIG = dict(  # Kimi-K2-Instruct's config.json, from the reference fil
         quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]))
 
 
-def comm_plan_json(*args):
-    proc = cli_here("comm-plan", *args)
-    return proc.stdout, last_json(proc)
-
-
 def test_comm_plan_equals_a_hand_computation_and_gives_kimi_k2_122_all_reduces(zoo, tmp_path):
     # the tiny llama: L = 8, D = 64; fp32 (4 B); TP 2; link alpha 5 us, 10 GB/s; fusion 1 us;
     # tree 2/1/3 at tau 1.5 and the chain 3 (1/2/4)
-    stdout, plan = comm_plan_json("--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
-                                  "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5,
-                                  "--tree", "2,1,3")
+    proc = cli_here("comm-plan", "--config", zoo.dir("llama"), "--tp", 2, "--dtype", "float32",
+                    "--link", "5,10", "--fusion-saving-us", 1, "--tau", 1.5, "--tree", "2,1,3")
+    plan = last_json(proc)
     rows = {r["shape"]: r for r in plan["shapes"]}
 
     def us(nodes, saving=0.0):  # 16 all-reduces of nodes*64*4 B, then one broadcast
@@ -592,11 +558,11 @@ def test_comm_plan_equals_a_hand_computation_and_gives_kimi_k2_122_all_reduces(z
     assert plain["link1_us"] == pytest.approx(16 * (5 + 256 / 10e3) + 5 + 8 / 10e3, abs=1e-3)
     chain3 = next(r for name, r in rows.items() if name.startswith("chain 3"))["per_token"]["1.5"]
     ratio = us(3) / us(4)
-    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", stdout, re.M)
+    assert re.search(rf"^tree 2/1/3 .* {ratio:.2f}$", proc.stdout, re.M)
     assert chain3["link1_us"] == pytest.approx(us(4) / 1.5, abs=1e-3)
     # Kimi-K2 at TP 8: 2 all-reduces per layer (L = 61) of 7168 bf16 values (2 B) a node
     (tmp_path / "config.json").write_text(json.dumps(KIMI_K2_CONFIG))
-    _, plan = comm_plan_json("--config", tmp_path / "config.json", "--tp", 8)
+    plan = last_json(cli_here("comm-plan", "--config", tmp_path / "config.json", "--tp", 8))
     for row in plan["shapes"]:
         assert row["allreduce_per_verify"] == 122
         assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
@@ -628,28 +594,14 @@ def cost_config_dir(root, config, name):
     return root / name
 
 
-def scripted_clock(seconds):
-    """A timer that runs each piece once and reports the next of `seconds`, in call order."""
-    script = iter(seconds)
-
-    def timer(fn):
-        return fn(), next(script)
-    return timer
-
-
-def cost_plan_here(*argv):
-    """cost-plan in this process -> (stdout lines, the JSON of its last line)."""
-    proc = cli_here("cost-plan", *argv)
-    return proc.stdout.strip().splitlines(), last_json(proc)
-
-
 def table_row(lines, label):
     """The numbers after a shape's label in the printed table."""
     row = next(line for line in lines if line.startswith(label + " "))
     return [float(x) for x in row[len(label):].split()]
 
 
-def test_cost_rows_and_a_slices_full_depth_equal_a_hand_computation_from_injected_timings():
+def test_cost_rows_of_a_scripted_clock_and_a_slices_full_depth_equal_a_hand_computation(
+        tmp_path):
     shapes = [("chain 2", E.TreeShape(1, 1, 3)), ("tree", E.TreeShape(4, 2, 9))]
     timings = T.CostTimings(decode=0.010, verify={3: 0.013, 9: 0.021}, allreduce={},
                             draft={"chain 2": 0.002, "tree": 0.008},
@@ -660,8 +612,7 @@ def test_cost_rows_and_a_slices_full_depth_equal_a_hand_computation_from_injecte
         r = rows[label]
         assert (r["verify"], r["draft"], r["accept"]) == pytest.approx(parts)
         assert r["round_cost"] == pytest.approx(cost) and r["break_even_tau"] == pytest.approx(cost)
-        assert r["speedup"][1.5] == pytest.approx(1.5 / cost)
-        assert r["speedup"][3.0] == pytest.approx(3.0 / cost)
+        assert r["speedup"] == {tau: pytest.approx(tau / cost) for tau in (1.5, 3.0)}
     assert rows["tree"]["speedup"][3.0] == pytest.approx(1.0)   # tau = break-even: no gain
     # a slice, 2 of 8 layers timed: decode 10 ms of which 2 ms outside the layers
     # -> 2 + 8 * 4 = 34 ms
@@ -671,15 +622,14 @@ def test_cost_rows_and_a_slices_full_depth_equal_a_hand_computation_from_injecte
     assert full.decode == pytest.approx(0.034)
     assert full.verify[4] == pytest.approx(0.006 + 0.008 * 4)
     assert (full.draft, full.accept) == (sliced.draft, sliced.accept)
-
-
-def test_measured_costs_come_from_the_injected_clock_piece_by_piece(tmp_path):
+    # measured: the pieces come from an injected clock, one piece a call
     cfg = E.read_target_config(str(cost_config_dir(tmp_path, COST_TINY, "t")))
     draft_cfg = E.draft_config_for(SimpleNamespace(cfg=cfg), 64)
     models = T.build_random(cfg, draft_cfg, 1, torch.float32, torch.device("cpu"), 0, 48, 48)
     shapes = [("chain 3", E.TreeShape(1, 2, 4)), ("tree", E.TreeShape(3, 2, 6))]
     # call order: decode; verify N = 1, 4, 6; then per shape draft, accept
-    clock = scripted_clock([0.004, 0.005, 0.006, 0.007, 0.001, 0.0002, 0.002, 0.0004])
+    script = iter([0.004, 0.005, 0.006, 0.007, 0.001, 0.0002, 0.002, 0.0004])
+    clock = lambda fn: (fn(), next(script))     # noqa: E731  runs each piece once
     timings = T.measure_costs(models, shapes, [1, 4, 6], 32, clock, draft_cfg.aux_layers)
     assert timings == T.CostTimings(0.004, {1: 0.005, 4: 0.006, 6: 0.007}, {},
                                     {"chain 3": 0.001, "tree": 0.002},
@@ -741,9 +691,9 @@ def test_cost_plan_prints_round_costs_from_its_clock_and_a_json_last_line(tmp_pa
     # every piece takes 1 ms on this clock, so a round is draft + verify + accept = 3 steps
     monkeypatch.setattr(T, "median_timer", lambda device, warmup, repeats: lambda fn: (fn(), 1e-3))
     config = cost_config_dir(tmp_path, COST_TINY, "tiny")
-    lines, plan = cost_plan_here("--config", config / "config.json", "--sweep", "1,2",
-                                 "--tree", "2,1,3", "--tau", "1.5,6", "--context", "16",
-                                 "--draft-vocab-size", 48)
+    proc = cli_here("cost-plan", "--config", config / "config.json", "--sweep", "1,2", "--tree",
+                    "2,1,3", "--tau", "1.5,6", "--context", "16", "--draft-vocab-size", 48)
+    lines, plan = proc.stdout.strip().splitlines(), last_json(proc)
     labels = ["tree 10/7/60"] + [f"chain {k} (1/{k - 1}/{k + 1})" +
                                  (" = SGLang 3/1/4" if k == 3 else "") for k in range(2, 9)]
     labels += ["tree 4/4/8", "tree 8/5/32", "tree 2/1/3"]
@@ -765,9 +715,7 @@ def test_cost_plan_on_the_tiny_demo_target_measures_consistent_costs(tmp_path):
                     os.path.join(E.TINY_CONFIGS, "tiny_demo_draft.json"), "--draft-vocab-size",
                     512, "--sweep", 1, "--context", 32, "--warmup", 1, "--repeats", 1,
                     "--layers", 12)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    plan = json.loads(lines[-1])
+    lines, plan = proc.stdout.strip().splitlines(), last_json(proc)
     assert (plan["layers"], plan["layers_timed"], plan["estimate"]) == (48, 12, True)
     assert any(line.startswith("ESTIMATE: 12 of 48 layers") for line in lines)
     for r in plan["shapes"]:
