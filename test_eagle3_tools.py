@@ -61,8 +61,10 @@ def captured(train_chat_target, tmp_path_factory):
     cli_here("capture", "--target", c.dir, "--data", data, "--out", root / "features")
     target = E.load_target(c.dir, dtype=torch.float32)
     examples = E.training_examples(c.tok, str(data), 2048)
+    kept = sorted(set(t for ex in examples for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
     return SimpleNamespace(dir=str(root / "features"), data=str(data), target=target,
-                           examples=examples, root=root)
+                           examples=examples, root=root, kept=kept,  # 64 reply tokens
+                           head=T.load_target_head(c.dir, features=str(root / "features")))
 
 
 def captured_sample(root, i):
@@ -195,11 +197,9 @@ def test_capture_drops_long_conversations_and_refuses_another_max_len_before_loa
 
 def test_offline_training_from_features_equals_online_training_step_for_step(
         train_chat_target, captured):
-    c = train_chat_target
-    head = T.load_target_head(c.dir, features=captured.dir)
+    c, head = train_chat_target, captured.head
     online, offline = captured.examples, T.captured_examples(captured.dir)
-    kept = sorted(set(t for ex in online for t, m in zip(ex.tokens, ex.reply_mask) if m))[:64]
-    drafts = [tiny_draft(t, 81, kept, std=0.02) for t in (captured.target, head)]
+    drafts = [tiny_draft(t, 81, captured.kept, std=0.02) for t in (captured.target, head)]
     cfg = train_config(steps=6, batch=4)
     opts = [E.new_optimizer(d, cfg) for d in drafts]
     inputs = [inputs_of(t, c.tok.pad_token_id) for t in (captured.target, head)]
@@ -257,17 +257,12 @@ def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(zoo):
 
 def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
         train_chat_target, captured):
-    c = train_chat_target
-    kept = sorted(set(t for ex in captured.examples for t, m in zip(ex.tokens, ex.reply_mask)
-                      if m))[:64]
-    draft = tiny_draft(captured.target, 82, kept, std=0.02)   # taught the data: hits > 0
+    draft = tiny_draft(captured.target, 82, captured.kept, std=0.02)   # taught: hits > 0
     S.train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
-                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
-    live_draft = E.load_draft(str(captured.root / "probe_draft"), captured.target)
-    head = T.load_target_head(c.dir, features=captured.dir)
-    offline = probe(head, E.load_draft(str(captured.root / "probe_draft"), head),
-                    T.captured_examples(captured.dir))
-    live = probe(captured.target, live_draft, captured.examples)
+                  str(captured.root / "probe_draft"), train_chat_target.tok.pad_token_id)
+    offline, live = (probe(t, E.load_draft(str(captured.root / "probe_draft"), t), examples)
+                     for t, examples in ((captured.head, T.captured_examples(captured.dir)),
+                                         (captured.target, captured.examples)))
     assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
     assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
     assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
@@ -509,7 +504,9 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
 
 
 # ========================================================================================
-# tools: comm-plan
+# tools: comm-plan and cost-plan (and eval-draft's verdict on cost-plan's measured costs):
+# the tables' arithmetic against a hand computation (from injected timings for cost-plan),
+# construction on the meta device, and the commands end to end
 # ========================================================================================
 
 
@@ -560,13 +557,6 @@ def test_comm_plan_equals_a_hand_computation_and_gives_kimi_k2_122_all_reduces(z
         assert row["allreduce_per_verify"] == 122
         assert row["bytes_per_allreduce"] == 14336 * row["nodes"]
     assert [r["nodes"] for r in plan["shapes"]] == [1, 60] + [k + 1 for k in range(2, 9)]
-
-
-# ========================================================================================
-# tools: cost-plan (and eval-draft's verdict on its measured costs)
-# the table's arithmetic against a hand computation from injected timings,
-# construction on the meta device, and the command end to end
-# ========================================================================================
 
 
 COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=96,
@@ -773,7 +763,9 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
 
 
 # ========================================================================================
-# tools: serving layouts (the invariant layout: each verify row its decode step's bits)
+# tools: serving layouts and exact-probe (the invariant layout gives each verify row its
+# decode step's bits; exact-probe, per operation: row j of an M-row call against row j alone;
+# end to end: greedy speculation against greedy decoding, plain and exact)
 # ========================================================================================
 
 
@@ -848,12 +840,6 @@ def test_a_pair_linear_row_has_the_same_bits_in_any_batch():
         torch.testing.assert_close(alone[3], linear(x[:, 3:4]))  # the same product
     finally:
         torch.set_num_threads(threads)
-
-
-# ========================================================================================
-# tools: exact-probe (per operation: row j of an M-row call against row j alone; end to end:
-# greedy speculation against greedy decoding, plain and exact)
-# ========================================================================================
 
 
 class RowCounted(torch.nn.Module):
@@ -1454,9 +1440,8 @@ def engine_pair(tmp_path_factory):
         target, draft, p, 40, tree=chain, variant=E.resolve_variant("vllm")).rounds]
     assert sum(accepted) > 2 * len(accepted), accepted          # deep: > 2 of 3 per round
     E.save_draft(draft, str(root / "for-vllm"), engine="vllm")
-    E.save_draft(draft, str(root / "for-specforge"))          # ids [2, 4, 5]: vLLM reads
-    with open(root / "prompts.json", "w") as f:                # them as [2, 4, 5]
-        json.dump([p[0].tolist() for p in prompts], f)
+    E.save_draft(draft, str(root / "for-specforge"))   # ids [2, 4, 5]: vLLM reads them as such
+    (root / "prompts.json").write_text(json.dumps([p[0].tolist() for p in prompts]))
     per_position = [sum(a > j for a in accepted) for j in range(3)]
     return SimpleNamespace(root=root, rounds=len(accepted), per_position=per_position)
 
@@ -1467,8 +1452,7 @@ def engine_check(pair, draft, batch):
                           pair.root / draft, "--prompt-ids", pair.root / "prompts.json",
                           "--max-new-tokens", 40, "--batch", batch, "--engine-python",
                           ENGINE_PYTHON, "--out", out, script=T.__file__))[0]
-    with open(out / "report.json") as f:
-        report = json.load(f)
+    report = json.load(open(out / "report.json"))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
     return proc, report
 
