@@ -55,8 +55,7 @@ def probe(target, draft, examples, pad_id=0):
 
 @pytest.fixture(scope="module")
 def captured(train_chat_target, tmp_path_factory):
-    c = train_chat_target
-    root = tmp_path_factory.mktemp("captured")
+    c, root = train_chat_target, tmp_path_factory.mktemp("captured")
     data = chat_data(root / "chats.jsonl")
     cli_here("capture", "--target", c.dir, "--data", data, "--out", root / "features")
     target = E.load_target(c.dir, dtype=torch.float32)
@@ -387,8 +386,7 @@ def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compa
     # The map train would build from other data of the same kind shares almost all tokens
     # with the drafter's, but one different token early in the sorted vocabulary shifts
     # every later d2t offset: low positional agreement, high overlap -> "remap".
-    tok1 = vocab_tools["tok1"]
-    pairs = E.synthetic_corpus(300, 10)
+    tok1, pairs = vocab_tools["tok1"], E.synthetic_corpus(300, 10)
     chat_data(tmp_path / "other.jsonl", pair_chats(pairs))
     end = tok1.convert_tokens_to_ids(E.END)
     counts = Counter(t for _, r in pairs[300 // 50:] for t in tok1(r).input_ids + [end])
@@ -662,9 +660,8 @@ def test_cost_plan_models_are_built_on_meta_then_allocated_once_in_bf16_with_no_
         "m = T.build_random(cfg, d, 1, torch.bfloat16, torch.device('cpu'), 0, 16, 16)\n"
         "n = sum(p.numel() for p in m.target.parameters())\n"
         "print(peak() - before, n)\n")
-    here = os.path.dirname(os.path.abspath(E.__file__))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here))
+                          timeout=300, env=S.cli_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     grown, n = map(int, proc.stdout.split())
     assert 2 * n <= grown < 0.8 * 4 * n, (grown, n)
@@ -777,8 +774,7 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hi
     in the same layout."""
     c = train_chat_target
     prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
-    n = prompt.shape[1]
-    parents = [-1, 0, 0, 1, 3, 2]
+    n, parents = prompt.shape[1], [-1, 0, 0, 1, 3, 2]
     tree = E.tree_from_parents(prompt[0, :6].flip(0), torch.tensor(parents))
 
     def verified(model):
@@ -786,10 +782,9 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hi
         model(prompt, cache=cache, aux_layers=())
         return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
 
-    plain = E.load_target(c.dir, dtype=torch.float32)
-    torch.testing.assert_close(verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32),
-                                                     "invariant")), verified(plain),
-                               rtol=1e-4, atol=1e-4)   # fp32 round-off of another summation
+    torch.testing.assert_close(                        # fp32 round-off of another summation
+        verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32), "invariant")),
+        verified(E.load_target(c.dir, dtype=torch.float32)), rtol=1e-4, atol=1e-4)
     inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
     assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
     assert all(layer.self_attn.attend is E.attend_rows for layer in inv.model.layers)
