@@ -944,7 +944,7 @@ BENCH_DECODERS = {"greedy", "hf_generate", "hf_prompt_lookup", "eagle3"}
 
 
 def test_bench_prints_each_decoders_speed_and_forwards_per_token_and_reads_prompt_files(
-        train_chat_target, train_generate_setup, tiny_gguf, tiny_gguf_draft, tmp_path):
+        train_chat_target, train_generate_setup, tiny_gguf, tmp_path):
     # plain decoding, ours and transformers', makes one target forward per token; EAGLE-3's
     # default tree (depth 7) accepts at most 8 drafts + 1 bonus per forward, and the drafter
     # that memorised this reply gets drafts accepted
@@ -966,15 +966,19 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token_and_reads_promp
                                     for k, v in tps.items() if k != "eagle3"}
     # transformers' prompt lookup, in fp32, emits what its own greedy generate does
     assert report["peers_equal_to_hf_generate"] == {"hf_prompt_lookup": 1}
-    # --prompts: our jsonl or MT-bench first turns, --per-category of each (tiny GGUF model)
-    _, converted = tiny_gguf
+    # --prompts: our jsonl or MT-bench first turns, --per-category of each (tiny GGUF model,
+    # a random drafter of its 64 lowest ids)
+    target = E.load_target(tiny_gguf[1], dtype=torch.float32)
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float).flip(0)
+    E.save_draft(E.fresh_draft(E.draft_config_for(target, 64), target, 0, E.build_vocab_mapping(
+        counts, 64), dtype=torch.float32), str(tmp_path / "draft"))
     ours = tmp_path / "ours.jsonl"
     ours.write_text("".join(json.dumps(dict(prompt=f"the {i}", category=c)) + "\n"
                             for c in ("a", "b") for i in range(3)))
     mt = tmp_path / "question.jsonl"
     mt.write_text("".join(json.dumps(dict(question_id=i, category=c, turns=[f"he {i}", "more"]))
                           + "\n" for i, c in enumerate("xxxyyz")))
-    common = ["bench", "--target", converted, "--draft", tiny_gguf_draft, "--max-new-tokens",
+    common = ["bench", "--target", tiny_gguf[1], "--draft", tmp_path / "draft", "--max-new-tokens",
               "8", "--repeats", "1", "--tree-top-k", "2", "--depth", "2", "--total-tokens", "5"]
     for path, expected in ((ours, 4), (mt, 5)):
         proc = cli_here(*common, "--prompts", path, "--per-category", 2)
@@ -1244,19 +1248,6 @@ def test_regenerate_writes_the_targets_replies_and_resumes_after_a_kill_or_at_an
     line = S.refused(cli_here(*argv, none, "--max-len", min(lengths) + 9))
     assert "--max-len" in line and "no prompt room" in line
     assert not none.exists() and not (tmp_path / "none.jsonl.partial").exists()
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf_draft(tiny_gguf, tmp_path_factory):
-    """A random EAGLE-3 drafter for the converted tiny model."""
-    _, converted = tiny_gguf
-    target = E.load_target(converted, dtype=torch.float32)
-    cfg = E.draft_config_for(target, 64)
-    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float).flip(0)
-    draft = E.fresh_draft(cfg, target, 0, E.build_vocab_mapping(counts, 64), dtype=torch.float32)
-    path = str(tmp_path_factory.mktemp("draft"))
-    E.save_draft(draft, path)
-    return path
 
 
 def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_native(
