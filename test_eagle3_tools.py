@@ -223,8 +223,7 @@ def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
     # first max(1, n // 50) = 1 sample, held out), counted from the features' own fields
     counts = Counter()
     for i in range(1, 18):
-        sample = torch.load(os.path.join(captured.dir, "rows_0-2000", f"data_{i}.ckpt"),
-                            weights_only=True)
+        sample = captured_sample(captured.dir, i)
         counts.update(t for t, m in zip(sample["input_ids"].tolist(),
                                         sample["loss_mask"].tolist()) if m)
     expected = train_top_ids([counts[v] for v in range(train_chat_target.vocab)], 64)
@@ -561,7 +560,6 @@ COST_TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_s
                  hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
                     hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -1019,18 +1017,9 @@ def test_the_sweep_picks_the_best_mean_over_interleaved_passes(monkeypatch, caps
 
 GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-
 GGUF_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + "
                       "m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt "
                       "%}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def byte_symbols():
-    """GPT-2 byte-level BPE's byte -> printable character table, built from its definition:
-    printable Latin-1 bytes stand for themselves, the others take code points 256, 257, ..."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(extra)) for b in range(256)}
 
 
 def rotary_to_gguf(w, heads):
@@ -1044,7 +1033,11 @@ def write_tiny_gguf(path, seed=0):
     """A random tiny Llama (transformers) and the same weights as a GGUF file -> the model."""
     gguf = pytest.importorskip("gguf", reason="the optional `gguf` package is not installed")
     from transformers import LlamaConfig, LlamaForCausalLM
-    symbols = list(byte_symbols().values())
+    # GPT-2 byte-level BPE's byte -> printable character table, built from its definition:
+    # printable Latin-1 bytes stand for themselves, the others take code points 256, 257, ...
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    symbols = [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
     merges = ["Ġ t", "h e", "Ġt he"]
     tokens = GGUF_SPECIALS + symbols + [m.replace(" ", "") for m in merges]
     cfg = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128,
@@ -1477,7 +1470,6 @@ def test_engine_check_flags_a_drafter_whose_aux_ids_vllm_reads_one_layer_early(e
 
 TOOLS_CLI = S.CLITables(T.build_parser, T.TOOL_PATH_FLAGS, T.TOOL_FILE_OUTPUTS, T.main)
 
-
 TOOL_COMMANDS = set(S.cli_commands(TOOLS_CLI)) - set(S.cli_commands(S.REF_CLI))
 
 
@@ -1507,11 +1499,7 @@ TOOL_BAD_INPUTS = {  # name -> (argv from the bad_inputs fixture, what the one l
         "--costs", b.chats], r"--costs '.*chats.jsonl' is not cost-plan's output"),
 }
 
-
-TOOL_AS_A_USER = ("a list with a bad number",)  # in a real process
-
-
 @pytest.mark.parametrize("name", TOOL_BAD_INPUTS)
 def test_workbench_bad_input_is_one_error_line_naming_the_value(bad_inputs, name):
-    check_bad_input(bad_inputs, *TOOL_BAD_INPUTS[name], as_a_user=name in TOOL_AS_A_USER,
-                    main=T.main, script=T.__file__)
+    check_bad_input(bad_inputs, *TOOL_BAD_INPUTS[name], main=T.main, script=T.__file__,
+                    as_a_user=name == "a list with a bad number")   # in a real process
