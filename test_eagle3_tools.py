@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import eagle3_ref as E
@@ -340,10 +340,8 @@ def vocab_tools(tmp_path_factory):
     data1, data2 = (chat_data(root / f"data{i}.jsonl", pair_chats(pairs))
                     for i, pairs in ((1, pairs1), (2, pairs2)))
     d1, t1, t2 = str(root / "draft1"), str(root / "target1"), str(root / "target2")
-    same = cli_here("vocab-check", "--draft", d1, "--target", t1, "--draft-tokenizer", t1,
-                    "--data", data1)
-    other = cli_here("vocab-check", "--draft", d1, "--target", t2, "--draft-tokenizer", t1,
-                     "--data", data2)
+    same, other = (cli_here("vocab-check", "--draft", d1, "--target", t, "--draft-tokenizer", t1,
+                            "--data", data) for t, data in ((t1, data1), (t2, data2)))
     remap = cli_here("remap-draft", "--draft", d1, "--target", t2, "--data", data2,
                      "--out", root / "draft2", "--draft-tokenizer", t1)
     return dict(tok1=tok1, tok2=tok2, kept=kept, pairs1=pairs1, pairs2=pairs2, draft1=d1,
@@ -406,10 +404,9 @@ def test_vocab_check_against_data_says_remap_and_against_another_tokenizer_compa
         "vocab-check", "--draft", vocab_tools["draft1"], "--target", vocab_tools["target2"],
         "--draft-tokenizer", vocab_tools["target1"], "--against-draft", vocab_tools["draft2"],
         "--against-tokenizer", vocab_tools["target2"]))
-    with safe_open(os.path.join(vocab_tools["draft2"], "model.safetensors"), framework="pt") as f:
-        ids2 = (torch.arange(96) + f.get_tensor("d2t")).tolist()
+    d2t = load_file(os.path.join(vocab_tools["draft2"], "model.safetensors"))["d2t"]
     a = [tok1.convert_ids_to_tokens(i) for i in vocab_tools["kept"].tolist()]
-    b = [tok2.convert_ids_to_tokens(i) for i in ids2]
+    b = [tok2.convert_ids_to_tokens(i) for i in (torch.arange(96) + d2t).tolist()]
     assert report["by_string"]
     assert report["positional"] == sum(x == y for x, y in zip(a, b))
     assert report["overlap"] == len(set(a) & set(b))
@@ -449,10 +446,8 @@ def test_remap_draft_keeps_shared_rows_and_the_body_starts_new_rows_and_maps_the
     assert new.t2d.nonzero().flatten().tolist() == kept
     config = json.load(open(os.path.join(vocab_tools["draft2"], "config.json")))
     assert (config["vocab_size"], config["draft_vocab_size"]) == (len(tok2), 96)
-    tensors = []                       # the drafter's body carried over unchanged
-    for d in ("draft1", "draft2"):
-        with safe_open(os.path.join(vocab_tools[d], "model.safetensors"), framework="pt") as f:
-            tensors.append({k: f.get_tensor(k) for k in f.keys()})
+    tensors = [load_file(os.path.join(vocab_tools[d], "model.safetensors"))  # the drafter's
+               for d in ("draft1", "draft2")]                  # body carried over unchanged
     assert sorted(tensors[0]) == sorted(tensors[1])
     body = [k for k in tensors[0] if k not in ("lm_head.weight", "d2t", "t2d")]
     assert {k.split(".")[0] for k in body} == {"fc", "midlayer", "norm"}
@@ -1325,9 +1320,9 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
         tuned = json.load(open(os.path.join(outputs["tune_features"], "capture.json")))
         assert tuned["dtype"] == "bfloat16" and tuned["data"] == outputs["tune_replies"]
         assert len(first["finetune"]["last"]["step_accuracy"]) == small.ttt_steps
-        from safetensors.torch import load_file     # it trained from the base drafter: its
-        base, tuned_w = (load_file(os.path.join(outputs[k], "model.safetensors"))  # vocab map
-                         for k in ("base_draft", "draft"))           # kept, every weight moved
+        # it trained from the base drafter: its vocab map kept, every weight moved
+        base, tuned_w = (load_file(os.path.join(outputs[k], "model.safetensors"))
+                         for k in ("base_draft", "draft"))
         assert base.keys() == tuned_w.keys() >= {"d2t", "t2d", "fc.weight", "lm_head.weight"}
         assert {k for k in base if torch.equal(base[k], tuned_w[k])} == {"d2t", "t2d"}
         assert f"--batch {small.regen_batch} --max-len {small.max_len} --dtype bfloat16" in out
