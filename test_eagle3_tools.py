@@ -194,23 +194,32 @@ def test_capture_drops_long_conversations_and_refuses_another_max_len_before_loa
     assert f"max_len={max_len}" in line and "another directory" in line
 
 
-def test_offline_training_from_features_equals_online_training_step_for_step(
+def test_training_and_evaluation_from_features_equal_them_on_the_live_target(
         train_chat_target, captured):
     c, head = train_chat_target, captured.head
-    online, offline = captured.examples, T.captured_examples(captured.dir)
+    examples, features = captured.examples, T.captured_examples(captured.dir)
     drafts = [tiny_draft(t, 81, captured.kept, std=0.02) for t in (captured.target, head)]
     cfg = train_config(steps=6, batch=4)
     opts = [E.new_optimizer(d, cfg) for d in drafts]
     inputs = [inputs_of(t, c.tok.pad_token_id) for t in (captured.target, head)]
     for step in range(cfg.steps):
-        rows = E.batch_indices(len(online), cfg.batch, step, cfg.seed)
+        rows = E.batch_indices(len(examples), cfg.batch, step, cfg.seed)
         a, b = (E.train_step(x, d, opt, [exs[i] for i in rows], step, cfg)
-                for x, d, opt, exs in zip(inputs, drafts, opts, (online, offline)))
+                for x, d, opt, exs in zip(inputs, drafts, opts, (examples, features)))
         for la, lb in zip(a.losses, b.losses):
             assert float(la.detach()) == pytest.approx(float(lb.detach()), rel=1e-5, abs=1e-7), step
         assert [float(h) for h in a.hits] == [float(h) for h in b.hits]
     for (name, pa), pb in zip(drafts[0].named_parameters(), drafts[1].parameters()):
         assert_close(pb.detach(), pa.detach(), name)
+    # eval-draft's offline probe: one drafter, taught the data (hits > 0), on either input
+    draft = tiny_draft(captured.target, 82, captured.kept, std=0.02)
+    S.train_draft(captured.target, draft, examples, [], train_config(steps=40),
+                  str(captured.root / "probe_draft"), c.tok.pad_token_id)
+    offline, live = (probe(t, E.load_draft(str(captured.root / "probe_draft"), t), exs)
+                     for t, exs in ((head, features), (captured.target, examples)))
+    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
+    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
+    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
 
 
 def test_train_cli_from_features_writes_a_drafter(train_chat_target, captured):
@@ -253,19 +262,6 @@ def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(zoo):
 # eval-draft: the offline probe
 
 
-def test_eval_draft_from_features_equals_evaluation_with_the_live_target(
-        train_chat_target, captured):
-    draft = tiny_draft(captured.target, 82, captured.kept, std=0.02)   # taught: hits > 0
-    S.train_draft(captured.target, draft, captured.examples, [], train_config(steps=40),
-                  str(captured.root / "probe_draft"), train_chat_target.tok.pad_token_id)
-    offline, live = (probe(t, E.load_draft(str(captured.root / "probe_draft"), t), examples)
-                     for t, examples in ((captured.head, T.captured_examples(captured.dir)),
-                                         (captured.target, captured.examples)))
-    assert offline.step_accuracy == pytest.approx(live.step_accuracy, abs=1e-9)
-    assert offline.accept_rate == pytest.approx(live.accept_rate, abs=1e-9)
-    assert max(live.step_accuracy) > 0.03       # the comparison is not between zeros
-
-
 def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_path,
                                                                        monkeypatch):
     # an MoE target: its experts and attention must stay unread
@@ -293,10 +289,8 @@ def test_eval_draft_reads_only_the_embedding_and_lm_head_of_the_target(zoo, tmp_
 
 def test_chain_stats_by_hand():
     # two positions, 3 steps. Position 0: hit hit miss; position 1: hit miss (then unscored)
-    correct = [torch.tensor([[True, True]]), torch.tensor([[True, False]]),
-               torch.tensor([[False, False]])]
-    scored = [torch.tensor([[True, True]]), torch.tensor([[True, True]]),
-              torch.tensor([[True, False]])]
+    correct = list(torch.tensor([[[True, True]], [[True, False]], [[False, False]]]))  # (1, 2)s
+    scored = list(torch.tensor([[[True, True]], [[True, True]], [[True, False]]]))
     r = E.TTTResult(None, [], [c.float().sum() for c in correct],
                     [s.float().sum() for s in scored], correct, scored)
     stats = E.chain_stats([r])
@@ -475,9 +469,8 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
                   str(tmp_path / "draft"), c.tok.pad_token_id)
     edit_draft_dir(str(tmp_path / "draft"), config=lambda raw: raw["eagle_config"].update(
         eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
-    data = chat_data(tmp_path / "chats.jsonl", chats)
-    proc = cli_here("draft-check", "--draft", tmp_path / "draft", "--target", c.dir,
-                    "--data", data)
+    proc = cli_here("draft-check", "--draft", tmp_path / "draft", "--target", c.dir, "--data",
+                    chat_data(tmp_path / "chats.jsonl", chats))
     report = last_json(proc)
     assert "WARNING: the conventions disagree" in proc.stderr
     assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
