@@ -3880,7 +3880,7 @@ def add_golden(sub, shared):
 def add_train(sub):
     t = sub.add_parser("train", parents=[remote_code_flag()],
                        help="train an EAGLE-3 drafter for a target on chat data")
-    t.add_argument("--target", required=True)
+    t.add_argument("--target", required=True, help="Hugging Face model dir")
     t.add_argument("--data", help="JSONL: ShareGPT conversations or messages")
     t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
     t.add_argument("--epochs", type=int, default=1)

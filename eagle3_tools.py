@@ -286,8 +286,8 @@ def cmd_draft_check(args):
         print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
               f"served under another convention than it was trained with, it drafts from the "
               f"wrong features and silently loses acceptance. Pass --data to measure which "
-              f"reading fits; re-save it for its engine with draft-check --for ENGINE --out DIR, or "
-              f"read it with --aux-convention.", file=sys.stderr)
+              f"reading fits; re-save it for its engine with draft-check --for ENGINE --out DIR, "
+              f"or read it with --aux-convention.", file=sys.stderr)
     report = dict(ids=ids, declared=declared, agree=len(distinct) == 1,
                   candidates={k: list(v) for k, v in candidates.items()})
     if args.data:
@@ -1188,8 +1188,9 @@ def cmd_bench(args):
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
              if world == 1 and device.type == "cpu" else {})
     rows, same = bench_table(ours, peers, world, len(prompts))
-    print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: {ours.lossless}; peak RSS "
-           f"{peak_rss_mb():.0f} MB; all-reduces per token at W={world}: greedy "
+    print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: "
+           f"{ours.lossless}; peak RSS {peak_rss_mb():.0f} MB; all-reduces per token at "
+           f"W={world}: greedy "
            f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
         prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
@@ -2481,7 +2482,7 @@ def add_diagnostic_commands(sub):
                                         data="JSONL chat data (held out) to measure draft "
                                              "accuracy on",
                                         out="save the drafter here, for --for's engine")])
-    dc.add_argument("--max-examples", type=int, default=256)
+    dc.add_argument("--max-examples", type=int, default=256, help="conversations of --data")
     dc.add_argument("--for", **SAVE_FOR_FLAG)
     dc.set_defaults(run=cmd_draft_check)
 
@@ -2501,11 +2502,12 @@ def add_probe_commands(sub, train):
                                    "CPU with AMX (docs/results.md)")])
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                        "acceptance, expected tau (with --costs: a verdict per measured shape)", parents=[common(
+                        "acceptance, expected tau (--costs: a verdict per measured shape)",
+                        parents=[common(
                             "draft!", "target!", "aux_convention", "dtype",
                             target="its config, embedding and lm_head only")])
     ev.add_argument("--features", required=True, help="captured features (held out)")
-    ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="draft steps scored")
     ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
                                     "per shape on the measured round costs")
     ev.set_defaults(run=cmd_eval_draft)
@@ -2531,7 +2533,7 @@ def add_cost_commands(sub):
                         "of draft shapes for a config at a TP size",
                         parents=[common("config!", "tree", "tau")])
     cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
-    cp.add_argument("--dtype", default="bfloat16")
+    cp.add_argument("--dtype", default="bfloat16", help="of the all-reduced activations")
     cp.add_argument("--link", action="append",
                     help=f"{' | '.join(LINKS)} | ALPHA_US,GBPS (repeatable; default: all presets)")
     cp.add_argument("--fusion-saving-us", type=float, default=FUSION_SAVING_US,
