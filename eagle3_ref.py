@@ -1925,6 +1925,16 @@ class DeepSeekTarget(Target):
 EXACT_MIN_ROWS = 4   # the fewest rows a product of the exact path runs with
 
 
+def rows_linear(x, weight, bias=None):
+    """F.linear, with fewer than EXACT_MIN_ROWS rows of x padded to that many with copies
+    of the first (the many-row kernel)."""
+    rows = x.reshape(-1, x.shape[-1])                                  # (M, in)
+    if not 0 < len(rows) < EXACT_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    padded = torch.cat([rows, rows[:1].expand(EXACT_MIN_ROWS - len(rows), -1)])
+    return F.linear(padded, weight, bias)[:len(rows)].view(*x.shape[:-1], -1)
+
+
 class RowInvariantLinear(nn.Module):
     """An nn.Linear (the same weight and bias) whose products run with at least
     EXACT_MIN_ROWS rows."""
@@ -1937,16 +1947,6 @@ class RowInvariantLinear(nn.Module):
         return rows_linear(x, self.weight, self.bias)
 
 
-def rows_linear(x, weight, bias=None):
-    """F.linear, with fewer than EXACT_MIN_ROWS rows of x padded to that many with copies
-    of the first (the many-row kernel)."""
-    rows = x.reshape(-1, x.shape[-1])                                  # (M, in)
-    if not 0 < len(rows) < EXACT_MIN_ROWS:
-        return F.linear(x, weight, bias)
-    padded = torch.cat([rows, rows[:1].expand(EXACT_MIN_ROWS - len(rows), -1)])
-    return F.linear(padded, weight, bias)[:len(rows)].view(*x.shape[:-1], -1)
-
-
 def each_row_linear(x, weight):
     """F.linear of x (N, D), each row in its own (padded) call, whatever the row count."""
     return torch.cat([rows_linear(row[None], weight) for row in x]) if len(x) else x @ weight.T
@@ -1955,6 +1955,13 @@ def each_row_linear(x, weight):
 def fp32_copy(x):
     """A fresh contiguous fp32 copy: the same layout whatever cache slab it was read from."""
     return x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
+def time_major(x, slots, length):
+    """An fp32 buffer (length, heads, .) holding x (heads, S, .)'s `slots` first."""
+    buffer = x.new_empty(length, x.shape[0], x.shape[-1], dtype=torch.float32)
+    buffer[:len(slots)] = x.index_select(1, slots).transpose(0, 1)
+    return buffer
 
 
 def attend_rows(q, k, v, bias, scale=None):
@@ -1986,13 +1993,6 @@ def attend_rows(q, k, v, bias, scale=None):
             y[b, :, t] = attend(fp32_copy(q[b:b + 1, :, t:t + 1]), kb[None, :n].transpose(1, 2),
                                 vb[None, :n].transpose(1, 2), None, scale)[0, :, 0]
     return y.to(q.dtype)
-
-
-def time_major(x, slots, length):
-    """An fp32 buffer (length, heads, .) holding x (heads, S, .)'s `slots` first."""
-    buffer = x.new_empty(length, x.shape[0], x.shape[-1], dtype=torch.float32)
-    buffer[:len(slots)] = x.index_select(1, slots).transpose(0, 1)
-    return buffer
 
 
 def sum_in_rank_order(x):
@@ -2816,6 +2816,7 @@ def regenerate_replies(target, prompts, max_new_tokens, eos_token_id, batch=256)
     return replies
 
 
+CURVE_FILE = "curve.json"   # in a training run's out dir: {"points": [curve_point, ...]}
 TRAIN_STATE_FILE = "train_state.pt"   # in a training run's out dir, for --resume
 
 
@@ -2961,11 +2962,8 @@ def evaluate_draft(inputs, draft, examples, steps=TTT_STEPS, batch=32, aux_layer
                         for i in range(0, len(examples), batch)])
 
 
-CURVE_FILE = "curve.json"   # in a training run's out dir: {"points": [curve_point, ...]}
-
-
 def curve_point(step, seconds, stats):
-    """One held-out evaluation of a training run, as curve.json and the curve command keep it."""
+    """One held-out evaluation of a training run, as train_state.pt and curve.json keep it."""
     return dict(step=step, train_seconds=round(seconds, 1),
                 step_accuracy=[round(a, 4) for a in stats.step_accuracy],
                 chain_tau=[round(t, 4) for t in stats.replayed_tau])
