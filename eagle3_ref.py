@@ -2573,10 +2573,9 @@ def saved_eagle_config(cfg, engine):
     return eagle
 
 
-def save_draft(draft, path, state=None, engine="specforge"):
+def save_draft(draft, path, engine="specforge"):
     """Official/SpecForge layout: config.json + model.safetensors (no frozen embedding);
-    `state` (a state_dict of `draft`) instead of its current weights; aux ids that `engine`
-    reads as the layers the drafter was trained on."""
+    aux ids that `engine` reads as the layers the drafter was trained on."""
     from safetensors.torch import save_file
     if not is_rank0():
         return
@@ -2585,7 +2584,7 @@ def save_draft(draft, path, state=None, engine="specforge"):
     raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
                vocab_size=cfg.vocab_size, eagle_config=saved_eagle_config(cfg, engine))
     os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in (state or draft.state_dict()).items()
+    state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
              if draft.owns(k)}
     if cfg.has_vocab_map:
         raw["draft_vocab_size"] = cfg.draft_vocab_size
@@ -2824,15 +2823,13 @@ class TrainState(NamedTuple):
     step: int = 0          # optimizer steps done
     seconds: float = 0.0   # training time spent on them, over every resumed run
     curve: list = []       # curve_point per held-out evaluation so far
-    best: dict = None      # the drafter's state at the best held-out tau_sim (None: latest)
 
 
 def save_checkpoint(out_dir, draft, opt, state, engine="specforge"):
-    """The best drafter so far (save_draft), then train_state.pt: the latest drafter,
-    optimizer and TrainState in one atomic file, so a resume never mixes steps; then a
-    readable copy of the curve."""
+    """The drafter (save_draft), then train_state.pt: it, the optimizer and TrainState in
+    one atomic file, so a resume never mixes steps; then a readable copy of the curve."""
     os.makedirs(out_dir, exist_ok=True)
-    save_draft(draft, out_dir, state.best, engine)
+    save_draft(draft, out_dir, engine)
     if is_rank0():
         full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
         atomic_write(os.path.join(out_dir, TRAIN_STATE_FILE), lambda f: torch.save(full, f))
@@ -2851,7 +2848,7 @@ def load_train_state(path, draft, opt):
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
         return TrainState(int(state["step"]), float(state.get("seconds", 0.0)),
-                          list(state.get("curve", [])), state.get("best"))
+                          list(state.get("curve", [])))
     except Exception as e:  # unpickling, missing entries and shape mismatches alike
         fail(f"cannot resume from {path!r} ({why(e)}); the checkpoint "
              f"is truncated, corrupt or not ours: delete it to start over")
@@ -2969,25 +2966,11 @@ def curve_point(step, seconds, stats):
                 chain_tau=[round(t, 4) for t in stats.replayed_tau])
 
 
-def tau_sim(point):
-    """A curve point's held-out tau_sim: greedy chains of every TTT step's drafts replayed
-    along the held-out replies (ChainStats.replayed_tau). Checkpoints are chosen by it, not
-    by accuracy or loss, which keep improving after the accept length has peaked."""
-    return point["chain_tau"][-1]
-
-
-def best_point(curve):
-    """The point of best tau_sim; of equals the latest (held-out sets too small to tell them
-    apart then keep the most training)."""
-    return max(reversed(curve), key=tau_sim, default=None)
-
-
 def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over the W ranks,
     the target's side from `inputs` (live_inputs or captured_inputs). Every eval_every steps
-    the held-out tau_sim; every save_every steps save_checkpoint: out_dir's drafter is the
-    best so far by tau_sim (the latest without held-out data), and so is `draft` at the end.
-    -> the curve: a curve_point per held-out evaluation, with the training time so far."""
+    the held-out accuracy and tau_sim (greedy chains replayed along the held-out replies);
+    every save_every steps save_checkpoint. -> the curve: a curve_point per held-out evaluation, with the training time so far."""
     rank, world = world_info()
     dp = new_group(world)
     check_train_config(cfg)
@@ -2995,8 +2978,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
     state_file = os.path.join(out_dir, TRAIN_STATE_FILE)
-    start, seconds, curve, best = (load_train_state(state_file, draft, opt) if resume
-                                   else TrainState())
+    start, seconds, curve = (load_train_state(state_file, draft, opt) if resume
+                             else TrainState())
     bar, t0, curve = Progress("train draft", cfg.steps, start), time.time() - seconds, list(curve)
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
@@ -3008,22 +2991,15 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
             stats = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps, cfg.batch)
             curve.append(curve_point(step + 1, time.time() - t0, stats))
-            improved = best_point(curve) is curve[-1]
-            if improved:
-                best = {k: v.detach().clone() for k, v in draft.state_dict().items()
-                        if draft.owns(k)}              # not the target's frozen embedding
             bar.done()
             print0(f"  held-out draft accuracy per TTT step: "
                    f"{' '.join(f'{a:.3f}' for a in stats.step_accuracy)}")
             print0(f"  held-out tau_sim (greedy chains), 1..{cfg.ttt_steps} drafts: "
-                   f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}"
-                   + ("  (best so far: kept)" if improved else ""))
+                   f"{' '.join(f'{t:.2f}' for t in stats.replayed_tau)}")
         if (step + 1) % cfg.save_every == 0 or last:
             save_checkpoint(out_dir, draft, opt,
-                            TrainState(step + 1, time.time() - t0, curve, best), cfg.save_for)
+                            TrainState(step + 1, time.time() - t0, curve), cfg.save_for)
     bar.done()
-    if best is not None:
-        draft.load_state_dict(best, strict=False)
     draft.eval().requires_grad_(False)
     return curve
 
@@ -3489,7 +3465,7 @@ def replies_as_examples(target, tokenizer, prompts, max_new_tokens):
 
 
 def train_tiny_draft(target, tokenizer, out_dir):
-    """Target replies -> vocab map -> TTT training -> the best drafter's held-out accuracy."""
+    """Target replies -> vocab map -> TTT training -> the drafter's held-out accuracy."""
     def replies(n, offset):
         return replies_as_examples(target, tokenizer, demo_prompts(n, offset), DEMO.reply_tokens)
     train = replies(DEMO.train_prompts, DEMO.train_offset)
@@ -3501,7 +3477,7 @@ def train_tiny_draft(target, tokenizer, out_dir):
     draft = fresh_draft(read_draft_config(raw, target.cfg), target, DEMO.seed, vocab_map)
     curve = train_draft(live_inputs(target, tokenizer.pad_token_id), draft, train, held_out,
                         TrainConfig(), out_dir)
-    return draft, best_point(curve)["step_accuracy"]
+    return draft, curve[-1]["step_accuracy"]
 
 
 def ensure_tiny_models():
@@ -3758,7 +3734,7 @@ def check_examples(examples, where, max_len):
 
 def train_command(args, target, inputs, examples):
     """train, once data and target are read: hold out 1/50, map the vocab (or keep
-    --init-draft's), run TTT, print the kept (best) and the last curve points."""
+    --init-draft's), run TTT, print the last curve point."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
@@ -3774,7 +3750,7 @@ def train_command(args, target, inputs, examples):
                       ttt_steps=args.ttt_steps, eval_every=every, save_every=every, seed=args.seed,
                       bf16=args.autocast == "bf16", save_for=args.engine)
     curve = train_draft(inputs, draft, train, held_out, cfg, args.out, args.resume)
-    print0(json.dumps(dict(best=best_point(curve), last=curve[-1], steps=steps)))
+    print0(json.dumps(dict(last=curve[-1], steps=steps)))
 
 
 def cmd_train(args):
@@ -3884,8 +3860,8 @@ def add_train(sub):
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--steps", type=int, help="optimizer steps instead of --epochs: the learning "
                    "rate anneals over them, so a short budget still ends annealed")
-    t.add_argument("--eval-every", type=int, help="steps between held-out evaluations (each "
-                   "keeps the drafter if its tau_sim is the best so far; default steps/10)")
+    t.add_argument("--eval-every", type=int, help="steps between held-out evaluations "
+                   "(default steps/10)")
     t.add_argument("--batch", type=int, default=8)
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--draft-vocab-size", type=int, default=32000)

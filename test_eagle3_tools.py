@@ -1291,8 +1291,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(replies, tiny_gguf, tmp
     assert early["seconds"].items() <= first["seconds"].items()
     assert proc.stdout.count("skipped") == list(stages).index("capture") + 1
     assert first["plan"]["replies"] == replies
-    assert len(first["train"]["best"]["step_accuracy"]) == small.ttt_steps
-    assert len(first["train"]["best"]["chain_tau"]) == small.ttt_steps
+    assert len(first["train"]["last"]["step_accuracy"]) == small.ttt_steps
+    assert len(first["train"]["last"]["chain_tau"]) == small.ttt_steps
     held = sum(1 for _ in open(os.path.join(tmp_path, "run", "eval_prompts.jsonl")))
     assert first["evaluate"]["prompts"] == min(held, small.eval_prompts)
     assert first["evaluate"]["lossless"]
