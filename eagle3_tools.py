@@ -627,13 +627,6 @@ def cost_rows(timings, shapes, taus):
     return rows
 
 
-def speed_verdict(tau, break_even):
-    if tau < break_even:
-        return (f"tau {tau:.2f} < break-even {break_even:.2f}: this drafter makes decoding "
-                f"slower ({tau / break_even:.2f}x plain)")
-    return f"tau {tau:.2f} >= break-even {break_even:.2f}: {tau / break_even:.2f}x plain decoding"
-
-
 def cost_configs(args):
     """The TargetConfig of --config and the DraftConfig of --draft-config (a dir or its
     config.json; a bare one takes the target's vocab), else of the standard drafter."""
@@ -751,40 +744,6 @@ def cmd_cost_plan(args):
                layout=args.layout)
     print_cost_plan(run, cfg, timings, rows, taus)
     print0(cost_plan_json(run, timings, rows, time.time() - t0))
-
-
-# ---- projected speedup of a real drafter: eval-draft's offline tau on measured costs ----
-
-
-def read_costs(path):
-    """cost-plan's JSON: the last line of its output (saved whole, or that line alone)."""
-    with open(path) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    try:
-        costs = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        costs = None
-    if not isinstance(costs, dict) or not isinstance(costs.get("shapes"), list):
-        fail(f"--costs {path!r} is not cost-plan's output: its last line must be the JSON "
-             f"that `eagle3_tools.py cost-plan` prints last (save its output to a file)")
-    return costs
-
-
-def projected(stats, costs):
-    """A verdict per measured shape for an offline probe's ChainStats: a chain of k drafts
-    gets the replayed tau of k drafts; a tree only the tau it needs (the probe drafts chains)."""
-    rows = []
-    for row in costs["shapes"]:
-        top_k, depth, total_tokens = row["tree"]
-        k = min(depth + 1, total_tokens - 1)         # drafts a chain verifies
-        chain = top_k == 1 and k <= len(stats.replayed_tau)
-        tau = stats.replayed_tau[k - 1] if chain else None
-        verdict = speed_verdict(tau, row["round_cost"]) if chain else (
-            f"needs tau >= {row['round_cost']:.2f} (the offline probe drafts chains)")
-        rows.append(dict(shape=row["shape"], round_cost=row["round_cost"], tau=tau,
-                         speedup=None if tau is None else tau / row["round_cost"],
-                         verdict=verdict))
-    return rows
 
 
 # ----------------------------------------------------------------------------------------
@@ -959,28 +918,7 @@ def cmd_capture(args):
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
 
 
-def measured_verdict(shapes, costs):
-    """eval-draft --costs: the probe's tau on each shape cost-plan measured, printed; the
-    best chain's verdict (None when no chain was measured)."""
-    print0(f"on the round costs measured by cost-plan ({costs['config']}, {costs['dtype']} "
-           f"on {costs['device']}, W={costs['world']}"
-           f"{', an estimate' if costs['estimate'] else ''}):")
-    print0(f"{'shape':31s} {'round = break-even':>18s} {'tau':>6s} {'x plain':>7s}  verdict")
-    for r in shapes:
-        tau, x = ((f"{r['tau']:6.2f}", f"{r['speedup']:7.2f}") if r["tau"] is not None
-                  else (f"{'-':>6s}", f"{'-':>7s}"))
-        print0(f"{r['shape']:31s} {r['round_cost']:18.2f} {tau} {x}  {r['verdict']}")
-    chains = [r for r in shapes if r["tau"] is not None]
-    if not chains:
-        return None
-    top = max(chains, key=lambda r: r["speedup"])
-    verdict = f"measured costs, {top['shape']}: {top['verdict']}"
-    print0(f"best measured shape: {verdict}")
-    return verdict
-
-
 def cmd_eval_draft(args):
-    costs = read_costs(args.costs) if args.costs else None  # a bad file fails before the probe
     target = load_target_head(args.target, parse_dtype(args.dtype), args.features)
     draft = load_draft(args.draft, target, aux_convention=args.aux_convention)
     stats = evaluate_draft(captured_inputs(target, pad_id_of(args.target, args)), draft,
@@ -991,12 +929,7 @@ def cmd_eval_draft(args):
     print0(f"{'drafts k':>8s} {'expected tau':>12s} {'replayed tau':>12s}")
     for k, (tau, replayed) in enumerate(zip(stats.expected_tau, stats.replayed_tau), 1):
         print0(f"{k:8d} {tau:12.3f} {replayed:12.3f}")
-    shapes = verdict = None
-    if costs:
-        shapes = projected(stats, costs)
-        verdict = measured_verdict(shapes, costs)
-    print0(json.dumps(dict({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()},
-                           verdict=verdict, projected=shapes)))
+    print0(json.dumps({k: [round(x, 4) for x in v] for k, v in stats._asdict().items()}))
 
 
 def cmd_train(args):
@@ -1222,11 +1155,9 @@ class RealPlan(NamedTuple):
     """What the real demo spends its CPU budget on; each number's measurement is a row of
     docs/real_models.md, "The plan's choices"."""
     minutes: float = 60           # the default budget
-    prompts: int = 3000           # training conversations captured and trained on
-    replies: str = "own"          # own: the conversations' own replies, one prefill each;
-                                  # regenerated: the target's greedy replies (decoding)
-    regen_prompts: int = 1200     # what the same budget regenerates, captures and trains
-    max_new_tokens: int = 128     # reply cap when regenerating
+    prompts: int = 3000           # training conversations captured and trained on, their
+                                  # own replies (one prefill each, no decoding)
+    max_new_tokens: int = 128     # reply cap when regenerating (the fine-tune's replies)
     regen_batch: int = 80         # rows per batched greedy decode (a CPU step's cost grows
                                   # far slower than its rows)
     max_len: int = 320            # tokens per conversation; longer ones are dropped
@@ -1516,16 +1447,14 @@ def cmd_regenerate(args):
            + f") into {args.out} in {time.time() - t0:.0f} s")
 
 
-# ---- real-demo: convert -> prompts -> regenerate -> capture -> train -> evaluate ----
+# ---- real-demo: convert -> prompts -> capture -> train -> fine-tune -> evaluate ----
 
 
-def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
+def parse_budget(text, finetune=REAL_PLAN.finetune):
     """--budget: minutes ("60") or conversations ("500p") -> a RealPlan; past the set's size the
-    epochs grow; fine-tuning (bf16 decoding) follows own replies where bf16 is native."""
+    epochs grow; fine-tuning (bf16 decoding) only where bf16 is native."""
     native = native_bf16()
-    per_budget = REAL_PLAN.prompts if replies == "own" else REAL_PLAN.regen_prompts
-    if not native:
-        per_budget = round(per_budget * REAL_PLAN.fp32_share)
+    per_budget = REAL_PLAN.prompts if native else round(REAL_PLAN.prompts * REAL_PLAN.fp32_share)
     try:
         prompts = (int(text[:-1]) if text.endswith("p") else
                    round(per_budget * float(text) / REAL_PLAN.minutes))
@@ -1539,8 +1468,8 @@ def parse_budget(text, replies=REAL_PLAN.replies, finetune=REAL_PLAN.finetune):
              f"prompts")
     epochs = max(REAL_PLAN.epochs, round(REAL_PLAN.epochs * prompts / TRAIN_PROMPTS))
     plan = REAL_PLAN._replace(minutes=round(REAL_PLAN.minutes * prompts / per_budget, 1),
-                              prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs, replies=replies,
-                              finetune=finetune if replies == "own" else 0)
+                              prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs,
+                              finetune=finetune)
     return plan if native else plan._replace(capture_dtype="float32", autocast="none",
                                              serve_dtype="float32", serve_layout="rows",
                                              finetune=0)
@@ -1599,14 +1528,13 @@ def run_command(argv):
 def real_paths(out, plan):
     """Every stage's output; those that depend on the plan carry its size in their name, so
     runs at other budgets sit side by side and share what they can."""
-    size = (f"{plan.prompts}x{plan.max_new_tokens}" if plan.replies == "regenerated" else
-            f"{plan.prompts}own")
+    size = f"{plan.prompts}own"                                  # their own replies
     base = f"{size}_v{plan.draft_vocab_size}_e{plan.epochs}"
     tuned = f"{plan.finetune}x{plan.max_new_tokens}bf16"        # the fine-tuning replies
     run = f"{base}_ft{plan.finetune}" if plan.finetune else base
     names = dict(model="model", prompts="train_prompts.jsonl",
                  conversations="train_conversations.jsonl", eval="eval_prompts.jsonl",
-                 replies=f"replies_{size}.jsonl", features=f"features_{size}",
+                 features=f"features_{size}",
                  base_draft=f"draft_{base}", tune_replies=f"replies_{tuned}.jsonl",
                  tune_features=f"features_{tuned}", draft=f"draft_{run}",
                  stages=f"stages_{run}.json",
@@ -1617,12 +1545,6 @@ def real_paths(out, plan):
 def real_stages(args, plan, p):
     """(name, argv of the command that does it); a finished stage is recorded and skipped,
     an interrupted one resumes (each command resumes on its own)."""
-    def regenerate(out, limit, *flags):
-        return ("regenerate", [
-            "regenerate", "--target", p["model"], "--prompts", p["prompts"], "--out", out,
-            "--limit", str(limit), "--max-new-tokens", str(plan.max_new_tokens), "--batch",
-            str(plan.regen_batch), "--max-len", str(plan.max_len), *flags])
-
     def capture(name, data, out, *flags):
         return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
                        "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
@@ -1632,10 +1554,12 @@ def real_stages(args, plan, p):
                        *flags, "--epochs", str(epochs), "--batch", str(plan.batch), "--lr",
                        str(lr), "--ttt-steps", str(plan.ttt_steps), "--autocast", plan.autocast,
                        "--resume"])
-    regenerated = plan.replies == "regenerated"
-    data = p["replies"] if regenerated else p["conversations"]
-    finetune = [
-        regenerate(p["tune_replies"], plan.finetune, "--dtype", plan.capture_dtype),
+    finetune = [   # the target's own greedy replies to the first F training prompts
+        ("regenerate", ["regenerate", "--target", p["model"], "--prompts", p["prompts"],
+                        "--out", p["tune_replies"], "--limit", str(plan.finetune),
+                        "--max-new-tokens", str(plan.max_new_tokens), "--batch",
+                        str(plan.regen_batch), "--max-len", str(plan.max_len), "--dtype",
+                        plan.capture_dtype]),
         capture("capture-finetune", p["tune_replies"], p["tune_features"]),
         train("finetune", p["tune_features"], p["draft"], plan.finetune_epochs,
               plan.finetune_lr, "--init-draft", p["base_draft"]),
@@ -1645,9 +1569,7 @@ def real_stages(args, plan, p):
                      *(["--gguf", args.gguf] if args.gguf else [])]),
         ("prompts", ["prompts", "--out", os.path.dirname(p["prompts"]),
                      *(["--sharegpt", args.sharegpt] if args.sharegpt else [])]),
-        *([regenerate(p["replies"], plan.prompts)] if regenerated else []),
-        capture("capture", data, p["features"],
-                *([] if regenerated else ["--limit", str(plan.prompts)])),
+        capture("capture", p["conversations"], p["features"], "--limit", str(plan.prompts)),
         train("train", p["features"], p["base_draft"], plan.epochs, plan.lr,
               "--draft-vocab-size", str(plan.draft_vocab_size)),
         *finetune,
@@ -1661,7 +1583,7 @@ def real_stages(args, plan, p):
 
 
 def cmd_real_demo(args):
-    plan = parse_budget(args.budget, args.replies, args.finetune)
+    plan = parse_budget(args.budget, args.finetune)
     p = real_paths(args.out, plan)
     os.makedirs(args.out, exist_ok=True)
     record = read_json(p["stages"]) if os.path.isfile(p["stages"]) else {}
@@ -2504,14 +2426,12 @@ def add_probe_commands(sub, train):
                                    "CPU with AMX (docs/results.md)")])
     cap.set_defaults(run=cmd_capture)
     ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                        "acceptance, expected tau (--costs: a verdict per measured shape)",
+                        "acceptance, expected and replayed tau",
                         parents=[common(
                             "draft!", "target!", "aux_convention", "dtype",
                             target="its config, embedding and lm_head only")])
     ev.add_argument("--features", required=True, help="captured features (held out)")
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="draft steps scored")
-    ev.add_argument("--costs", help="cost-plan's output (its last line is read): a verdict "
-                                    "per shape on the measured round costs")
     ev.set_defaults(run=cmd_eval_draft)
 
 
@@ -2602,19 +2522,16 @@ def add_real_commands(sub):
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
                     "and a --max-new-tokens reply pass this (capture's --max-len)")
     rg.set_defaults(run=cmd_regenerate)
-    rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, regenerate, "
-                        "capture, train, evaluate (each stage cached)",
+    rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, capture, train, "
+                        "fine-tune, evaluate (each stage cached)",
                         parents=[common("gguf", "sharegpt")])
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
-    rd.add_argument("--replies", choices=("own", "regenerated"), default=REAL_PLAN.replies,
-                    help="train on the conversations' own replies (one prefill each) or on "
-                         "the target's regenerated greedy replies (decoding: slower)")
     rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
                     help="then fine-tune on the target's own replies to this many training "
-                         "prompts (0: no fine-tuning; own replies and bf16 only)")
+                         "prompts (0: no fine-tuning; where bf16 is native only)")
     rd.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (convert, "
-                    "prompts, regenerate, capture, train, capture-finetune, finetune, evaluate, "
+                    "prompts, capture, train, regenerate, capture-finetune, finetune, evaluate, "
                     "golden); a later run goes on from there")
     rd.add_argument("--out", default=REAL_DIR)
     rd.set_defaults(run=cmd_real_demo)
@@ -2664,7 +2581,7 @@ TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
 TOOL_PATH_FLAGS = dict(
     E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",
     assistant="dir", features="dir", against_data="file", config="any", draft_config="any",
-    costs="file", prompts="file", gguf="file", sharegpt="file", prompt_ids="file",
+    prompts="file", gguf="file", sharegpt="file", prompt_ids="file",
     engine_python="file")
 TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
 
