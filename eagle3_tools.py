@@ -766,12 +766,12 @@ def capture_file(out, i):
 
 
 @torch.inference_mode()
-def capture_features(target, examples, out, aux_layers, first=0):
-    """Write every sample not yet on disk as data_{first + i} (atomic files: a killed capture
+def capture_features(target, examples, out, aux_layers):
+    """Write every sample not yet on disk as data_{i} (atomic files: a killed capture
     resumes) -> how many. Rank 0 decides what is left and writes; every rank runs the
     tensor-parallel forward."""
     device, D = target.lm_head.weight.device, target.cfg.hidden_size
-    missing = torch.tensor([not os.path.isfile(capture_file(out, first + i))
+    missing = torch.tensor([not os.path.isfile(capture_file(out, i))
                             for i in range(len(examples))], dtype=torch.long, device=device)
     todo = broadcast0(missing, target.tp).nonzero()[:, 0].tolist()   # rank 0's view
     bar = Progress("capture", len(todo))
@@ -782,8 +782,8 @@ def capture_features(target, examples, out, aux_layers, first=0):
                       hidden_state=target.model.norm(aux[..., -D:]).cpu(),
                       aux_hidden_state=aux[..., :-D].contiguous().cpu())
         if is_rank0():
-            os.makedirs(os.path.dirname(capture_file(out, first + i)), exist_ok=True)
-            atomic_write(capture_file(out, first + i), lambda f: torch.save(sample, f))
+            os.makedirs(os.path.dirname(capture_file(out, i)), exist_ok=True)
+            atomic_write(capture_file(out, i), lambda f: torch.save(sample, f))
         bar.show(done)
     bar.done()
     return len(todo)
@@ -884,36 +884,21 @@ def cmd_capture(args):
                                  args.limit)
     aux_layers = (read_draft_config(args.draft, cfg, aux_convention=args.aux_convention)
                   .aux_layers if args.draft else cfg.default_aux_layers)
-    data = os.path.abspath(args.data)
-    info = dict(target=os.path.abspath(args.target), data=data, aux_layers=list(aux_layers),
-                samples=len(examples), max_len=args.max_len)
+    info = dict(target=os.path.abspath(args.target), data=os.path.abspath(args.data),
+                aux_layers=list(aux_layers), samples=len(examples), max_len=args.max_len)
     info_file = os.path.join(args.out, CAPTURE_INFO)
     had = read_json(info_file) if os.path.isfile(info_file) else {}
-    for key in ("aux_layers", "max_len"):   # sample i is the i-th kept conversation
+    for key in ("data", "aux_layers", "max_len"):   # sample i is the i-th kept conversation
         if had.get(key, info[key]) != info[key]:
             fail(f"{args.out!r} holds features captured with {key}={had[key]!r}, not "
                  f"{info[key]!r}: capture into another directory")
-    # each data file owns a range of sample numbers: a second file goes after the first
-    sources = had.get("sources") or ([dict(data=had["data"], first=0, samples=had["samples"])]
-                                     if had else [])
-    mine = next((src for src in sources if src["data"] == data), None)
-    if mine is None:
-        mine = dict(data=data, first=sum(src["samples"] for src in sources),
-                    samples=len(examples))
-        sources.append(mine)
-    elif mine is sources[-1]:          # the last file's range may grow (a larger --limit)
-        mine["samples"] = max(mine["samples"], len(examples))
-    elif mine["samples"] != len(examples):
-        fail(f"{args.out!r} holds {mine['samples']} samples of {args.data!r}, this run keeps "
-             f"{len(examples)} (another --limit or file content?): capture into another dir")
-    info.update(data=sources[0]["data"], sources=sources,
-                samples=sum(src["samples"] for src in sources))
+    info["samples"] = max(info["samples"], had.get("samples", 0))   # a larger --limit grows it
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     info["dtype"] = str(target.lm_head.weight.dtype)[6:]
     if is_rank0():
         os.makedirs(args.out, exist_ok=True)
         atomic_write(info_file, lambda f: write_json(f, info))
-    written = capture_features(target, examples, args.out, aux_layers, mine["first"])
+    written = capture_features(target, examples, args.out, aux_layers)
     print0(f"captured {written} samples ({len(examples) - written} were already there) into "
            f"{args.out}: hidden_states {list(aux_layers)} and the final normed hidden state")
 

@@ -155,21 +155,11 @@ def test_capture_adds_after_what_a_directory_holds_for_a_larger_limit_or_a_secon
     assert "captured 4 samples (5 were already there)" in code.stdout
     assert files() == sorted(f"data_{i}.ckpt" for i in range(9))
     assert all(os.stat(out / "rows_0-2000" / f).st_mtime_ns == t for f, t in before.items())
-    # the fixture's data split in two files captured into one dir: the same 18 samples, the
-    # second file's numbered after the first's; each file reruns as a resume
-    out, lines = tmp_path / "parts", open(captured.data).read().splitlines(keepends=True)
-    parts = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
-    for part, chunk in zip(parts, (lines[:7], lines[7:])):
-        part.write_text("".join(chunk))
-        cli_here("capture", "--target", c.dir, "--data", part, "--out", out)
-    info = json.load(open(out / "capture.json"))
-    n_a = len(E.training_examples(c.tok, str(parts[0]), 2048))
-    assert [(s["data"], s["first"], s["samples"]) for s in info["sources"]] == [
-        (str(parts[0]), 0, n_a), (str(parts[1]), n_a, 18 - n_a)] and info["samples"] == 18
-    assert all(same_sample(out, captured, i) for i in range(18))
-    again = cli_here("capture", "--target", c.dir, "--data", parts[1], "--out", out)
-    assert f"captured 0 samples ({18 - n_a} were already there)" in again.stdout
-    assert len(T.captured_examples(str(out))) == 18
+    # sample i is the i-th kept conversation of one file: another file is refused
+    other = tmp_path / "other.jsonl"
+    other.write_text(open(captured.data).read())
+    line = S.refused(cli_here("capture", "--target", c.dir, "--data", other, "--out", out))
+    assert "data=" in line and "another directory" in line
 
 
 def test_capture_drops_long_conversations_and_refuses_another_max_len_before_loading(
