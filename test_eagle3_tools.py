@@ -1216,6 +1216,19 @@ def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_nat
     assert T.parse_budget(f"{share}p").minutes == T.REAL_PLAN.minutes
 
 
+def run_here(argv):
+    """One of the workbench's commands in this process, checked as main checks it -> its last
+    stdout line (real-demo's stages run so here, to keep the monkeypatched settings)."""
+    import contextlib
+    import io
+    args, out = T.build_parser().parse_args(argv), io.StringIO()
+    T.check_tool_args(args)
+    with contextlib.redirect_stdout(out):
+        args.run(args)
+    print(out.getvalue(), end="")
+    return (out.getvalue().strip().splitlines() or [""])[-1]
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_real_demo_runs_every_stage_once_then_skips_them(native, tiny_gguf, tmp_path,
                                                          monkeypatch):
@@ -1224,7 +1237,7 @@ def test_real_demo_runs_every_stage_once_then_skips_them(native, tiny_gguf, tmp_
     monkeypatch.setattr(T, "REAL_PLAN", small)
     monkeypatch.setattr(T, "native_bf16", lambda: native)   # both plans' dtypes
     monkeypatch.setattr(T, "SWEEP_ROUNDS", 1)    # the passes are the sweep test's business
-    monkeypatch.setattr(T, "run_command", T.run_here)   # so that the settings above hold
+    monkeypatch.setattr(T, "run_command", run_here)   # so that the settings above hold
     gguf_file = os.path.join(os.path.dirname(tiny_gguf[1]), "tiny.gguf")
     sharegpt = write_sharegpt(tmp_path / "sharegpt.json", SHAREGPT_RECORDS)
     argv = ["real-demo", "--gguf", gguf_file, "--sharegpt", str(sharegpt), "--out",
