@@ -1392,15 +1392,8 @@ def atomic_write(path, write):
 # 10. launch: torchrun's process group, and output from rank 0 only
 
 
-class Dist(NamedTuple):
-    rank: int
-    local_rank: int
-    world: int
-    device: torch.device
-
-
 def init_distributed():
-    """Read torchrun's environment and join the process group (nccl on GPUs, else gloo)."""
+    """Join torchrun's process group (nccl on GPUs, else gloo) -> this process's rank."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -1409,7 +1402,7 @@ def init_distributed():
         torch.cuda.set_device(device)  # before init_process_group: NCCL binds to this device
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    return Dist(rank, local_rank, world, device)
+    return rank
 
 
 def world_info():
@@ -1615,11 +1608,9 @@ SCHEMES = ("tree", "chain")
 
 def as_preset(preset):
     """A preset name (resolved here, once per run) or a Preset."""
-    if isinstance(preset, Preset):
-        return preset
-    if preset not in PRESETS:
+    if not isinstance(preset, Preset) and preset not in PRESETS:
         fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
-    return PRESETS[preset]
+    return preset if isinstance(preset, Preset) else PRESETS[preset]
 
 
 def resolve_variant(preset="official", scheme="tree"):
@@ -1713,13 +1704,11 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
         trees = [drafted[b].tree if b in drafted else tree_from_parents(
             torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
         verified = verify_trees(target, cache, [s.n for s in states], trees, draft.cfg.aux_layers)
-        for b in active:
-            r, states[b] = settle(target, row_cache(cache, b), states[b], drafted[b],
-                                  *verified[b], run, randomness[b])
-            rounds[b].append(r)
-        comm = target.tp.sent.since(mark)
-        for b in active:
-            rounds[b][-1] = rounds[b][-1]._replace(comm=comm)
+        settled = {b: settle(target, row_cache(cache, b), states[b], drafted[b], *verified[b],
+                             run, randomness[b]) for b in active}
+        comm = target.tp.sent.since(mark)   # the whole batched round's, in each row's Round
+        for b, (r, states[b]) in settled.items():
+            rounds[b].append(r._replace(comm=comm))
         active = [b for b in active
                   if not emit(out[b], states[b].next_tokens[0].tolist(), max_new_tokens,
                               eos_token_id)]
@@ -1773,12 +1762,6 @@ class LatentCache(NamedTuple):
     k_pe: torch.Tensor    # (L, B, 1, S, dr)
 
 
-def deinterleave(x):
-    """(.., dr) with rope pairs at (2i, 2i+1), as DeepSeek's weights pair them -> evens then
-    odds, so rotate-half rotates those pairs (q.k is unchanged by the permutation)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                       # (.., dr)
-
-
 class MLAttention(nn.Module):
     def __init__(self, cfg, tp):
         super().__init__()
@@ -1800,7 +1783,9 @@ class MLAttention(nn.Module):
         self.attend = attend  # the attention core, as the dense Attention's (make_exact swaps it)
 
     def rope(self, x, cos, sin):
-        return apply_rope(deinterleave(x) if self.m.rope_interleave else x, cos, sin)
+        if self.m.rope_interleave:  # DeepSeek's pairs (2i, 2i+1) -> evens then odds, so
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)  # rotate-half rotates them (q.k same)
+        return apply_rope(x, cos, sin)
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
         B, T, _ = x.shape
@@ -2244,13 +2229,11 @@ class Checkpoint:
                  f"quantization_config with weight_block_size")
         b0, b1 = self.fp8_block
         scale = self.handle(self.files[name]).get_slice(self.prefix + name + "_scale_inv")
-        # the scale blocks this slice touches, then one scale per element
-        if dim is None:
-            s, r, c = scale[:], 0, 0
-        elif dim == 0:
-            s, r, c = scale[lo // b0:-(-(lo + x.shape[0]) // b0)], lo % b0, 0
-        else:
+        # the scale blocks this slice touches (a whole tensor: lo = 0), then one per element
+        if dim == 1:
             s, r, c = scale[:, lo // b1:-(-(lo + x.shape[1]) // b1)], 0, lo % b1
+        else:
+            s, r, c = scale[lo // b0:-(-(lo + x.shape[0]) // b0)], lo % b0, 0
         s = s.float().repeat_interleave(b0, 0).repeat_interleave(b1, 1)
         return x.float() * s[r:r + x.shape[0], c:c + x.shape[1]]
 
@@ -2285,13 +2268,11 @@ def default_dtype(device):
 
 
 def parse_dtype(name):
-    if name is None:
-        return None
     dtypes = dict(float32=torch.float32, fp32=torch.float32, bfloat16=torch.bfloat16,
                   bf16=torch.bfloat16, float16=torch.float16, fp16=torch.float16)
-    if name not in dtypes:
+    if name is not None and name not in dtypes:
         fail(f"--dtype {name!r} is not one of {', '.join(dtypes)}")
-    return dtypes[name]
+    return dtypes.get(name)
 
 
 def target_checkpoint(path):
@@ -2299,16 +2280,14 @@ def target_checkpoint(path):
     and quantisation (FP8 blocks are dequantised on load; anything else is refused)."""
     raw = read_config_json(path)
     quant = text_config(raw).get("quantization_config") or raw.get("quantization_config")
-    block = None
-    if quant:
-        if quant.get("quant_method") != "fp8" or len(quant.get("weight_block_size") or []) != 2:
-            fail(f"{path}/config.json has quantization_config with quant_method="
-                 f"{quant.get('quant_method')!r}, format={quant.get('format', quant.get('fmt'))!r}"
-                 f" (keys {sorted(quant)}); only FP8 block quantisation (quant_method 'fp8' with "
-                 f"weight_block_size) is read: dequantise the checkpoint to bf16 first")
-        block = tuple(quant["weight_block_size"])
+    if quant and (quant.get("quant_method") != "fp8" or
+                  len(quant.get("weight_block_size") or []) != 2):
+        fail(f"{path}/config.json has quantization_config with quant_method="
+             f"{quant.get('quant_method')!r}, format={quant.get('format', quant.get('fmt'))!r}"
+             f" (keys {sorted(quant)}); only FP8 block quantisation (quant_method 'fp8' with "
+             f"weight_block_size) is read: dequantise the checkpoint to bf16 first")
     return Checkpoint(path, prefix="language_model." if raw.get("model_type") == "kimi_k25"
-                      else "", fp8_block=block)
+                      else "", fp8_block=tuple(quant["weight_block_size"]) if quant else None)
 
 
 def report_weight_bytes(target, path, dtype, world, device):
@@ -2902,12 +2881,8 @@ def accepted_runs(result):
     """(B, T): how many drafts of a greedy chain started at t are accepted, from a TTTResult:
     steps 0..d-1 all scored and correct (on the target's own greedy replies TTT step d at t is
     fed exactly the accepted draft)."""
-    alive = torch.ones_like(result.scored[0])
-    run = torch.zeros_like(result.scored[0], dtype=torch.long)
-    for scored, correct in zip(result.scored, result.correct):
-        alive = alive & scored & correct
-        run += alive.long()
-    return run
+    ok = torch.stack([s & c for s, c in zip(result.scored, result.correct)]).long()  # (steps, B, T)
+    return ok.cumprod(0).sum(0)                 # cumprod: steps 0..d all scored and correct
 
 
 def replay_rounds(accepted, scored):
@@ -2970,7 +2945,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     """Naive EAGLE-3 training: train_step over seeded batches, data-parallel over the W ranks,
     the target's side from `inputs` (live_inputs or captured_inputs). Every eval_every steps
     the held-out accuracy and tau_sim (greedy chains replayed along the held-out replies);
-    every save_every steps save_checkpoint. -> the curve: a curve_point per held-out evaluation, with the training time so far."""
+    every save_every steps save_checkpoint. -> the curve: a curve_point per held-out
+    evaluation, with the training time so far."""
     rank, world = world_info()
     dp = new_group(world)
     check_train_config(cfg)
@@ -3220,8 +3196,9 @@ SCORES_ATOL = 1e-4             # --check: logits and draft probabilities may dif
 
 
 def golden_rows(t, name, x):
-    """(rows, V) scores in full for small vocabularies, else top-20 values, ids, checksum."""
-    if x.shape[-1] <= FULL_SCORES_MAX_VOCAB:
+    """(rows, V) scores in full for small vocabularies, else top-20 values, ids, checksum
+    (integer tensors, e.g. a generator state, in full)."""
+    if x.shape[-1] <= FULL_SCORES_MAX_VOCAB or not x.is_floating_point():
         t[name] = x
     else:
         top = x.topk(GOLDEN_TOP, dim=-1)
@@ -3261,11 +3238,8 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
             golden_rows(t, p + "draft_probs", r.draft_probs)
         if preset.verify is sglang_verify:        # SGLang's own tree tensors
             t.update({p + "sglang." + k: v for k, v in sglang_tree(r.tree).items()})
-        for name, x in (r.draws or {}).items():    # the engine's random numbers
-            if x.is_floating_point() and x.shape[-1] > FULL_SCORES_MAX_VOCAB:
-                golden_rows(t, p + name, x)        # an Exp(1) vector over a large vocab
-            else:
-                t[p + name] = x
+        for name, x in (r.draws or {}).items():    # the engine's random numbers (an Exp(1)
+            golden_rows(t, p + name, x)            # vector over a large vocab as its top 20)
     return {k: v.contiguous() for k, v in t.items()}
 
 
@@ -3482,21 +3456,19 @@ def train_tiny_draft(target, tokenizer, out_dir):
 
 def ensure_tiny_models():
     """The tiny target and a drafter trained for it (built on first use)."""
-    from transformers import AutoTokenizer
     target_dir, draft_dir = ensure_tiny_target()
     if not os.path.isfile(os.path.join(draft_dir, "config.json")):
         target = load_target(target_dir, dtype=torch.float32)
-        train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
+        train_tiny_draft(target, load_tokenizer(target_dir, None), draft_dir)
     return target_dir, draft_dir
 
 
 def main_demo(exact=False):
     """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
-    from transformers import AutoTokenizer
     t0 = time.time()
     target_dir, draft_dir = ensure_tiny_target()
     target = load_target(target_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, None)
     held_out_text = synthetic_corpus(DEMO.target_eval_texts, DEMO.seed + DEMO.target_eval_offset)
     target_acc = next_token_accuracy(target, [tokenizer(chat_text(p, r)).input_ids
                                               for p, r in held_out_text])
@@ -3538,8 +3510,6 @@ def load_tokenizer(path, args):
     """The tokenizer of a model dir (its own code, like Kimi's, only with --trust-remote-code)."""
     from transformers import AutoTokenizer
     trust = getattr(args, "trust_remote_code", False)
-    if not os.path.isdir(path):
-        fail(f"{path!r} is not a directory: expected a model dir with a tokenizer")
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         fail(f"no tokenizer in {path!r} (none of {', '.join(TOKENIZER_FILES)}); point at the "
              f"model dir whose tokenizer this is")
@@ -3596,36 +3566,15 @@ def render_tree(tree, path, tokenizer):
     """ASCII drawing of a draft tree; '*' marks the accepted path."""
     kids = children_of(tree.parents)
     on_path = set(path.tolist())
-    lines = []
 
     def walk(node, prefix, last):
         mark = "*" if node in on_path else " "
         branch = "" if node == 0 else ("└─ " if last else "├─ ")
-        lines.append(f"{prefix}{branch}{mark}{tokenizer.decode([int(tree.tokens[node])])!r}")
+        yield f"{prefix}{branch}{mark}{tokenizer.decode([int(tree.tokens[node])])!r}"
         for i, child in enumerate(kids[node]):
-            walk(child, prefix + ("" if node == 0 else ("   " if last else "│  ")),
-                 i == len(kids[node]) - 1)
-    walk(0, "", True)
-    return "\n".join(lines)
-
-
-def comm_report(result):
-    """The per-round table of `generate --comm`: all-reduces and bytes per verify (a round's
-    only all-reduces), broadcasts per round, and per generated token."""
-    lines = [f"{'round':>5s} {'nodes':>5s} {'tau':>3s} {'AR/verify':>9s} {'bytes/verify':>13s} "
-             f"{'bcast':>5s} {'bcast bytes':>11s}"]
-    for i, r in enumerate(result.rounds):
-        (calls, size), (bcalls, bsize) = comm_total([r.comm]), comm_total([r.comm], "broadcast")
-        lines.append(f"{i + 1:5d} {len(r.tree.tokens):5d} {r.accepted + 1:3d} {calls:9d} "
-                     f"{size:13,d} {bcalls:5d} {bsize:11,d}")
-    comms, n = [result.prefill_comm] + [r.comm for r in result.rounds], len(result.tokens)
-    (calls, size), (bcalls, bsize) = comm_total(comms), comm_total(comms, "broadcast")
-    prefill = comm_total([result.prefill_comm])
-    lines.append(f"prefill: {prefill[0]} all-reduces, {prefill[1]:,d} bytes; per generated "
-                 f"token ({n} tokens, prefill included): {calls / n:.1f} all-reduces, "
-                 f"{size / n:,.0f} bytes; broadcasts {bcalls / n:.2f} calls, {bsize / n:,.0f} "
-                 f"bytes")
-    return "\n".join(lines)
+            yield from walk(child, prefix + ("" if node == 0 else ("   " if last else "│  ")),
+                            i == len(kids[node]) - 1)
+    return "\n".join(walk(0, "", True))
 
 
 def cmd_generate(args):
@@ -3657,9 +3606,6 @@ def cmd_generate(args):
               if preset.tau_emitted else "")    # SGLang: the tokens each round emitted
     print0(f"tau {tau:.2f}{engine} | rounds {len(result.rounds)} | tokens {len(result.tokens)} | "
            f"{len(result.tokens) / seconds:.1f} tokens/s")
-    if args.comm:
-        print0(f"collectives at world size {world_info()[1]} (nothing is sent at 1):")
-        print0(comm_report(result))
 
 
 def parse_numbers(text, kind, what, count=None):
@@ -3828,8 +3774,6 @@ def add_generate(sub, shared):
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
-    g.add_argument("--comm", action="store_true",
-                   help="print the all-reduces and broadcasts of each round (TP)")
     g.add_argument("--exact", **EXACT_FLAG)
     g.set_defaults(run=cmd_generate)
     return g

@@ -3280,21 +3280,6 @@ def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_ge
     assert 1.0 < float(match[1]) <= 4.0 and int(match[3]) == len(new) == 12
 
 
-def test_generate_comm_prints_each_rounds_collectives_under_torchrun(train_chat_target,
-                                                                     train_generate_setup):
-    proc = run_cli(*generate_chat(train_chat_target, train_generate_setup, "--comm"), world=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)\s+([\d,]+)$",
-                      proc.stdout, re.M)
-    assert rows, proc.stdout
-    L, D = TRAIN_LAYERS, 32                     # the chat target: 8 layers, hidden 32, fp32
-    for _, nodes, _, ar, size, bcast, bcast_size in rows:
-        assert int(nodes) == 6 and int(ar) == 2 * L
-        assert int(size.replace(",", "")) == 2 * L * 6 * D * 4
-        assert (int(bcast), int(bcast_size.replace(",", ""))) == (1, (6 + 2) * 8)
-    assert re.search(r"prefill: 16 all-reduces", proc.stdout)
-
-
 CUSTOM_TOKENIZER = """from transformers import PreTrainedTokenizerFast
 
 
@@ -4175,7 +4160,7 @@ WORKERS = {w.__name__: w for w in (tp_worker, ds_tp_worker, train_dp_worker, fuz
 
 if __name__ == "__main__":  # a torchrun rank started by run_workers: WORKER DIR (DIR/job.pt)
     name, root = sys.argv[1:3]
-    rank = E.init_distributed().rank
+    rank = E.init_distributed()
     result = WORKERS[name](torch.load(os.path.join(root, "job.pt")), rank)
     torch.save(result, os.path.join(root, f"rank{rank}.pt"))
     finish_worker()
