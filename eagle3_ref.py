@@ -2133,14 +2133,15 @@ def read_target_config(path):
     """config.json of a Hugging Face model dir -> TargetConfig (via transformers' configs);
     kimi_k2 and kimi_k25 are read as the DeepseekV3Config they are (no remote code runs)."""
     from transformers import AutoConfig, DeepseekV3Config
-    family = read_config_json(path).get("model_type")
+    raw = read_config_json(path)
+    family = raw.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         fail(f"model_type={family!r} in {path}/config.json is not supported; "
              f"supported: {', '.join(SUPPORTED_FAMILIES)}")
     if family not in ("deepseek_v3", "kimi_k2", "kimi_k25"):
         return target_config(validated(lambda: AutoConfig.from_pretrained(path),
                                        f"{path}/config.json"))
-    text = text_config(read_config_json(path))
+    text = text_config(raw)
     if text.get("qk_rope_head_dim", 0) % 2:
         fail(f"qk_rope_head_dim={text['qk_rope_head_dim']} in {path}/config.json must be even: "
              f"RoPE rotates pairs of dims")
@@ -2372,6 +2373,10 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3Llam
 # Without ids every engine reads the default (2, L//2, L-3), so save_draft omits them there;
 # other ids are written for one engine and the config names it under AUX_IDS_CONVENTION_KEY
 # (engines ignore the key; our reader takes the ids in that convention).
+# Flags of drafter variants (EAGLE-3.1's norms; vLLM's GPT-OSS speculators; biases) that
+# change what the drafter computes: refused, as this reference computes plain EAGLE-3.
+VARIANT_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual",
+                       "attention_bias", "mlp_bias")
 AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy")
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
@@ -2440,6 +2445,14 @@ def read_draft_config(path_or_dict, target_cfg, weight_keys=None, aux_convention
     if target_hidden != target_cfg.hidden_size:
         fail(f"draft expects target hidden size {target_hidden} (fc input 3*{target_hidden}) "
              f"but the target has hidden_size={target_cfg.hidden_size}")
+    variant = {k: raw[k] for k in VARIANT_DRAFT_FLAGS if raw.get(k)}
+    if raw.get("logit_scale", 1.0) != 1.0:
+        variant["logit_scale"] = raw["logit_scale"]
+    if (raw.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        variant["use_aux_hidden_state"] = False
+    if variant:   # read as plain EAGLE-3, such a drafter would draft from other numbers
+        fail(f"{where} sets {variant}: a variant of the EAGLE-3 drafter (EAGLE-3.1's norms, "
+             f"an engine's extras) that this reference does not compute")
     ids = aux_layer_ids(raw)
     aux_convention = aux_convention or declared_aux_convention(raw)
     aux_layers = aux_inputs(ids, aux_convention) if ids else target_cfg.default_aux_layers

@@ -781,6 +781,13 @@ def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_pa
     # a head width of 1 (hidden_size / heads: transformers' RoPE check misses it) is refused
     with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
         E.read_draft_config(draft_config(target.cfg, num_attention_heads=HIDDEN), target.cfg)
+    # a variant's flags (EAGLE-3.1's norms, an engine's extras) change what it computes
+    for key, flag in (("fc_norm", dict(fc_norm=True)), ("norm_output", dict(norm_output=True)),
+                      ("norm_before_fc", dict(norm_before_fc=True)),
+                      ("logit_scale", dict(logit_scale=0.5)), ("use_aux_hidden_state", dict(
+                          eagle_config=dict(use_aux_hidden_state=False)))):
+        with pytest.raises(E.Eagle3Error, match=f"sets {{'{key}'"):
+            E.read_draft_config(draft_config(target.cfg, **flag), target.cfg)
 
 
 # ========================================================================================
