@@ -162,8 +162,7 @@ class Tally(NamedTuple):
 class Group(NamedTuple):
     """The tensor-parallel group as the collectives see it: its size W, a tally of what
     they sent through it, and how it sums a tensor over the ranks, in place. A loaded
-    target creates its own (no global counter); the replicated drafter uses a group of
-    one, which sends and counts nothing."""
+    target creates its own (no global counter); the replicated drafter uses LOCAL."""
     size: int
     sent: Tally
     reduce: object = None  # None: dist.all_reduce; the exact path (Part II) may fix the order
@@ -396,14 +395,13 @@ class Target(nn.Module):
         -> logits (B, T, V), aux (B, T, 3*D): the residual stream entering each of
         `aux_layers` (default 2, L//2, L-3; L = the final pre-norm state; () -> aux None)."""
         B, T = input_ids.shape
-        device = input_ids.device
         if aux_layers is None:
             aux_layers = self.cfg.default_aux_layers
             check_aux_layers(aux_layers, self.cfg.n_layers)
         if positions is None:
-            positions = torch.arange(start, start + T, device=device)
+            positions = torch.arange(start, start + T, device=input_ids.device)
         if mask is None:
-            mask = causal_mask(T, start, device)
+            mask = causal_mask(T, start, input_ids.device)
         x = self.model.embed_tokens(input_ids)                              # (B, T, D)
         cos, sin = rope_cos_sin(self.cfg.inv_freq, positions, self.cfg.rope_scale, x.dtype)
         bias = attention_bias(mask, x.dtype)
@@ -428,9 +426,8 @@ class Target(nn.Module):
 #   replicated:                           embeddings, norms, lm_head, MLA's q_a_proj and
 #                                         kv_a_proj_with_mqa, the MoE router
 #
-# The loader reads only this rank's slice of each tensor; the model above then runs
-# unchanged on the local sizes, and the all_reduce after o_proj and after the MLP (or the
-# experts) sums the partial outputs. Sizes must divide by W (checked once, at load).
+# The loader reads only this rank's slice of each tensor (sizes must divide by W, checked
+# once, at load); the model above runs unchanged on the local sizes (section 3).
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 
@@ -454,17 +451,6 @@ def shard_dim(name):
 # (its own attention pattern) share the two ends and differ only in the middle.
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        D = cfg.hidden_size
-        self.hidden_norm = RMSNorm(D, cfg.rms_eps)
-        self.input_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.self_attn = Attention(cfg, LOCAL, in_dim=2 * D)  # replicated on every rank
-        self.post_attention_layernorm = RMSNorm(D, cfg.rms_eps)
-        self.mlp = MLP(D, cfg.intermediate_size, LOCAL)
-
-
 class Draft(nn.Module):
     """The EAGLE-3 draft head. Parameter and buffer names are the official checkpoint keys."""
 
@@ -476,7 +462,12 @@ class Draft(nn.Module):
         self.own_embedding = shared_embedding is None
         self.embed_tokens = shared_embedding or nn.Embedding(cfg.vocab_size, D)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, D, bias=False)
-        self.midlayer = DraftLayer(cfg)
+        self.midlayer = nn.ModuleDict(dict(
+            hidden_norm=RMSNorm(D, cfg.rms_eps),
+            input_layernorm=RMSNorm(D, cfg.rms_eps),
+            self_attn=Attention(cfg, LOCAL, in_dim=2 * D),  # replicated on every rank
+            post_attention_layernorm=RMSNorm(D, cfg.rms_eps),
+            mlp=MLP(D, cfg.intermediate_size, LOCAL)))
         self.norm = RMSNorm(D, cfg.rms_eps)
         self.lm_head = nn.Linear(D, Vd, bias=False)
         if cfg.has_vocab_map:  # target id of draft id i = i + d2t[i]; t2d marks kept target ids
@@ -531,8 +522,7 @@ class Draft(nn.Module):
 # children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
 # the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
 # Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
-# drafter's cache, then grow_tree builds the tree on top. draft_tree is the from-scratch
-# form of the official `topK_genrate` (prefix and tree in one call).
+# drafter's cache, then grow_tree builds the tree on top (draft_tree: both, from scratch).
 
 
 class TreeShape(NamedTuple):
@@ -600,9 +590,7 @@ def tree_from_parents(tokens, parents):
         mask[nodes[up], ancestor[up]] = True
         ancestor[up] = parents[ancestor[up]]
     positions = mask.sum(1) - 1                                                  # (N,)
-    is_parent = torch.zeros(N, dtype=torch.bool)
-    is_parent[parents[1:]] = True
-    leaves = (~is_parent).nonzero().flatten()                                   # (leaves,)
+    leaves = torch.isin(nodes, parents, invert=True).nonzero().flatten()       # (leaves,)
     retrieve = torch.full((len(leaves), int(positions.max()) + 1), -1, dtype=torch.long)
     row, node = mask[leaves].nonzero(as_tuple=True)  # each leaf's ancestors-or-self ...
     retrieve[row, positions[node]] = node            # ... placed by depth: root..leaf
@@ -672,9 +660,8 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 
 
 def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0):
-    """Steps 1-3 of the official tree on a draft cache holding n real positions; the tree's
-    draft K/V go to slots n.. and are discarded by the next draft_prefix. `pos_offset` 1
-    drafts each level one RoPE position late (SGLang before #25015)."""
+    """Steps 1-3 of the official tree over a draft cache of n real positions (slots n.. are
+    scratch). `pos_offset` 1 drafts each level one RoPE position late (SGLang < #25015)."""
     K, device = shape.top_k, h_last.device
     # 1) level 1: the K best children of the root
     scores, ids = topk_first_index(scoring.next(draft.logits(h_last))[0], K)    # (K,)
@@ -704,9 +691,8 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
         inputs = K + it * K * K + best
         tokens, h = pool_tokens[-1][best], out[rows]                         # (K,), (K, D)
         tree_mask = torch.cat([tree_mask[rows], eye], 1)                     # (K, (it+2)*K)
-    pool_scores, pool_tokens = torch.cat(pool_scores), torch.cat(pool_tokens)  # (K + depth*K*K,)
-    group_parent = torch.cat(group_parent)                                  # (1 + depth*K,)
-    return select_tree(pool_scores, pool_tokens, group_parent, root, shape.total_tokens, K)
+    return select_tree(torch.cat(pool_scores), torch.cat(pool_tokens),     # (K + depth*K*K,)
+                       torch.cat(group_parent), root, shape.total_tokens, K)  # (1 + depth*K,)
 
 
 @torch.inference_mode()
@@ -1320,12 +1306,11 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
         q, k, v = draft.project(h, ids, positions + step)
         past.append((k, v))
         h = draft.finish(h, ttt_attention(q, past))
-        log_q = torch.log_softmax(draft.logits(h).float(), -1)           # (B, T, Vd)
+        log_q = log_probs(draft.logits(h))                               # (B, T, Vd)
         losses.append(-(in_vocab * mask * (p * log_q).sum(-1)).sum() / (denominator or B * T))
-        correct.append(((log_q.argmax(-1) == p_top) & (in_vocab * mask > 0)).detach())
+        correct.append((log_q.argmax(-1) == p_top) & (in_vocab * mask > 0))
         scored.append(mask > 0)
-        ids, p, p_top = shift_left(ids), shift_left(p), shift_left(p_top)
-        in_vocab, mask = shift_left(in_vocab), shift_left(mask)
+        ids, p, p_top, in_vocab, mask = map(shift_left, (ids, p, p_top, in_vocab, mask))
     loss = sum(decay ** k * loss_k for k, loss_k in enumerate(losses))
     return TTTResult(loss, losses, [c.float().sum() for c in correct],
                      [s.float().sum() for s in scored], correct, scored)
