@@ -1768,8 +1768,10 @@ class MLAttention(nn.Module):
         self.attend = attend  # the attention core, as the dense Attention's (make_exact swaps it)
 
     def rope(self, x, cos, sin):
-        if self.m.rope_interleave:  # DeepSeek's pairs (2i, 2i+1) -> evens then odds, so
-            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)  # rotate-half rotates them (q.k same)
+        # DeepSeek's weights pair rope dims (2i, 2i+1): evens then odds makes rotate-half
+        # rotate those pairs (q.k is unchanged by the permutation)
+        if self.m.rope_interleave:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], -1)                          # (.., dr)
         return apply_rope(x, cos, sin)
 
     def forward(self, x, cos, sin, bias, kv=None, start=0):
@@ -2351,6 +2353,10 @@ def load_target(path, dtype=None, device=None):
 # 16. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+# Flags of drafter variants (EAGLE-3.1's norms; vLLM's GPT-OSS speculators; biases) that
+# change what the drafter computes: refused, as this reference computes plain EAGLE-3.
+VARIANT_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual",
+                       "attention_bias", "mlp_bias")
 # How engines read a drafter's eagle_aux_hidden_state_layer_ids, as transformers
 # hidden_states indices (= the input of that decoder layer): SpecForge trains on the output
 # of layer k = hidden_states[k+1]; vLLM uses the ids as input indices; SGLang adds 1 only
@@ -2358,10 +2364,6 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3Llam
 # Without ids every engine reads the default (2, L//2, L-3), so save_draft omits them there;
 # other ids are written for one engine and the config names it under AUX_IDS_CONVENTION_KEY
 # (engines ignore the key; our reader takes the ids in that convention).
-# Flags of drafter variants (EAGLE-3.1's norms; vLLM's GPT-OSS speculators; biases) that
-# change what the drafter computes: refused, as this reference computes plain EAGLE-3.
-VARIANT_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual",
-                       "attention_bias", "mlp_bias")
 AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy")
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"

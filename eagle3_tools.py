@@ -440,7 +440,8 @@ LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
 
 
 def use_layout(target, layout):
-    """`target` served in `layout`; a drafter as is (its rounding only picks the drafts)."""
+    """`target` served in `layout` (a drafter is served as is: its rounding only picks the
+    drafts)."""
     return E.make_exact(target) if layout == "invariant" else target
 
 
