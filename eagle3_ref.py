@@ -3093,7 +3093,8 @@ def train_tokenizer(texts, vocab_size):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)   # its bars leave blank lines in a log
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END, pad_token=END,
                                    chat_template=CHAT_TEMPLATE)
