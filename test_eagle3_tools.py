@@ -857,6 +857,15 @@ def test_exact_probe_finds_no_flip_or_parting_on_the_exact_path_and_probes_mla_a
             "model.layers.2.mlp.shared_experts.up_proj"} <= set(ops)
     assert ops["model.layers.2.mlp.gate"]["kind"] == "router"
     assert all(op["exact"]["differ"] == 0 for op in ops.values()) and "end_to_end" not in report
+    # an MoE in layer 0 (first_k_dense_replace 0): its expert 0 is fed every token there too
+    config = json.load(open(os.path.join(zoo.dir("ds-v3"), "config.json")))
+    (tmp_path / "moe0").mkdir()
+    (tmp_path / "moe0" / "config.json").write_text(json.dumps(dict(config,
+                                                                   first_k_dense_replace=0)))
+    report = last_json(cli_here("exact-probe", "--config", tmp_path / "moe0", "--layers", 1,
+                                "--rows", 4, "--path", "exact"))
+    assert {"model.layers.0.mlp.gate", "model.layers.0.mlp.experts.0.down_proj"} <= {
+        op["op"] for op in report["ops"]}
 
 
 @pytest.mark.parametrize("argv,says", [
