@@ -3271,6 +3271,14 @@ def generate_chat(c, setup, *more):
             "--total-tokens", 6, *more]
 
 
+def test_show_tree_draws_the_tree_and_marks_the_accepted_path_by_hand():
+    # root 7 with children 8 (child 10) and 9; accepted path 7 -> 8 -> 10
+    tree = E.tree_from_parents(torch.tensor([7, 8, 9, 10]), torch.tensor([-1, 0, 0, 1]))
+    names = SimpleNamespace(decode=lambda ids: f"t{ids[0]}")
+    assert E.render_tree(tree, torch.tensor([0, 1, 3]), names).splitlines() == [
+        "*'t7'", "├─ *'t8'", "│  └─ *'t10'", "└─  't9'"]
+
+
 def test_generate_cli_prints_the_greedy_text_and_tau(train_chat_target, train_generate_setup):
     c = train_chat_target
     proc = cli_here(*generate_chat(c, train_generate_setup))
