@@ -935,15 +935,21 @@ class Timed(NamedTuple):
     outputs: list           # the new tokens of each prompt
 
 
+def hf_greedy(model, ids, max_new_tokens, eos, **generate_kwargs):
+    """transformers' greedy generate of one prompt (1, T) -> (1, T + new); the first EOS id
+    (None without one) pads."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=eos,
+                          pad_token_id=(E.eos_list(eos) or [None])[0], **generate_kwargs)
+
+
 def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     """transformers generate (greedy) over the prompts: tokens/s and forwards per token."""
     tokens, seconds, outputs, calls = 0, 0.0, [], []   # calls: one entry per target forward
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
     for ids in prompts:
-        out, s = best_time(lambda: model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=E.eos_list(eos)[0],
-            **generate_kwargs), repeats)
+        out, s = best_time(lambda: hf_greedy(model, ids, max_new_tokens, eos, **generate_kwargs),
+                           repeats)
         seconds += s
         tokens += out.shape[1] - ids.shape[1]
         outputs.append(out[0, ids.shape[1]:].tolist())
@@ -1794,12 +1800,10 @@ def probe_prompts(args, target):
     hf = hf_model(args.target, dtype, "no agreement with its generate is reported")
     if hf is None:
         return rows, prompts, eos, None
-    hf, pad = hf.to(device), eos[0] if isinstance(eos, list) else eos
+    hf = hf.to(device)
     with torch.inference_mode():
-        return rows, prompts, eos, [hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=pad
-        )[0, ids.shape[1]:].tolist() for ids in prompts]
+        return rows, prompts, eos, [hf_greedy(hf, ids, args.max_new_tokens, eos)[
+            0, ids.shape[1]:].tolist() for ids in prompts]
 
 
 def print_partings(rows, ends, paths, hf_known):

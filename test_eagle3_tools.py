@@ -235,6 +235,7 @@ def test_replayed_rounds_along_a_greedy_reply_are_the_rounds_serving_ran(zoo):
     hf, target = zoo.hf("llama"), zoo.target("llama")
     prompts = [random_prompt(400 + j, 8) for j in range(3)]
     texts = [torch.cat([p[0], S.hf_greedy(hf, p, 48)]) for p in prompts]
+    assert torch.equal(T.hf_greedy(hf, prompts[0], 48, None)[0], texts[0])   # no EOS: no pad
     draft = S.sharpen(tiny_draft(target, 3), target, torch.stack(texts), steps=20)
     served = E.speculative_generate(target, draft, prompts[0], 30, tree=E.TreeShape(1, 2, 4))
     assert served.tokens.tolist() == texts[0][8:38].tolist()
