@@ -1593,9 +1593,11 @@ SCHEMES = ("tree", "chain")
 
 def as_preset(preset):
     """A preset name (resolved here, once per run) or a Preset."""
-    if not isinstance(preset, Preset) and preset not in PRESETS:
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
         fail(f"preset={preset!r} must be one of {', '.join(PRESETS)} (or a Preset)")
-    return preset if isinstance(preset, Preset) else PRESETS[preset]
+    return PRESETS[preset]
 
 
 def resolve_variant(preset="official", scheme="tree"):
@@ -1692,7 +1694,8 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
         settled = {b: settle(target, row_cache(cache, b), states[b], drafted[b], *verified[b],
                              run, randomness[b]) for b in active}
         comm = target.tp.sent.since(mark)   # the whole batched round's, in each row's Round
-        for b, (r, states[b]) in settled.items():
+        for b, (r, state) in settled.items():
+            states[b] = state
             rounds[b].append(r._replace(comm=comm))
         active = [b for b in active
                   if not emit(out[b], states[b].next_tokens[0].tolist(), max_new_tokens,
@@ -3457,19 +3460,21 @@ def train_tiny_draft(target, tokenizer, out_dir):
 
 def ensure_tiny_models():
     """The tiny target and a drafter trained for it (built on first use)."""
+    from transformers import AutoTokenizer
     target_dir, draft_dir = ensure_tiny_target()
     if not os.path.isfile(os.path.join(draft_dir, "config.json")):
         target = load_target(target_dir, dtype=torch.float32)
-        train_tiny_draft(target, load_tokenizer(target_dir, None), draft_dir)
+        train_tiny_draft(target, AutoTokenizer.from_pretrained(target_dir), draft_dir)
     return target_dir, draft_dir
 
 
 def main_demo(exact=False):
     """The tiny end-to-end run: build/reuse the target, train the drafter, decode, report."""
+    from transformers import AutoTokenizer
     t0 = time.time()
     target_dir, draft_dir = ensure_tiny_target()
     target = load_target(target_dir, dtype=torch.float32)
-    tokenizer = load_tokenizer(target_dir, None)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     held_out_text = synthetic_corpus(DEMO.target_eval_texts, DEMO.seed + DEMO.target_eval_offset)
     target_acc = next_token_accuracy(target, [tokenizer(chat_text(p, r)).input_ids
                                               for p, r in held_out_text])
