@@ -1933,26 +1933,17 @@ def cmd_install_engine(args):
     print0(f"engine python: {wrapper}")
 
 
-def engine_counters(llm):
-    """The engine's cumulative speculative-decoding counters (zeros before any round)."""
-    names = {"vllm:spec_decode_num_drafts": "rounds",
-             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    out = dict(rounds=0, draft_tokens=0, accepted=0, per_position=[])
+def engine_counters(llm, k):
+    """The engine's cumulative speculative-decoding counters, [rounds, then per draft position
+    the rounds whose accepted run reached it] (zeros before any round; K = 0: rounds only)."""
+    out = [0] * (1 + k)
     for m in llm.get_metrics():
-        if m.name in names:
-            out[names[m.name]] += m.value
+        if m.name == "vllm:spec_decode_num_drafts":
+            out[0] += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            old = out["per_position"] + [0] * (len(m.values) - len(out["per_position"]))
-            out["per_position"] = [a + b for a, b in zip(old, m.values)]
+            for j, value in enumerate(m.values[:k]):
+                out[1 + j] += value
     return out
-
-
-def engine_since(after, before):
-    """What the counters gained between two readings."""
-    pad = before["per_position"] + [0] * len(after["per_position"])
-    return dict({k: after[k] - before[k] for k in ("rounds", "draft_tokens", "accepted")},
-                per_position=[a - b for a, b in zip(after["per_position"], pad)])
 
 
 def engine_serve(request, run):
@@ -1974,12 +1965,13 @@ def engine_serve(request, run):
                             detokenize=False)
     prompts = [dict(prompt_token_ids=ids) for ids in request["prompts"]]
     llm.generate(prompts[:1], params, use_tqdm=False)   # warm-up: first-call costs aside
-    rows = []
+    rows, k = [], run.get("k", 0)
     for prompt in prompts:
-        before, t = engine_counters(llm), time.time()
+        before, t = engine_counters(llm, k), time.time()
         tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        gained = [a - b for a, b in zip(engine_counters(llm, k), before)]
         rows.append(dict(tokens=tokens, seconds=time.time() - t,
-                         spec=engine_since(engine_counters(llm), before)))
+                         spec=dict(rounds=gained[0], per_position=gained[1:])))
         print(f"[{run['name']}] prompt {len(rows)}/{len(prompts)}: {len(tokens)} tokens in "
               f"{rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
     result = dict(name=run["name"], load_seconds=loaded, rows=rows)
@@ -2008,8 +2000,8 @@ def write_engine_driver(path):
     """The engine_* functions above as a script for the engine's python (it spawns its
     engine processes, so the entry point is guarded)."""
     import inspect
-    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_since,
-                                                         engine_serve, engine_main))
+    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_serve,
+                                                         engine_main))
     text = (f'"""engine-check\'s driver, written by eagle3_tools.py: '
             f'ENGINE_PYTHON {os.path.basename(path)} REQUEST.json RESULT.json"""\n'
             f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
@@ -2140,7 +2132,7 @@ def compare_acceptance(engine_rows, chains, k):
         first = None
         for i, (e, o) in enumerate(zip(engine_rows, rows)):
             ours = per_position(o["accepted"], k)
-            theirs = (e["spec"]["per_position"] + [0] * k)[:k]
+            theirs = e["spec"]["per_position"]
             if first is None and (ours != theirs or len(o["accepted"]) != e["spec"]["rounds"]):
                 j = next((j for j in range(k) if ours[j] != theirs[j]), None)
                 first = dict(prompt=i, position=j, ours=ours, engine=theirs)
@@ -2183,8 +2175,8 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
         ours_tree_lossless=side.get("tree_equal"),
         lossless=b.count(None), lossless_partings=[dict(p, prompt=i) for i, p in enumerate(b) if p],
         engine_rounds=sum(e["spec"]["rounds"] for e in eagle_rows),
-        engine_per_position=[sum((e["spec"]["per_position"] + [0] * k)[j] for e in eagle_rows)
-                             for j in range(k)],
+        engine_per_position=[sum(c) for c in zip(*(e["spec"]["per_position"]
+                                                    for e in eagle_rows))],
         predicted=compare_acceptance(eagle_rows, side["chains"], k),
         tokens_per_s={key: round(v, 2) for key, v in speed.items()})
 
