@@ -2053,11 +2053,6 @@ def run_engine(args, prompts, eos, out_dir):
     return read_json(paths["result.json"])
 
 
-def per_position(accepted, k):
-    """Rounds whose accepted run reached each draft position (the engine's per-pos counters)."""
-    return [sum(a > j for a in accepted) for j in range(k)]
-
-
 def our_side(args, target, drafts, prompts, eos, tree):
     """Our greedy (timed, with each step's top-2 gap) and the vllm preset's chain of K drafts
     under each reading of the drafter (the first timed), on every prompt; with `tree`, our
@@ -2082,8 +2077,10 @@ def our_side(args, target, drafts, prompts, eos, tree):
         for i, x in enumerate(ids):
             spec = speculative_generate(target, draft, x, n, tree=chain, eos_token_id=eos,
                                         variant=vllm)
-            rows.append(dict(tokens=spec.tokens.tolist(),
-                             accepted=[r.accepted for r in spec.rounds]))
+            accepted = [r.accepted for r in spec.rounds]   # counted as the engine counts
+            rows.append(dict(tokens=spec.tokens.tolist(), spec=dict(
+                rounds=len(accepted), per_position=[sum(a > j for a in accepted)
+                                                    for j in range(args.k)])))
             bar.show(i + 1)
         bar.done()
         side["chains"][reading] = rows
@@ -2124,29 +2121,31 @@ def exact_choices(target, prompts, eos, partings):
             p["exact"] = tokens[p["at"]] if p["at"] < len(tokens) else None
 
 
-def compare_acceptance(engine_rows, chains, k):
-    """Per reading of the drafter: totals per draft position against the engine's, and the
-    first prompt and draft position where they part."""
+def spec_totals(rows):
+    """Rounds and accepted drafts per draft position, summed over the prompts' rows."""
+    return dict(rounds=sum(r["spec"]["rounds"] for r in rows),
+                per_position=[sum(c) for c in zip(*(r["spec"]["per_position"] for r in rows))])
+
+
+def compare_acceptance(engine_rows, chains):
+    """Per reading of the drafter: its totals, and the first prompt and draft position where
+    its counts part from the engine's."""
     out = {}
     for reading, rows in chains.items():
+        parted = [i for i, (e, o) in enumerate(zip(engine_rows, rows)) if e["spec"] != o["spec"]]
         first = None
-        for i, (e, o) in enumerate(zip(engine_rows, rows)):
-            ours = per_position(o["accepted"], k)
-            theirs = e["spec"]["per_position"]
-            if first is None and (ours != theirs or len(o["accepted"]) != e["spec"]["rounds"]):
-                j = next((j for j in range(k) if ours[j] != theirs[j]), None)
-                first = dict(prompt=i, position=j, ours=ours, engine=theirs)
-        out[reading] = dict(
-            rounds=sum(len(o["accepted"]) for o in rows),
-            per_position=[sum(per_position(o["accepted"], k)[j] for o in rows) for j in range(k)],
-            equal=first is None, first_difference=first)
+        if parted:
+            ours, theirs = (r[parted[0]]["spec"]["per_position"] for r in (rows, engine_rows))
+            first = dict(prompt=parted[0], position=first_parting(ours, theirs), ours=ours,
+                         engine=theirs)
+        out[reading] = dict(spec_totals(rows), equal=not parted, first_difference=first)
     return out
 
 
 def engine_report(args, engine, side, target, prompts, eos, readings):
     """The checks (a)-(e) as one dict (the JSON line)."""
     greedy_rows, eagle_rows = (run["rows"] for run in engine["runs"])
-    k = args.k
+    totals = spec_totals(eagle_rows)
     a = [parting(o, e["tokens"], g) for o, e, g in zip(side["greedy"], greedy_rows, side["gaps"])]
     b = [parting(g["tokens"], e["tokens"], gaps)
          for g, e, gaps in zip(greedy_rows, eagle_rows, side["gaps"])]
@@ -2168,16 +2167,14 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
                         side["batch_tokens"] / side["batch_s"]})
     return dict(
         engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype,
-        exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=k,
+        exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=args.k,
         batch=args.batch, readings=readings, greedy_equal=a.count(None),
         greedy_partings=[dict(p, prompt=i) for i, p in enumerate(a) if p],
         ours_lossless=sum(r["tokens"] == g for r, g in zip(first_chain, side["greedy"])),
         ours_tree_lossless=side.get("tree_equal"),
         lossless=b.count(None), lossless_partings=[dict(p, prompt=i) for i, p in enumerate(b) if p],
-        engine_rounds=sum(e["spec"]["rounds"] for e in eagle_rows),
-        engine_per_position=[sum(c) for c in zip(*(e["spec"]["per_position"]
-                                                    for e in eagle_rows))],
-        predicted=compare_acceptance(eagle_rows, side["chains"], k),
+        engine_rounds=totals["rounds"], engine_per_position=totals["per_position"],
+        predicted=compare_acceptance(eagle_rows, side["chains"]),
         tokens_per_s={key: round(v, 2) for key, v in speed.items()})
 
 
