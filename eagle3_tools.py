@@ -2100,25 +2100,20 @@ def our_side(args, target, drafts, prompts, eos, tree):
     return side
 
 
-def parting(ours, engine, gaps):
-    """{at, ours, engine, gap} where two outputs first differ (None when equal)."""
-    at = first_parting(ours, engine)
-    if at is None:
-        return None
-    pick = lambda tokens: tokens[at] if at < len(tokens) else None
-    return dict(at=at, ours=pick(ours), engine=pick(engine),
-                gap=round(gaps[at], 6) if at < len(gaps) else None)
-
-
-def exact_choices(target, prompts, eos, partings):
-    """The token the exact path (make_exact) emits at each parting."""
-    if not any(partings):
-        return
-    E.make_exact(target)
-    for x, p in zip(prompts, partings):
-        if p:
-            tokens = E.greedy_generate(target, torch.tensor([x]), p["at"] + 1, eos).tolist()
-            p["exact"] = tokens[p["at"]] if p["at"] < len(tokens) else None
+def partings(target, prompts, eos, pairs, gaps):
+    """[{prompt, at, ours, engine, gap, exact}] for each pair of outputs that differs: the first
+    new token where they part, each side's token there, our top-2 logit gap there and the
+    token the exact path (make_exact, in place) emits there."""
+    out = []
+    for i, ((ours, engine), g) in enumerate(zip(pairs, gaps)):
+        at = first_parting(ours, engine)
+        if at is None:
+            continue
+        exact = E.greedy_generate(E.make_exact(target), torch.tensor([prompts[i]]), at + 1, eos)
+        pick = lambda tokens: tokens[at] if at < len(tokens) else None
+        out.append(dict(prompt=i, at=at, ours=pick(ours), engine=pick(engine),
+                        gap=round(g[at], 6) if at < len(g) else None, exact=pick(exact.tolist())))
+    return out
 
 
 def spec_totals(rows):
@@ -2146,11 +2141,10 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
     """The checks (a)-(e) as one dict (the JSON line)."""
     greedy_rows, eagle_rows = (run["rows"] for run in engine["runs"])
     totals = spec_totals(eagle_rows)
-    a = [parting(o, e["tokens"], g) for o, e, g in zip(side["greedy"], greedy_rows, side["gaps"])]
-    b = [parting(g["tokens"], e["tokens"], gaps)
-         for g, e, gaps in zip(greedy_rows, eagle_rows, side["gaps"])]
-    exact_choices(target, prompts, eos, a)
-    exact_choices(target, prompts, eos, b)
+    engine_greedy, engine_eagle3 = ([r["tokens"] for r in rows] for rows in (greedy_rows,
+                                                                           eagle_rows))
+    a = partings(target, prompts, eos, zip(side["greedy"], engine_greedy), side["gaps"])
+    b = partings(target, prompts, eos, zip(engine_greedy, engine_eagle3), side["gaps"])
     tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
     first_chain = next(iter(side["chains"].values()))
     speed = dict(engine_greedy=tps(greedy_rows), engine_eagle3=tps(eagle_rows),
@@ -2168,11 +2162,10 @@ def engine_report(args, engine, side, target, prompts, eos, readings):
     return dict(
         engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype,
         exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=args.k,
-        batch=args.batch, readings=readings, greedy_equal=a.count(None),
-        greedy_partings=[dict(p, prompt=i) for i, p in enumerate(a) if p],
+        batch=args.batch, readings=readings, greedy_equal=len(prompts) - len(a),
+        greedy_partings=a, lossless=len(prompts) - len(b), lossless_partings=b,
         ours_lossless=sum(r["tokens"] == g for r, g in zip(first_chain, side["greedy"])),
         ours_tree_lossless=side.get("tree_equal"),
-        lossless=b.count(None), lossless_partings=[dict(p, prompt=i) for i, p in enumerate(b) if p],
         engine_rounds=totals["rounds"], engine_per_position=totals["per_position"],
         predicted=compare_acceptance(eagle_rows, side["chains"]),
         tokens_per_s={key: round(v, 2) for key, v in speed.items()})
@@ -2191,7 +2184,7 @@ def print_engine_report(r):
         for p in partings:
             print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
                    f"engine {p['engine']}, our top-2 gap {p['gap']}, exact path takes "
-                   f"{p.get('exact')}")
+                   f"{p['exact']}")
     print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft position "
            f"{' / '.join(map(str, r['engine_per_position']))}")
     for reading, p in r["predicted"].items():
