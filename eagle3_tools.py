@@ -2053,66 +2053,69 @@ def run_engine(args, prompts, eos, out_dir):
     return read_json(paths["result.json"])
 
 
+def timed_rows(label, run, ids):
+    """The engine's rows for our side: run(x) of each prompt alone, with its seconds."""
+    rows, bar = [], Progress(label, len(ids))
+    for x in ids:
+        t = time.time()
+        rows.append(dict(run(x), seconds=time.time() - t))
+        bar.show(len(rows))
+    bar.done()
+    return rows
+
+
 def our_side(args, target, drafts, prompts, eos, tree):
-    """Our greedy (timed, with each step's top-2 gap) and the vllm preset's chain of K drafts
-    under each reading of the drafter (the first timed), on every prompt; with `tree`, our
-    own tree too."""
+    """Our runs as the engine's rows: greedy (with each step's top-2 gap), the vllm preset's
+    chain of K drafts under each reading of the drafter (its counters as the engine counts
+    them), with `tree` our own tree (the official method); then a batch, timed."""
     ids = [torch.tensor([p]) for p in prompts]
     chain, n = TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
-    vllm = E.resolve_variant("vllm")
+    vllm, draft = E.resolve_variant("vllm"), next(iter(drafts.values()))
     E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
-    side = dict(greedy=[], gaps=[], greedy_s=0.0, chains={})
-    bar = Progress("reference greedy", len(ids))
-    for i, x in enumerate(ids):
-        t = time.time()
+
+    def greedy(x):
         tokens, logits = E.greedy_generate(target, x, n, eos, record_logits=True)
-        side["greedy_s"] += time.time() - t
         top = logits.topk(2, dim=-1).values
-        side["greedy"].append(tokens.tolist())
-        side["gaps"].append((top[:, 0] - top[:, 1]).tolist())
-        bar.show(i + 1)
-    bar.done()
-    for reading, draft in drafts.items():
-        rows, bar, t = [], Progress(f"reference chain ({reading})", len(ids)), time.time()
-        for i, x in enumerate(ids):
-            spec = speculative_generate(target, draft, x, n, tree=chain, eos_token_id=eos,
-                                        variant=vllm)
-            accepted = [r.accepted for r in spec.rounds]   # counted as the engine counts
-            rows.append(dict(tokens=spec.tokens.tolist(), spec=dict(
-                rounds=len(accepted), per_position=[sum(a > j for a in accepted)
-                                                    for j in range(args.k)])))
-            bar.show(i + 1)
-        bar.done()
-        side["chains"][reading] = rows
-        side.setdefault("chain_s", time.time() - t)       # the first reading's time
-    draft = next(iter(drafts.values()))
-    if tree:   # our own tree (the official method), timed, and held against our greedy
-        rows, side["tree_s"] = best_time(lambda: [speculative_generate(
-            target, draft, x, n, tree=tree, eos_token_id=eos).tokens for x in ids], 1)
-        side["tree_tokens"] = sum(map(len, rows))
-        side["tree_equal"] = sum(r.tolist() == g for r, g in zip(rows, side["greedy"]))
+        return dict(tokens=tokens.tolist(), gaps=(top[:, 0] - top[:, 1]).tolist())
+
+    def speculative(x, draft, shape, variant):
+        spec = speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
+                                    variant=variant)
+        accepted = [r.accepted for r in spec.rounds]
+        return dict(tokens=spec.tokens.tolist(), spec=dict(rounds=len(accepted), per_position=[
+            sum(a > j for a in accepted) for j in range(args.k)]))
+
+    side = dict(greedy=timed_rows("reference greedy", greedy, ids), chains={
+        reading: timed_rows(f"reference chain ({reading})",
+                            lambda x: speculative(x, d, chain, vllm), ids)
+        for reading, d in drafts.items()})
+    if tree:
+        side["tree"] = timed_rows("reference tree", lambda x: speculative(x, draft, tree, None),
+                                  ids)
     if args.batch > 1:
         batches = [ids[j:j + args.batch] for j in range(0, len(ids), args.batch)]
-        side["batch_tokens"], side["batch_s"] = best_time(lambda: sum(
+        tokens, seconds = best_time(lambda: sum(
             len(r.tokens) for b in batches for r in E.speculative_generate_batch(
                 target, draft, b, n, tree=tree or chain, eos_token_id=eos,
                 variant=None if tree else vllm)), 1)
+        side["batch"] = dict(tokens=tokens, seconds=seconds)
     return side
 
 
-def partings(target, prompts, eos, pairs, gaps):
-    """[{prompt, at, ours, engine, gap, exact}] for each pair of outputs that differs: the first
-    new token where they part, each side's token there, our top-2 logit gap there and the
-    token the exact path (make_exact, in place) emits there."""
+def partings(target, prompts, eos, ours, engine, greedy):
+    """[{prompt, at, ours, engine, gap, exact}] for each pair of rows whose outputs differ:
+    the first new token where they part, each side's token there, our greedy's top-2 logit
+    gap there and the token the exact path (make_exact, in place) emits there."""
     out = []
-    for i, ((ours, engine), g) in enumerate(zip(pairs, gaps)):
-        at = first_parting(ours, engine)
+    for i, (o, e, g) in enumerate(zip(ours, engine, greedy)):
+        at = first_parting(o["tokens"], e["tokens"])
         if at is None:
             continue
         exact = E.greedy_generate(E.make_exact(target), torch.tensor([prompts[i]]), at + 1, eos)
         pick = lambda tokens: tokens[at] if at < len(tokens) else None
-        out.append(dict(prompt=i, at=at, ours=pick(ours), engine=pick(engine),
-                        gap=round(g[at], 6) if at < len(g) else None, exact=pick(exact.tolist())))
+        out.append(dict(prompt=i, at=at, ours=pick(o["tokens"]), engine=pick(e["tokens"]),
+                        gap=round(g["gaps"][at], 6) if at < len(g["gaps"]) else None,
+                        exact=pick(exact.tolist())))
     return out
 
 
@@ -2140,32 +2143,27 @@ def compare_acceptance(engine_rows, chains):
 def engine_report(args, engine, side, target, prompts, eos, readings):
     """The checks (a)-(e) as one dict (the JSON line)."""
     greedy_rows, eagle_rows = (run["rows"] for run in engine["runs"])
-    totals = spec_totals(eagle_rows)
-    engine_greedy, engine_eagle3 = ([r["tokens"] for r in rows] for rows in (greedy_rows,
-                                                                           eagle_rows))
-    a = partings(target, prompts, eos, zip(side["greedy"], engine_greedy), side["gaps"])
-    b = partings(target, prompts, eos, zip(engine_greedy, engine_eagle3), side["gaps"])
+    totals, first_chain = spec_totals(eagle_rows), next(iter(side["chains"].values()))
+    a = partings(target, prompts, eos, side["greedy"], greedy_rows, side["greedy"])
+    b = partings(target, prompts, eos, greedy_rows, eagle_rows, side["greedy"])
+    same = lambda rows: sum(r["tokens"] == g["tokens"] for r, g in zip(rows, side["greedy"]))
     tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
-    first_chain = next(iter(side["chains"].values()))
     speed = dict(engine_greedy=tps(greedy_rows), engine_eagle3=tps(eagle_rows),
-                 ours_greedy=sum(map(len, side["greedy"])) / side["greedy_s"],
-                 ours_eagle3=sum(len(r["tokens"]) for r in first_chain) / side["chain_s"])
-    if "tree_s" in side:
-        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = (side["tree_tokens"] /
-                                                                   side["tree_s"])
+                 ours_greedy=tps(side["greedy"]), ours_eagle3=tps(first_chain))
+    if "tree" in side:
+        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = tps(side["tree"])
     if args.batch > 1:
-        greedy, batch = (run["batch"] for run in engine["runs"])
-        speed.update(engine_greedy_batch=greedy["tokens"] / greedy["seconds"],
-                     engine_eagle3_batch=batch["tokens"] / batch["seconds"],
-                     **{"ours_eagle3_tree_batch" if "tree_s" in side else "ours_eagle3_batch":
-                        side["batch_tokens"] / side["batch_s"]})
+        names = ("engine_greedy_batch", "engine_eagle3_batch",
+                 "ours_eagle3_tree_batch" if "tree" in side else "ours_eagle3_batch")
+        speed.update({name: b["tokens"] / b["seconds"] for name, b in zip(
+            names, [run["batch"] for run in engine["runs"]] + [side["batch"]])})
     return dict(
         engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype,
         exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=args.k,
         batch=args.batch, readings=readings, greedy_equal=len(prompts) - len(a),
         greedy_partings=a, lossless=len(prompts) - len(b), lossless_partings=b,
-        ours_lossless=sum(r["tokens"] == g for r, g in zip(first_chain, side["greedy"])),
-        ours_tree_lossless=side.get("tree_equal"),
+        ours_lossless=same(first_chain),
+        ours_tree_lossless=same(side["tree"]) if "tree" in side else None,
         engine_rounds=totals["rounds"], engine_per_position=totals["per_position"],
         predicted=compare_acceptance(eagle_rows, side["chains"]),
         tokens_per_s={key: round(v, 2) for key, v in speed.items()})
