@@ -2195,12 +2195,16 @@ def print_engine_report(r):
 
 
 def engine_findings(r):
-    """What a user must look at: each check that failed, in a line."""
-    out = []
-    if r["lossless"] < r["prompts"]:
-        out.append(f"the engine's EAGLE-3 output parts from its own greedy on "
-                   f"{r['prompts'] - r['lossless']} prompts (near-ties: see the gaps)")
-    saved = next(iter(r["predicted"]))
+    """What a user must look at: each check that failed, in a line (a count of prompts where
+    two outputs part, or acceptance the reference does not predict as saved)."""
+    n, saved = r["prompts"], next(iter(r["predicted"]))
+    out = [f"{what} on {n - r[key]} prompts{hint}" for key, what, hint in (
+        ("lossless", "the engine's EAGLE-3 output parts from its own greedy",
+         " (near-ties: see the gaps)"),
+        ("ours_lossless", "the reference's own chain parts from its greedy",
+         "" if r["exact"] else " (not served exact: pass --exact in bf16)"),
+        ("greedy_equal", "the engine's greedy parts from the reference's", " (see each gap)"))
+        if r[key] < n]
     if not r["predicted"][saved]["equal"]:
         engine_reading = [k for k, p in r["predicted"].items() if p["equal"] and k != saved]
         out.append(f"the engine's acceptance differs from the reference's with the drafter read "
@@ -2208,13 +2212,6 @@ def engine_findings(r):
                                  f"feeds the drafter other layers than it was trained on, "
                                  f"re-save it for this engine (draft-check --for vllm --out DIR)"
                                  if engine_reading else ""))
-    if r["ours_lossless"] < r["prompts"]:
-        out.append(f"the reference's own chain parts from its greedy on "
-                   f"{r['prompts'] - r['ours_lossless']} prompts"
-                   + ("" if r["exact"] else " (not served exact: pass --exact in bf16)"))
-    if r["greedy_equal"] < r["prompts"]:
-        out.append(f"the engine's greedy parts from the reference's on "
-                   f"{r['prompts'] - r['greedy_equal']} prompts (see each gap)")
     return out
 
 
