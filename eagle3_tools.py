@@ -1950,14 +1950,12 @@ def engine_serve(request, run):
     prompt alone (its tokens, seconds and counters), then all at once if "batch" asks."""
     import gc
     from vllm import LLM, SamplingParams
-    t0 = time.time()
     spec = (dict(speculative_config=dict(method="eagle3", model=run["draft"],
                                          num_speculative_tokens=run["k"]))
             if run["name"] == "eagle3" else {})
     llm = LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
               skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
               disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
-    loaded = time.time() - t0
     # the reference's EOS ids stop both sides alike (the engine's own EOS is ignored)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
                             ignore_eos=True, stop_token_ids=request["stop_token_ids"],
@@ -1973,7 +1971,7 @@ def engine_serve(request, run):
                          spec=dict(rounds=gained[0], per_position=gained[1:])))
         print(f"[{run['name']}] prompt {len(rows)}/{len(prompts)}: {len(tokens)} tokens in "
               f"{rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
-    result = dict(name=run["name"], load_seconds=loaded, rows=rows)
+    result = dict(name=run["name"], rows=rows)
     if request["batch"]:
         t = time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
