@@ -515,12 +515,6 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
 
-def chain_tree(N):
-    """A chain of N nodes, the verify sweep's tree (attention is dense over N nodes, so any
-    shape costs the same). N = 3: parents [-1, 0, 1], mask lower-triangular, path [[0, 1, 2]]."""
-    return E.tree_from_parents(torch.zeros(N, dtype=torch.long), torch.arange(N) - 1)
-
-
 class CostTimings(NamedTuple):
     """Seconds of each piece of a round, measured by cost-plan (or handed in by a test)."""
     decode: float      # one plain decode step at the context
@@ -575,8 +569,9 @@ def measure_costs(models, shapes, sizes, context, timer, aux_layers, calls=0):
         return commit(models.cache, context, acceptance.path.to(device))
 
     decode_s, verify, allreduce, draft, accept_s = timer(decode)[1], {}, {}, {}, {}
-    for N in sizes:
-        tree = chain_tree(N)
+    for N in sizes:   # a chain of N nodes (parents -1, 0, 1, ..): any shape costs the same,
+        # as attention is dense over the N nodes; N = 3: mask lower-triangular, path [[0, 1, 2]]
+        tree = E.tree_from_parents(torch.zeros(N, dtype=torch.long), torch.arange(N) - 1)
         verify[N] = timer(lambda: verify_tree(target, models.cache, context, tree,
                                               aux_layers)[0])[1]
         if calls:   # the verify's all-reduces alone, of zeros: repeated, they never overflow
