@@ -2001,7 +2001,7 @@ def write_engine_driver(path):
     atomic_write(path, lambda f: Path(f).write_text(text))
 
 
-def engine_prompt_ids(args, target_dir):
+def engine_prompt_ids(args):
     """(token-id prompts, EOS ids): --prompts through the chat template, or --prompt-ids
     (a JSON list of id lists, no EOS)."""
     if args.prompt_ids:
@@ -2014,13 +2014,12 @@ def engine_prompt_ids(args, target_dir):
         return ids[:args.limit], None
     if not args.prompts:
         fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
-    tokenizer = load_tokenizer(target_dir, args)
+    tokenizer = load_tokenizer(args.target, args)
     rows = read_prompt_file(args.prompts)[:args.limit]
-    return ([encode_prompt(tokenizer, r["prompt"], True, "cpu")[0].tolist() for r in rows],
-            eos_ids(tokenizer, target_dir))
+    return [chat_ids(tokenizer, r["prompt"]) for r in rows], eos_ids(tokenizer, args.target)
 
 
-def run_engine(args, prompts, eos, out_dir):
+def run_engine(args, prompts, eos):
     """The engine's greedy and EAGLE-3 runs (the engine_* functions, in --engine-python)."""
     import subprocess
     request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype))[6:],
@@ -2029,7 +2028,7 @@ def run_engine(args, prompts, eos, out_dir):
                    max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
                    runs=[dict(name="greedy"),
                          dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
-    paths = {k: os.path.join(out_dir, f"engine_{k}") for k in ("driver.py", "request.json",
+    paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("driver.py", "request.json",
                                                               "result.json", "log.txt")}
     write_engine_driver(paths["driver.py"])
     atomic_write(paths["request.json"], lambda f: write_json(f, request))
@@ -2210,26 +2209,24 @@ def engine_findings(r):
 def cmd_engine_check(args):
     t0 = time.time()
     tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
-    prompts, eos = engine_prompt_ids(args, args.target)
-    out_dir = args.out or os.path.join(RUNS_DIR, "engine-check")
-    os.makedirs(out_dir, exist_ok=True)
+    prompts, eos = engine_prompt_ids(args)
+    os.makedirs(args.out, exist_ok=True)
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     if args.exact:
         E.make_exact(target)
     _, declared, layers = engine_readings(args.draft, target.cfg)
     drafts = {f"as saved ({declared})": load_draft(args.draft, target)}
-    readings = {f"as saved ({declared})": list(layers[declared])}
     if layers["vllm"] != layers[declared]:
         drafts["as vllm reads it"] = load_draft(args.draft, target, aux_convention="vllm")
-        readings["as vllm reads it"] = list(layers["vllm"])
-    engine = run_engine(args, prompts, eos, out_dir)
+    readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
+    engine = run_engine(args, prompts, eos)
     side = our_side(args, target, drafts, prompts, eos, tree)
     report = engine_report(args, engine, side, target, prompts, eos, readings)
     report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
     print_engine_report(report)
     for line in report["findings"]:
         print0(f"FINDING: {line}")
-    atomic_write(os.path.join(out_dir, "report.json"), lambda f: write_json(f, report))
+    atomic_write(os.path.join(args.out, "report.json"), lambda f: write_json(f, report))
     print0(json.dumps(report))
     if report["findings"]:
         sys.exit(1)
@@ -2424,8 +2421,8 @@ def add_engine_command(sub):
     ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
                     "(the official method, e.g. the plan's 2,1,3), and batch with it")
     ec.add_argument("--exact", **E.EXACT_FLAG)
-    ec.add_argument("--out", help="dir for the report and the engine's log "
-                    "(default runs/engine-check)")
+    ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),
+                    help="dir for the report and the engine's log")
     ec.set_defaults(dtype="float32")
 
 
