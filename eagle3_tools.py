@@ -27,9 +27,11 @@ Nothing imports this file; it holds no part of the method.
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -704,7 +706,6 @@ def cost_plan_json(run, timings, rows, seconds):
 
 
 def cmd_cost_plan(args):
-    from dataclasses import replace
     t0, world = time.time(), world_info()[1]
     cfg, draft_cfg = cost_configs(args)
     check_tp_sizes(cfg, world)
@@ -1441,7 +1442,6 @@ def run_command(argv):
     """One of our commands in a process of its own -> its last stdout line (the commands end
     with a JSON object or a summary). Its memory goes back when it ends: in one process the
     default real-demo peaked at 8.6-11.2 GB."""
-    import subprocess
     # glibc's adaptive mmap threshold lets a training run's heap fragment (RSS 2.8 against
     # 0.8 GB after 40 SmolLM2 steps): a fixed threshold, unless one is set
     env = dict(os.environ)
@@ -1758,7 +1758,6 @@ def probe_draft(args, target):
 def probe_target(args):
     """--target's weights, or --config's shapes with random weights (the first --layers
     layers), in --dtype (default bf16: the dtype served) on --device -> (target, source)."""
-    from dataclasses import replace
     if (args.target is None) == (args.config is None):
         fail("exact-probe takes one of --target DIR (a model dir: per operation and end to "
              "end) or --config DIR|config.json (random weights at its shapes: per operation)")
@@ -1907,7 +1906,6 @@ def cmd_install_engine(args):
     torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
     does not exist") and its text models need none; VENV/bin/engine-python, written last
     (where it exists the install finished), sets the backend's environment."""
-    import subprocess
     python = os.path.join(args.out, "bin", "python")
     for step in ([sys.executable, "-m", "venv", args.out],
                  [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
@@ -2021,7 +2019,6 @@ def engine_prompt_ids(args):
 
 def run_engine(args, prompts, eos):
     """The engine's greedy and EAGLE-3 runs (the engine_* functions, in --engine-python)."""
-    import subprocess
     request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype))[6:],
                    prompts=prompts, stop_token_ids=E.eos_list(eos),
                    max_new_tokens=args.max_new_tokens, batch=args.batch if args.batch > 1 else 0,
