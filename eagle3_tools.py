@@ -1014,9 +1014,8 @@ def hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, repeats):
     peers = dict(hf_generate=time_hf(hf, prompts, n, eos, repeats),
                  hf_prompt_lookup=time_hf(hf, prompts, n, eos, repeats,
                                           prompt_lookup_num_tokens=PLD_TOKENS))
-    if assistant_dir:
-        from transformers import AutoModelForCausalLM
-        small = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=dtype).eval()
+    small = assistant_dir and hf_model(assistant_dir, dtype, "assisted generation is skipped")
+    if small:
         peers["hf_assisted"] = time_hf(hf, prompts, n, eos, repeats, assistant_model=small)
     return peers
 
