@@ -2311,7 +2311,8 @@ def add_probe_commands(sub, train):
     ev.add_argument("--ttt-steps", type=int, default=TTT_STEPS, help="draft steps scored")
 
 
-def add_bench_command(sub):
+def add_decoding_commands(sub):
+    """bench and exact-probe: the reference's model and tree flags, and their own."""
     models, tree, _ = flag_groups()
     b = command(sub, "bench", cmd_bench, "tokens/s: ours vs transformers (generate, prompt "
                 "lookup, assisted)", "prompts", "per_category", "layout", parents=[models, tree])
@@ -2322,6 +2323,19 @@ def add_bench_command(sub):
     b.add_argument("--repeats", type=int, default=2, help="timed runs each; the fastest counts")
     b.add_argument("--assistant", help="small HF LM for transformers assisted generation")
     b.add_argument("--max-new-tokens", type=int, default=DEMO.max_new_tokens)
+    ep = command(sub, "exact-probe", cmd_exact_probe, "does each verify row round as its decode "
+                 "step? per operation, and greedy speculation against greedy decoding", "target",
+                 "config", "draft", "prompts", "per_category", "dtype", "device", "seed",
+                 "aux_convention", parents=[tree], remote=True,
+                 target="model dir: per operation and end to end (its tokenizer)",
+                 config="or a model dir or config.json: random weights, per operation only",
+                 draft="drafter dir (default: a fresh random one)",
+                 dtype="float32 | bfloat16 | float16 (default: bfloat16, as served)")
+    ep.add_argument("--path", choices=tuple(PROBE_PATHS), default="both",
+                    help="plain, exact (make_exact) or both side by side")
+    ep.add_argument("--rows", type=int, default=PROBE_ROWS, help="rows per call: M = 1..N")
+    ep.add_argument("--layers", type=int, help="with --config: build only the first K layers")
+    ep.add_argument("--max-new-tokens", type=int, default=PROBE_TOKENS)
 
 
 def add_cost_commands(sub):
@@ -2348,23 +2362,6 @@ def add_cost_commands(sub):
     co.add_argument("--warmup", type=int, default=COST_WARMUP, choices=range(0, 100),
                     metavar="N", help="untimed runs before each measurement")
     co.add_argument("--repeats", type=int, default=COST_REPEATS, help="timed runs (median)")
-
-
-def add_exact_probe_command(sub):
-    _, tree, _ = flag_groups()
-    ep = command(sub, "exact-probe", cmd_exact_probe, "does each verify row round as its decode "
-                 "step? per operation, and greedy speculation against greedy decoding", "target",
-                 "config", "draft", "prompts", "per_category", "dtype", "device", "seed",
-                 "aux_convention", parents=[tree], remote=True,
-                 target="model dir: per operation and end to end (its tokenizer)",
-                 config="or a model dir or config.json: random weights, per operation only",
-                 draft="drafter dir (default: a fresh random one)",
-                 dtype="float32 | bfloat16 | float16 (default: bfloat16, as served)")
-    ep.add_argument("--path", choices=tuple(PROBE_PATHS), default="both",
-                    help="plain, exact (make_exact) or both side by side")
-    ep.add_argument("--rows", type=int, default=PROBE_ROWS, help="rows per call: M = 1..N")
-    ep.add_argument("--layers", type=int, help="with --config: build only the first K layers")
-    ep.add_argument("--max-new-tokens", type=int, default=PROBE_TOKENS)
 
 
 def add_real_commands(sub):
@@ -2427,9 +2424,8 @@ def add_tool_commands(sub, commands):
     add_diagnostic_commands(sub)
     add_cost_commands(sub)
     add_probe_commands(sub, commands["train"])
-    add_bench_command(sub)
+    add_decoding_commands(sub)
     add_real_commands(sub)
-    add_exact_probe_command(sub)
     add_engine_command(sub)
 
 
