@@ -2385,12 +2385,10 @@ def add_real_commands(sub):
                  "train, fine-tune, evaluate (each stage cached)", "gguf", "sharegpt")
     rd.add_argument("--budget", default=f"{REAL_PLAN.minutes:g}",
                     help="minutes (scales the training prompts) or a size like 500p")
-    rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune,
-                    help="then fine-tune on the target's own replies to this many training "
-                         "prompts (0: no fine-tuning; where bf16 is native only)")
-    rd.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (convert, "
-                    "prompts, capture, train, regenerate, capture-finetune, finetune, evaluate, "
-                    "golden); a later run goes on from there")
+    rd.add_argument("--finetune", type=int, default=REAL_PLAN.finetune, help="then fine-tune "
+                    "on the target's replies to this many prompts (0: none; native bf16 only)")
+    rd.add_argument("--stop-after", metavar="STAGE", help="stop once this stage (docs/"
+                    "real_models.md) is done; a later run goes on from there")
     rd.add_argument("--out", default=REAL_DIR)
 
 
