@@ -1399,7 +1399,6 @@ def cmd_regenerate(args):
     if tokenizer.eos_token_id is None:
         fail(f"the tokenizer of {args.target!r} has no EOS token, so replies cannot end; "
              f"use a chat model")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     t0 = time.time()
     n, left_out = regenerate(target, tokenizer, [r["prompt"] for r in rows], args.out,
                              args.max_new_tokens, args.batch, args.max_len)
