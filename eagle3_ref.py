@@ -3247,14 +3247,6 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
     return {k: v.contiguous() for k, v in t.items()}
 
 
-def golden_batch_tensors(prompts, results, preset):
-    """A batch's trace: each sequence's tensors as rowBB.<field> (plain names for one)."""
-    if len(results) == 1:
-        return golden_tensors(prompts[0], results[0], preset)
-    return {f"row{b:02d}.{k}": v for b, (ids, r) in enumerate(zip(prompts, results))
-            for k, v in golden_tensors(ids, r, preset).items()}
-
-
 def write_golden(path, header, tensors):
     from safetensors.torch import save_file
     meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT, version=GOLDEN_VERSION))}
@@ -3321,7 +3313,9 @@ def golden_preset(cfg):
 
 
 def golden_run(cfg):
-    """Run speculative decoding as described by a golden header -> (prompts, results)."""
+    """Run speculative decoding as described by a golden header -> (results, the trace's
+    tensors: each sequence's as rowBB.<field>, plain names for one)."""
+    preset = golden_preset(cfg)
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
@@ -3333,8 +3327,11 @@ def golden_run(cfg):
         target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
         eos_token_id=cfg["eos_token_id"], record_logits=True,
-        variant=resolve_variant(golden_preset(cfg), cfg["scheme"]))
-    return prompts, results
+        variant=resolve_variant(preset, cfg["scheme"]))
+    traces = [golden_tensors(ids, r, preset) for ids, r in zip(prompts, results)]
+    if len(traces) == 1:
+        return results, traces[0]
+    return results, {f"row{b:02d}.{k}": v for b, t in enumerate(traces) for k, v in t.items()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -3653,18 +3650,16 @@ def cmd_golden(args):
         header, expected = read_golden(args.check)
         cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
                                                           ("draft", args.draft)) if v})
-        prompts, results = golden_run(cfg)
-        diff = first_divergence(expected, golden_batch_tensors(prompts, results,
-                                                               golden_preset(cfg)))
+        diff = first_divergence(expected, golden_run(cfg)[1])
         print0("match" if diff is None else f"first divergence: {diff}")
         return 0 if diff is None else 1
     if not args.out:
         fail("golden needs --out FILE (write a trace) or --check FILE (re-run and compare)")
     cfg = golden_config(args)
-    prompts, results = golden_run(cfg)
+    results, tensors = golden_run(cfg)
     header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
                   transformers=transformers.__version__)
-    write_golden(args.out, header, golden_batch_tensors(prompts, results, golden_preset(cfg)))
+    write_golden(args.out, header, tensors)
     rounds, tokens = sum(len(r.rounds) for r in results), sum(len(r.tokens) for r in results)
     print0(f"wrote {args.out}: {rounds} rounds, {tokens} tokens"
            + (f" ({len(results)} sequences)" if len(results) > 1 else ""))
