@@ -3831,17 +3831,10 @@ PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir 
 FILE_OUTPUTS = ("golden",)  # commands whose --out is one file; others a dir
 
 
-def check_numbers(args, positive=POSITIVE_FLAGS):
-    """The counts, sizes and rates a command takes are > 0 (refused before any work)."""
-    for name in positive:
-        value = getattr(args, name, None)
-        if value is not None and not value > 0:
-            fail(f"--{name.replace('_', '-')} {value} must be > 0")
-
-
-def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
-    """Every path a command reads exists, is of its kind and readable, and --out can be
-    written: checked before anything loads, so a typo is one line naming the flag."""
+def check_args(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS, positive=POSITIVE_FLAGS):
+    """Every path a command reads exists, is of its kind and readable, the counts, sizes and
+    rates it takes are > 0, and --out can be written: checked before anything loads, so a
+    typo is one line naming the flag."""
     for name, kind in path_flags.items():
         path = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
@@ -3856,6 +3849,10 @@ def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
             fail(f"{flag} {path!r} is a directory; expected a file")
         if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
             fail(f"{flag} {path!r} is not readable: check its permissions")
+    for name in positive:
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            fail(f"--{name.replace('_', '-')} {value} must be > 0")
     out = getattr(args, "out", None)
     if out is None:
         return
@@ -3871,11 +3868,6 @@ def check_paths(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         fail(f"--out {out!r} cannot be written: {parent!r} is not a writable directory")
-
-
-def check_args(args):
-    check_paths(args)
-    check_numbers(args)
 
 
 class Parser(argparse.ArgumentParser):

@@ -2424,8 +2424,7 @@ TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
 
 
 def check_tool_args(args):
-    E.check_paths(args, TOOL_PATH_FLAGS, TOOL_FILE_OUTPUTS)
-    E.check_numbers(args, TOOL_POSITIVE_FLAGS)
+    E.check_args(args, TOOL_PATH_FLAGS, TOOL_FILE_OUTPUTS, TOOL_POSITIVE_FLAGS)
     if args.command in ("bench", "exact-probe") and args.max_new_tokens < 2:
         fail(f"--max-new-tokens {args.max_new_tokens} leaves no speculation round (the first "
              f"token comes from the prefill); use at least 2")
