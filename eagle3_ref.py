@@ -2504,16 +2504,12 @@ def init_weights(module, seed, std=0.02, skip=lambda name: False):
     return module
 
 
-def init_draft(draft, seed, std=0.02):
-    """A fresh drafter; the shared (target's) embedding is left alone."""
-    return init_weights(draft, seed, std, skip=lambda name: not draft.owns(name))
-
-
 def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=False):
     """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in.
     head_from_target: its lm_head starts as the target's rows of the draft vocab (as vLLM's
     speculators do): its hidden state lives in the target's space, so it starts informed."""
-    draft = init_draft(new_draft(cfg, target, dtype=dtype), seed)
+    draft = new_draft(cfg, target, dtype=dtype)
+    init_weights(draft, seed, skip=lambda name: not draft.owns(name))  # not a shared embedding
     with torch.no_grad():
         if vocab_map is not None:
             draft.d2t.copy_(vocab_map[0].to(draft.d2t.device))
