@@ -840,21 +840,11 @@ def sample_inverse_cdf(p, u):
 
 
 def uniform_stream(generator):
-    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator."""
+    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator. A
+    sequence's `randomness` is one such generator: the official scheme reads it as this
+    stream, the engines' schemes draw their tensors from it."""
     while True:
         yield float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
-class Randomness(NamedTuple):
-    """A sequence's random numbers: one seeded generator; the official scheme reads it as a
-    stream of uniforms, the engines' schemes draw their tensors from it."""
-    generator: torch.Generator
-    uniforms: object      # uniform_stream(generator)
-
-
-def new_randomness(seed):
-    g = torch.Generator().manual_seed(seed)
-    return Randomness(g, uniform_stream(g))
 
 
 class Recorder:
@@ -984,7 +974,7 @@ def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, e
     check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
                           target.cfg.vocab_size)
     check_eos(eos_token_id, target.cfg.vocab_size)
-    uniforms = new_randomness(seed).uniforms
+    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
     n = input_ids.shape[1]
     cache = target.new_cache(n + max_new_tokens)
     logits, _ = target(input_ids, cache=cache, aux_layers=())
@@ -1114,7 +1104,7 @@ def prefill(target, draft, cache, input_ids, run, randomness):
     token, which roots round 1 -> (RoundState, the uniforms used, Tally sent)."""
     mark = target.tp.sent.copy()
     logits, aux = target(input_ids, cache=cache, aux_layers=draft.cfg.aux_layers)
-    root, used = next_token(logits[0, -1], run.sampling, randomness.uniforms, target.tp)
+    root, used = next_token(logits[0, -1], run.sampling, uniform_stream(randomness), target.tp)
     root_t = torch.tensor([root], device=input_ids.device)
     next_tokens = torch.cat([input_ids[0, 1:], root_t])                          # (T,)
     state = RoundState(input_ids.shape[1], root, aux, next_tokens[None])
@@ -1138,7 +1128,7 @@ def accept(logits, drafted, run, randomness):
         return accept_greedy(logits, drafted.tree), None
     if run.variant:
         return run.variant.sampled(logits, drafted, run, randomness)
-    return accept_sampled(logits, drafted.tree, randomness.uniforms, run.sampling), None
+    return accept_sampled(logits, drafted.tree, uniform_stream(randomness), run.sampling), None
 
 
 def settle(target, cache, state, drafted, logits, aux, run, randomness):
@@ -1184,7 +1174,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
     T, shape = input_ids.shape[1], run.shape
     target_cache = target.new_cache(T + max_new_tokens + shape.total_tokens)
     draft_cache = draft.new_cache(T + max_new_tokens + shape.top_k * shape.depth)
-    randomness = new_randomness(seed)
+    randomness = torch.Generator().manual_seed(seed)
     state, first_uniforms, prefill_comm = prefill(target, draft, target_cache, input_ids, run,
                                                   randomness)
     out, rounds = [], []
@@ -1458,11 +1448,11 @@ def accept_chain(logits, drafts, q, uniforms, sampling):
 
 def chain_draft(draft, cache, n, h_last, root, run, randomness, tp):
     return Drafted(*draft_chain(draft, cache, n, h_last, root, run.shape.depth + 1,
-                                randomness.uniforms, run.sampling, tp))
+                                uniform_stream(randomness), run.sampling, tp))
 
 
 def chain_accept(logits, drafted, run, randomness):
-    return accept_chain(logits, drafted.tree.tokens[1:], drafted.q, randomness.uniforms,
+    return accept_chain(logits, drafted.tree.tokens[1:], drafted.q, uniform_stream(randomness),
                         run.sampling), None
 
 
@@ -1517,12 +1507,12 @@ def accept_cumulative(p, tree, coins, final_coin, threshold_single=1.0, threshol
     return Acceptance(torch.tensor(path), len(path) - 1, cdf_pick(r, final_coin), [])
 
 
-def sglang_verify(logits, tree, randomness, sampling, preset):
+def sglang_verify(logits, tree, g, sampling, preset):
     """SGLang's random numbers, in its order: one float32 coin per tree node, then one final
     coin (and the generator state before them, which replays both)."""
-    state = randomness.generator.get_state()
-    draws = dict(coins=torch.rand(len(tree.tokens), generator=randomness.generator),
-                 final_coin=torch.rand(1, generator=randomness.generator), generator_state=state)
+    state = g.get_state()
+    draws = dict(coins=torch.rand(len(tree.tokens), generator=g),
+                 final_coin=torch.rand(1, generator=g), generator_state=state)
     p = warped_probs(logits.cpu(), sampling).float()                           # (N, V) fp32
     return accept_cumulative(p, tree, draws["coins"], draws["final_coin"][0],
                              preset.threshold_single, preset.threshold_acc), draws
@@ -1542,10 +1532,10 @@ def accept_onehot(p, drafts, uniforms, exponentials, bonus):
     return Acceptance(torch.arange(len(drafts) + 1), len(drafts), bonus, [])
 
 
-def vllm_verify(logits, tree, randomness, sampling, preset):
+def vllm_verify(logits, tree, g, sampling, preset):
     """vLLM's random numbers, in its order: the plain sampler's Exp(1) vector for the bonus,
     one float64 uniform per draft, then one Exp(1) vector for the recovered token."""
-    g, V, state = randomness.generator, logits.shape[-1], randomness.generator.get_state()
+    V, state = logits.shape[-1], g.get_state()
     draws = dict(bonus_exponentials=torch.empty(V).exponential_(generator=g),
                  draft_uniforms=torch.rand(len(tree.tokens) - 1, dtype=torch.float64, generator=g),
                  exponentials=torch.empty(V).exponential_(generator=g), generator_state=state)
@@ -1557,7 +1547,7 @@ def vllm_verify(logits, tree, randomness, sampling, preset):
 
 def official_verify(logits, tree, randomness, sampling, preset):
     """The official acceptance (Part I's accept_sampled) as a preset's verification rule."""
-    return accept_sampled(logits, tree, randomness.uniforms, sampling), None
+    return accept_sampled(logits, tree, uniform_stream(randomness), sampling), None
 
 
 class Preset(NamedTuple):
@@ -1678,7 +1668,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
                              batch=B)
     draft_caches = [draft.new_cache(ids.shape[1] + max_new_tokens + shape.top_k * shape.depth)
                     for ids in prompts]
-    randomness = [new_randomness(seed + b) for b in range(B)]
+    randomness = [torch.Generator().manual_seed(seed + b) for b in range(B)]
     states, first, prefill_comm = zip(*(prefill(target, draft, row_cache(cache, b), ids, run,
                                                 randomness[b]) for b, ids in enumerate(prompts)))
     states, out, rounds = list(states), [[] for _ in prompts], [[] for _ in prompts]

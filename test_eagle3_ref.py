@@ -1790,12 +1790,11 @@ LOSSLESS = {f"{c}-{s}": (CASES[c], SAMPLINGS[s]) for c in CASES for s in SAMPLIN
 
 def preset_accept(preset, generator, **overrides):
     """The preset's acceptance (`overrides` applied), drawing from `generator` as the real loop."""
-    randomness = E.Randomness(generator, E.uniform_stream(generator))
     chosen = E.PRESETS[preset]._replace(**overrides)
 
     def accept(logits, tree, uniforms, sampling):
         run = E.Run(E.TreeShape(), sampling, False, E.resolve_variant(chosen))
-        return E.accept(logits, E.Drafted(tree), run, randomness)[0]
+        return E.accept(logits, E.Drafted(tree), run, generator)[0]
     return accept
 
 
