@@ -2554,8 +2554,6 @@ def save_draft(draft, path, engine="specforge"):
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
              if draft.owns(k)}
-    if cfg.has_vocab_map:
-        raw["draft_vocab_size"] = cfg.draft_vocab_size
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, raw))
 
