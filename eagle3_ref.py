@@ -2074,10 +2074,9 @@ def target_config(c):
         c.sliding_window if getattr(c, "use_sliding_window", False) else None)
     max_positions = min(c.max_position_embeddings, window or c.max_position_embeddings)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    c.head_dim = head_dim
+    c.head_dim = head_dim   # DeepSeek-V3's config sets it to qk_rope_head_dim: MLA's rotary dims
+    check_head_dim(head_dim, f"the {family} target's config")
     deepseek = family == "deepseek_v3"
-    if not deepseek:  # MLA's rotary width is qk_rope_head_dim, checked where it is read
-        check_head_dim(head_dim, f"the {family} target's config")
     inv_freq, rope_scale = rope_inv_freq(c)
     return TargetConfig(
         family=family, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -2794,7 +2793,6 @@ class TrainState(NamedTuple):
 def save_checkpoint(out_dir, draft, opt, state, engine="specforge"):
     """The drafter (save_draft), then train_state.pt: it, the optimizer and TrainState in
     one atomic file, so a resume never mixes steps; then a readable copy of the curve."""
-    os.makedirs(out_dir, exist_ok=True)
     save_draft(draft, out_dir, engine)
     if is_rank0():
         full = dict(state._asdict(), draft=draft.state_dict(), optimizer=opt.state_dict())
