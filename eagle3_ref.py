@@ -1464,8 +1464,7 @@ def check_chain(sampling):
 
 # SGLang and vLLM score trees, verify samples and draw their random numbers differently
 # from the official code. Both are lossless at their defaults; the same coins give
-# different tokens. resolve_variant() at the end of this section resolves each into the Variant
-# (Part I's one seam) that a run hands its rounds.
+# different tokens. Each is a Preset, resolved by resolve_variant() below.
 
 
 def cdf_pick(r, coin):
@@ -1865,9 +1864,8 @@ class DeepSeekTarget(Target):
 # ----------------------------------------------------------------------------------------
 # 14. variant: exact in low precision                            (a learner can skip this)
 #
-# Greedy speculation equals greedy decoding when every verify row produces the bits of its
-# decode step (section 7). In bf16 / fp16 the plain path breaks this in two places, and
-# make_exact serves a target so that neither happens:
+# Greedy speculation equals greedy decoding when every verify row rounds as its decode step
+# (section 7). In bf16 / fp16 the plain path breaks this in two places; make_exact mends both:
 #   1) a matmul rounds a row differently when few rows share the call (torch's bf16 CPU
 #      kernels: 334 of 4,050 rows of SmolLM2's down projection alone against in a verify; 2
 #      to 6 of 3,000 rows of a 64 -> 24 or 32 projection in 2 rows against 3 or more, Zen 4).
@@ -3691,11 +3689,9 @@ def cmd_train(args):
     train_command(args, target, live_inputs(target, pad_id_of(args.target, args)), examples)
 
 
-AUX_CONVENTION_FLAG = dict(choices=AUX_CONVENTIONS, help="how to read the drafter's "
-                           "eagle_aux_hidden_state_layer_ids: specforge (output of layer k = "
-                           "hidden_states[k+1]), vllm (hidden_states[k]), sglang (+1 only when "
-                           "the first id is 1), sglang-legacy (+1 always); default: the "
-                           "convention its config names, else specforge")
+AUX_CONVENTION_FLAG = dict(choices=AUX_CONVENTIONS, help="how to read the drafter's aux-layer "
+                           "ids (README: Conventions); default: the convention its config "
+                           "names, else specforge")
 SAVE_FOR_FLAG = dict(dest="engine", default="specforge", choices=AUX_CONVENTIONS,
                      help="the engine whose convention the saved drafter's aux ids are in "
                           "(only non-default aux layers are written; default specforge)")
@@ -3705,8 +3701,7 @@ SAVE_FOR_FLAG = dict(dest="engine", default="specforge", choices=AUX_CONVENTIONS
 # equal to greedy decoding (and fp32 goldens stay as they were); in bf16 / fp16 make_exact
 # does (on a GPU run the probe first), at one attention call per verify row and layer.
 EXACT_FLAG = dict(action="store_true", help="serve the target on the exact path (make_exact): "
-                  "every verify row rounds as its decode step, so greedy speculation equals "
-                  "greedy decoding in bf16 / fp16 too")
+                  "greedy speculation equals greedy decoding in bf16 / fp16 too")
 
 
 def remote_code_flag():
