@@ -2846,13 +2846,6 @@ def batch_indices(n, batch, step, seed):
     return perm[i * batch:(i + 1) * batch].tolist()
 
 
-def step_accuracy(result, dp):
-    """Per-step top-1 accuracy summed over the data-parallel ranks."""
-    hits = all_reduce(torch.stack(result.hits).detach().clone(), dp)
-    counts = all_reduce(torch.stack(result.counts).detach().clone(), dp)
-    return (hits / counts.clamp(min=1)).tolist()
-
-
 class ChainStats(NamedTuple):
     step_accuracy: list   # per TTT step: correct top-1 drafts / loss-masked positions
     accept_rate: list     # depth d = 1..: P(draft d accepted | drafts 1..d-1 accepted)
@@ -2943,9 +2936,10 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
         result = train_step(inputs, draft, opt, batch, step, cfg, rank, dp)
-        acc = step_accuracy(result, dp)
+        hits, counts = (all_reduce(torch.stack(x).detach().clone(), dp)   # over the ranks
+                        for x in (result.hits, result.counts))
         bar.show(step + 1, loss=float(all_reduce(result.loss.detach().clone(), dp)),
-                 **{f"acc{k}": a for k, a in enumerate(acc[:3])})
+                 **{f"acc{k}": float(a) for k, a in enumerate((hits / counts.clamp(min=1))[:3])})
         last = step + 1 == cfg.steps
         if held_out and ((step + 1) % cfg.eval_every == 0 or last):
             stats = evaluate_draft(inputs, draft, held_out, cfg.ttt_steps, cfg.batch)
