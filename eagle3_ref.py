@@ -3333,11 +3333,6 @@ def best_time(run, repeats):
     return result, best
 
 
-def comm_total(tallies, op="all_reduce"):
-    """(calls, bytes) of `op` summed over a list of Tally."""
-    return sum(t.calls[op] for t in tallies), sum(t.bytes[op] for t in tallies)
-
-
 def greedy_with_comm(target, ids, max_new_tokens, eos):
     mark = target.tp.sent.copy()
     return greedy_generate(target, ids, max_new_tokens, eos), target.tp.sent.since(mark)
@@ -3368,7 +3363,9 @@ def measure_decoding(target, draft, prompts, max_new_tokens, tree=TreeShape(), e
     accepted = torch.tensor([r.accepted for r in rounds])
     reached = [int((accepted >= d).sum()) for d in range(tree.depth + 2)]
     rate = [reached[d] / max(1, reached[d - 1]) for d in range(1, tree.depth + 2)]
-    per_token = [tuple(x / n_tokens for x in comm_total(c)) for c in (spec_comm, greedy_comm)]
+    per_token = [(sum(t.calls["all_reduce"] for t in tallies) / n_tokens,  # (calls, bytes)
+                  sum(t.bytes["all_reduce"] for t in tallies) / n_tokens)      # per token
+                 for tallies in (spec_comm, greedy_comm)]
     return DecodeStats(float(accepted.float().mean() + 1), rate, forwards / n_tokens,
                        n_tokens / spec_s, n_tokens / greedy_s, lossless, *per_token)
 
