@@ -3221,13 +3221,6 @@ def golden_tensors(input_ids, result, preset=PRESETS["official"]):
     return {k: v.contiguous() for k, v in t.items()}
 
 
-def write_golden(path, header, tensors):
-    from safetensors.torch import save_file
-    meta = {"eagle3_golden": json.dumps(dict(header, format=GOLDEN_FORMAT, version=GOLDEN_VERSION))}
-    if is_rank0():
-        atomic_write(path, lambda f: save_file(tensors, f, metadata=meta))
-
-
 def read_golden(path):
     from safetensors import safe_open
     try:
@@ -3617,6 +3610,7 @@ def golden_config(args):
 
 def cmd_golden(args):
     import transformers
+    from safetensors.torch import save_file
     if args.check:
         header, expected = read_golden(args.check)
         cfg = dict(header["config"], **{k: v for k, v in (("target", args.target),
@@ -3629,8 +3623,11 @@ def cmd_golden(args):
     cfg = golden_config(args)
     results, tensors = golden_run(cfg)
     header = dict(config=cfg, world_size=world_info()[1], torch=torch.__version__,
-                  transformers=transformers.__version__)
-    write_golden(args.out, header, tensors)
+                  transformers=transformers.__version__, format=GOLDEN_FORMAT,
+                  version=GOLDEN_VERSION)
+    if is_rank0():
+        atomic_write(args.out, lambda f: save_file(tensors, f, metadata={
+            "eagle3_golden": json.dumps(header)}))
     rounds, tokens = sum(len(r.rounds) for r in results), sum(len(r.tokens) for r in results)
     print0(f"wrote {args.out}: {rounds} rounds, {tokens} tokens"
            + (f" ({len(results)} sequences)" if len(results) > 1 else ""))
@@ -3710,6 +3707,7 @@ def flag_groups():
                                         "(default: the tiny demo drafter)")
     models.add_argument("--dtype", help="float32 | bfloat16 | float16 "
                                         "(default: fp32 on CPU, bf16 on CUDA)")
+    models.add_argument("--exact", **EXACT_FLAG)   # golden: recorded in the trace's header
     tree = argparse.ArgumentParser(add_help=False)
     tree.add_argument("--tree-top-k", type=int, default=TOP_K, help="the draft tree's top-k")
     tree.add_argument("--depth", type=int, default=DEPTH,
@@ -3743,9 +3741,7 @@ def add_generate(sub, shared):
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
-    g.add_argument("--exact", **EXACT_FLAG)
     g.set_defaults(run=cmd_generate)
-    return g
 
 
 def add_golden(sub, shared):
@@ -3759,9 +3755,7 @@ def add_golden(sub, shared):
                                          "sequence) or 1,2,3;4,5 (a batch)")
     gd.add_argument("--max-new-tokens", type=int, default=64)
     gd.add_argument("--eos-token-id", type=int)
-    gd.add_argument("--exact", **EXACT_FLAG)   # recorded in the trace's header
     gd.set_defaults(run=cmd_golden)
-    return gd
 
 
 def add_train(sub):
@@ -3848,14 +3842,15 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(*extensions, description="EAGLE-3 reference: with no command, run the tiny "
                  "end-to-end demo (train a drafter, decode, report).", default=None):
-    """The reference's parser; each extension(sub, commands) may add commands or flags."""
+    """The reference's parser; each extension(sub, train) may add commands, or flags to train."""
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
     shared = list(flag_groups())   # models, tree, sampling
-    commands = dict(generate=add_generate(sub, shared), golden=add_golden(sub, shared),
-                    train=add_train(sub))
+    add_generate(sub, shared)
+    add_golden(sub, shared)
+    train = add_train(sub)
     for extend in extensions:
-        extend(sub, commands)
+        extend(sub, train)
     if default is None:   # the main job is this parser's own
         p.add_argument("--exact", **EXACT_FLAG)
     p.set_defaults(run=default or (lambda args: main_demo(args.exact)))

@@ -2300,7 +2300,7 @@ def add_decoding_commands(sub):
     """bench and exact-probe: the reference's model and tree flags, and their own."""
     models, tree, _ = flag_groups()
     b = command(sub, "bench", cmd_bench, "tokens/s: ours vs transformers (generate, prompt "
-                "lookup, assisted)", "prompts", "per_category", "exact", parents=[models, tree])
+                "lookup, assisted)", "prompts", "per_category", parents=[models, tree])
     b.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     b.add_argument("--chat", action="store_true", help="--prompt through the chat template")
     b.add_argument("--sweep", action="store_true",
@@ -2402,11 +2402,11 @@ def add_engine_command(sub):
     ec.set_defaults(dtype="float32")
 
 
-def add_tool_commands(sub, commands):
+def add_tool_commands(sub, train):
     """The workbench's commands, and --features on the reference's train."""
     add_diagnostic_commands(sub)
     add_cost_commands(sub)
-    add_probe_commands(sub, commands["train"])
+    add_probe_commands(sub, train)
     add_decoding_commands(sub)
     add_real_commands(sub)
     add_engine_command(sub)
