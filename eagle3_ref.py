@@ -2491,20 +2491,14 @@ def init_weights(module, seed, std=0.02, skip=lambda name: False):
     return module
 
 
-def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None, head_from_target=False):
-    """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in.
-    head_from_target: its lm_head starts as the target's rows of the draft vocab (as vLLM's
-    speculators do): its hidden state lives in the target's space, so it starts informed."""
+def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None):
+    """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in."""
     draft = new_draft(cfg, target, dtype=dtype)
     init_weights(draft, seed, skip=lambda name: not draft.owns(name))  # not a shared embedding
-    with torch.no_grad():
-        if vocab_map is not None:
+    if vocab_map is not None:
+        with torch.no_grad():
             draft.d2t.copy_(vocab_map[0].to(draft.d2t.device))
             draft.t2d.copy_(vocab_map[1].to(draft.t2d.device))
-        if head_from_target:
-            ids = draft.to_target_ids(torch.arange(cfg.draft_vocab_size,
-                                                   device=draft.lm_head.weight.device))
-            draft.lm_head.weight.copy_(target.lm_head.weight[ids])   # (Vd, D)
     return draft
 
 

@@ -1728,15 +1728,14 @@ def probe_prompt(target, draft, ids, n, shape, eos, hf_tokens):
 
 
 def probe_draft(args, target):
-    """--draft, else a fresh random drafter (its lm_head the target's rows): it drafts
-    badly, but every round's bonus token is read off a verify row all the same."""
+    """--draft, else a fresh random drafter: it drafts badly, but every round's bonus token
+    is read off a verify row all the same."""
     if args.draft:
         return load_draft(args.draft, target, dtype=target.lm_head.weight.dtype,
                           aux_convention=args.aux_convention), args.draft
     V = target.cfg.vocab_size
     identity = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))  # d2t, t2d
-    return (fresh_draft(draft_config_for(target, V), target, args.seed, identity,
-                        head_from_target=True),
+    return (fresh_draft(draft_config_for(target, V), target, args.seed, identity),
             "fresh random (no --draft; partings come from the verify rows all the same)")
 
 

@@ -2220,26 +2220,6 @@ def test_vocab_mapping_refuses_draft_vocab_size_outside_1_to_V(draft_vocab_size)
         E.build_vocab_mapping(torch.ones(12, dtype=torch.long), draft_vocab_size)
 
 
-def test_a_drafter_started_from_the_targets_head_reads_out_its_rows_of_the_draft_vocab(
-        train_target):
-    # the target's lm_head rows of the kept ids (found here by the t2d mask, not by d2t's
-    # offsets); without the option the head is fresh noise; the rest of the drafter is alike
-    t = train_target
-    counts = torch.zeros(TRAIN_VOCAB, dtype=torch.long)
-    counts[list(t.kept)] = 1
-    vocab_map = E.build_vocab_mapping(counts, TRAIN_DRAFT_VOCAB)
-    cfg = E.draft_config_for(t.target, TRAIN_DRAFT_VOCAB)
-    warm = E.fresh_draft(cfg, t.target, 0, vocab_map, head_from_target=True)
-    cold = E.fresh_draft(cfg, t.target, 0, vocab_map)
-    rows = t.hf.lm_head.weight[vocab_map[1]]
-    assert torch.equal(warm.lm_head.weight, rows) and sorted(t.kept) == torch.nonzero(
-        vocab_map[1]).flatten().tolist()
-    assert not torch.allclose(cold.lm_head.weight, rows)
-    assert all(torch.equal(a, b) for (n, a), (_, b) in zip(warm.named_parameters(),
-                                                           cold.named_parameters())
-               if n != "lm_head.weight")
-
-
 # ----------------------------------------------------------------------------------------
 # the training-time-test loss
 
