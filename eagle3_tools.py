@@ -1122,7 +1122,8 @@ class RealPlan(NamedTuple):
     regen_batch: int = 80         # rows per batched greedy decode (a CPU step's cost grows
                                   # far slower than its rows)
     max_len: int = 320            # tokens per conversation; longer ones are dropped
-    capture_dtype: str = "bfloat16"   # twice fp32's speed where bf16 is native
+    dtype: str = "bfloat16"       # capture, regenerate and the bench (exact: make_exact):
+                                  # twice fp32's speed where bf16 is native, else float32
     draft_vocab_size: int = 4096  # the drafter's output vocabulary (d2t)
     ttt_steps: int = 3            # 3 steps x 4 epochs beat 7 x 2 at the same training time
     epochs: int = 4
@@ -1137,8 +1138,6 @@ class RealPlan(NamedTuple):
     finetune: int = 1000          # then the target's own greedy replies to this many training
     finetune_epochs: int = 2      # prompts fine-tune the drafter: the text it serves
     finetune_lr: float = 5e-4
-    serve_dtype: str = "bfloat16"     # the demo's bench: on the exact path (make_exact) and
-    serve_exact: bool = True          # the fastest; fp32 nn.Linear where bf16 is not native
 
 
 REAL_PLAN = RealPlan()
@@ -1418,9 +1417,7 @@ def parse_budget(text, finetune=REAL_PLAN.finetune):
     plan = REAL_PLAN._replace(minutes=round(REAL_PLAN.minutes * prompts / per_budget, 1),
                               prompts=min(prompts, TRAIN_PROMPTS), epochs=epochs,
                               finetune=finetune)
-    return plan if native else plan._replace(capture_dtype="float32", autocast="none",
-                                             serve_dtype="float32", serve_exact=False,
-                                             finetune=0)
+    return plan if native else plan._replace(dtype="float32", autocast="none", finetune=0)
 
 
 def run_command(argv):
@@ -1466,7 +1463,7 @@ def real_stages(args, plan, p):
     an interrupted one resumes (each command resumes on its own)."""
     def capture(name, data, out, *flags):
         return (name, ["capture", "--target", p["model"], "--data", data, "--out", out,
-                       "--max-len", str(plan.max_len), "--dtype", plan.capture_dtype, *flags])
+                       "--max-len", str(plan.max_len), "--dtype", plan.dtype, *flags])
 
     def train(name, features, out, epochs, lr, *flags):
         return (name, ["train", "--target", p["model"], "--features", features, "--out", out,
@@ -1478,7 +1475,7 @@ def real_stages(args, plan, p):
                         "--out", p["tune_replies"], "--limit", str(plan.finetune),
                         "--max-new-tokens", str(plan.max_new_tokens), "--batch",
                         str(plan.regen_batch), "--max-len", str(plan.max_len), "--dtype",
-                        plan.capture_dtype]),
+                        plan.dtype]),
         capture("capture-finetune", p["tune_replies"], p["tune_features"]),
         train("finetune", p["tune_features"], p["draft"], plan.finetune_epochs,
               plan.finetune_lr, "--init-draft", p["base_draft"]),
@@ -1495,7 +1492,7 @@ def real_stages(args, plan, p):
         ("evaluate", ["bench", "--target", p["model"], "--draft", p["draft"], "--prompts",
                       p["eval"], "--per-category", str(plan.eval_prompts), "--sweep",
                       "--max-new-tokens", str(plan.eval_new_tokens), "--repeats", "1",
-                      "--dtype", plan.serve_dtype, *(["--exact"] if plan.serve_exact else [])]),
+                      "--dtype", plan.dtype, *(["--exact"] if plan.dtype == "bfloat16" else [])]),
         ("golden", ["golden", "--target", p["model"], "--draft", p["draft"], "--out",
                     p["golden"], "--prompt", GOLDEN_REAL_PROMPT]),
     ]

@@ -1218,8 +1218,7 @@ def test_budget_is_minutes_or_a_size_scaling_the_prompts_and_bf16_only_where_nat
     assert T.parse_budget("60")[:] == T.REAL_PLAN[:]      # AMX / AVX512-BF16 / a GPU
     monkeypatch.setattr(T, "native_bf16", lambda: False)   # AVX2: bf16 is emulated
     plan = T.parse_budget("60")                            # and fp32 steps cost more
-    fp32 = dict(capture_dtype="float32", autocast="none", serve_dtype="float32",
-                serve_exact=False, finetune=0)   # regeneration measured in bf16 only
+    fp32 = dict(dtype="float32", autocast="none", finetune=0)   # no bf16 fine-tune replies
     assert plan._asdict() | fp32 == plan._asdict()
     share = round(T.REAL_PLAN.prompts * T.REAL_PLAN.fp32_share)
     assert share == 2100                                   # the number docs/real_models.md gives
