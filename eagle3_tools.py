@@ -64,12 +64,21 @@ from eagle3_ref import (
 VOCAB_FIT_WARN = 0.9  # below this share of matching d2t entries the map does not fit
 
 
-def raw_vocab_map(draft_dir):
-    """d2t and t2d exactly as stored (no validation: this is what we diagnose)."""
+def vocab_map_ids(d2t):
+    """The target ids of a map, in draft-id order (the sorted draft vocabulary)."""
+    return (torch.arange(len(d2t)) + d2t).tolist()
+
+
+def stored_map(draft_dir, identity_size=None):
+    """(vocab_map_ids of its d2t, its t2d or None) exactly as stored (no validation: this is
+    what we diagnose); without d2t draft ids are target ids: the first `identity_size`."""
     ckpt = Checkpoint(draft_dir)
-    if "d2t" not in ckpt.keys():
-        return None, None
-    return ckpt.read("d2t"), ckpt.read("t2d") if "t2d" in ckpt.keys() else None
+    t2d = ckpt.read("t2d") if "t2d" in ckpt.keys() else None
+    if "d2t" in ckpt.keys():
+        return vocab_map_ids(ckpt.read("d2t")), t2d
+    if identity_size is None:
+        fail(f"{draft_dir!r} has no d2t map (its draft vocab is its target's whole vocab)")
+    return list(range(identity_size)), t2d
 
 
 def token_strings(tokenizer, ids):
@@ -80,11 +89,8 @@ def token_strings(tokenizer, ids):
 def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
     """d2t entries naming the same token in both tokenizers (matching), outside the target
     vocab (out_of_range), the share of the data's target tokens inside t2d (coverage)."""
-    d2t, t2d = raw_vocab_map(draft_dir)
-    V = len(target_tokenizer)
-    if d2t is None:  # no map: draft ids are target ids
-        d2t = torch.zeros(len(draft_tokenizer), dtype=torch.long)
-    target_ids = torch.arange(len(d2t)) + d2t
+    map_ids, t2d = stored_map(draft_dir, len(draft_tokenizer))
+    V, target_ids = len(target_tokenizer), torch.tensor(map_ids)
     in_range = (target_ids >= 0) & (target_ids < V)
     old = token_strings(draft_tokenizer, target_ids)
     new = token_strings(target_tokenizer, target_ids)
@@ -96,14 +102,9 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
         keep = t2d if t2d is not None else torch.ones(V, dtype=torch.bool)
         ids = ids[ids < len(keep)]
         coverage = float(keep[ids].float().mean()) if len(ids) else 0.0
-    fits = matching >= VOCAB_FIT_WARN * len(d2t) and bool(in_range.all())
-    return dict(matching=matching, entries=len(d2t), out_of_range=int((~in_range).sum()),
+    fits = matching >= VOCAB_FIT_WARN * len(target_ids) and bool(in_range.all())
+    return dict(matching=matching, entries=len(target_ids), out_of_range=int((~in_range).sum()),
                 coverage=coverage, fits=fits)
-
-
-def vocab_map_ids(d2t):
-    """The target ids of a map, in draft-id order (the sorted draft vocabulary)."""
-    return (torch.arange(len(d2t)) + d2t).tolist()
 
 
 def reply_coverage(ids, tokenizer, data, max_len):
@@ -139,11 +140,9 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
                 seed=0, aux_convention=None):
     """A new vocab map for a new target, built from data; lm_head rows move with their
     token strings, tokens new to the drafter get fresh rows; everything else is kept."""
-    d2t_old, _ = raw_vocab_map(draft_dir)
     old_cfg = read_json(os.path.join(draft_dir, "config.json"))
-    if d2t_old is None:
-        d2t_old = torch.zeros(old_cfg["vocab_size"], dtype=torch.long)
-    old_rows = {s: i for i, s in enumerate(token_strings(draft_tokenizer, vocab_map_ids(d2t_old)))
+    old_ids, _ = stored_map(draft_dir, old_cfg["vocab_size"])
+    old_rows = {s: i for i, s in enumerate(token_strings(draft_tokenizer, old_ids))
                 if s is not None}
     examples = training_examples(target_tokenizer, data, math.inf)
     d2t, t2d = build_vocab_mapping(count_reply_tokens(examples, target.cfg.vocab_size),
@@ -164,19 +163,12 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     return draft, carried
 
 
-def stored_map_ids(draft_dir, missing):
-    d2t, _ = raw_vocab_map(draft_dir)
-    if d2t is None:
-        fail(f"{draft_dir!r} has no d2t map {missing}")
-    return vocab_map_ids(d2t)
-
-
 def vocab_check_against(args, target_tok, draft_tok):
     """vocab-check --against-draft / --against-data: this drafter's map against another
     drafter's, or against the map train would build for the target from that data."""
-    ids = stored_map_ids(args.draft, "(its draft vocab is its target's whole vocab)")
+    ids, _ = stored_map(args.draft)
     if args.against_draft:
-        other_ids = stored_map_ids(args.against_draft, "to compare against")
+        other_ids, _ = stored_map(args.against_draft)
         other_tok = load_tokenizer(args.against_tokenizer or args.target, args)
         what = f"the map of {args.against_draft}"
     else:
