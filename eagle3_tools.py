@@ -930,11 +930,6 @@ def time_hf(model, prompts, max_new_tokens, eos, repeats=2, **generate_kwargs):
     return Timed(tokens / seconds, len(calls) / repeats / tokens, outputs)
 
 
-def peak_rss_mb():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 SWEEP_SHAPES = (  # one draft, short chains and the best 2-3 nodes of a top-2 tree (a CPU
                   # verifies 2-3 nodes for ~1.1 decode steps, 4 or more for ~1.6), then trees
     TreeShape(1, 1, 2), TreeShape(1, 1, 3), TreeShape(2, 1, 3), TreeShape(1, 2, 4),
@@ -1023,20 +1018,6 @@ def bench_prompts(args, target_dir):
     return texts, True, assistant_dir
 
 
-def bench_ours(args, target, draft, prompts, eos, t0):
-    """Our greedy and EAGLE-3 (measure_decoding, the main job's own) with the tree from the
-    flags or the --sweep."""
-    n = args.max_new_tokens
-    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
-             if args.sweep else tree_shape(args))
-    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
-    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
-    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
-           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
-           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
-    return ours, shape
-
-
 def bench_table(ours, peers, world, prompts):
     """[(JSON key, name, tokens/s, target forwards per token)] of every decoder, printed
     with EAGLE-3's speedup over each; {peer: prompts where it equals transformers generate}."""
@@ -1071,13 +1052,22 @@ def cmd_bench(args):
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
     eos = eos_ids(tokenizer, target_dir)
     prompts = [encode_prompt(tokenizer, t, chat, device) for t in texts]
-    ours, shape = bench_ours(args, target, draft, prompts, eos, t0)
+    shape = (sweep_shape(target, draft, prompts[:SWEEP_PROMPTS], eos)
+             if args.sweep else tree_shape(args))
+    print0(f"{len(prompts)} prompts, {n} new tokens, tree {tuple(shape)}")
+    # our greedy and EAGLE-3: measure_decoding, the main job's own
+    ours = measure_decoding(target, draft, prompts, n, tree=shape, eos=eos, repeats=args.repeats)
+    print0(f"  ours: greedy {ours.greedy_tokens_per_s:.2f} tokens/s, EAGLE-3 "
+           f"{ours.spec_tokens_per_s:.2f} tokens/s, tau {ours.tau:.2f}, lossless {ours.lossless} "
+           f"({time.time() - t0:.0f} s so far)")   # a long run's partial result
     del target, draft                      # transformers' copy of the weights comes next
     peers = (hf_peers(target_dir, assistant_dir, prompts, n, eos, dtype, args.repeats)
              if world == 1 and device.type == "cpu" else {})
     rows, same = bench_table(ours, peers, world, len(prompts))
+    import resource
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux counts KiB
     print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: "
-           f"{ours.lossless}; peak RSS {peak_rss_mb():.0f} MB; all-reduces per token at "
+           f"{ours.lossless}; peak RSS {rss_mb:.0f} MB; all-reduces per token at "
            f"W={world}: greedy {ours.greedy_allreduce[0]:.1f}, speculative "
            f"{ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
@@ -1090,7 +1080,7 @@ def cmd_bench(args):
         peers_equal_to_hf_generate=same,
         allreduce_calls_per_token=dict(greedy=round(ours.greedy_allreduce[0], 3),
                                        speculative=round(ours.spec_allreduce[0], 3)),
-        world_size=world, exact=args.exact, peak_rss_mb=round(peak_rss_mb(), 1),
+        world_size=world, exact=args.exact, peak_rss_mb=round(rss_mb, 1),
         seconds=round(time.time() - t0, 1))))
 
 
