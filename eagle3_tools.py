@@ -468,20 +468,18 @@ def randomise(module, generator, skip=lambda name: False):
 
 def random_target(cfg, world, dtype, device, generator):
     """This rank's shard of the target of `cfg`, built on meta, allocated once on `device` in
-    `dtype` (no fp32 copy on the CPU), with random weights."""
+    `dtype` (no fp32 copy on the CPU), with random weights, frozen in eval mode."""
     with torch.device("meta"):
         target = in_model_dtype((DeepSeekTarget if cfg.mla else Target)(cfg, world), dtype)
     target = target.to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty breaks the tie; restore it
         target.lm_head.weight = target.model.embed_tokens.weight
     randomise(target, generator)
-    return target
+    return target.eval().requires_grad_(False)
 
 
-def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length,
-                 exact=False):
-    """The random target (random_target; on the exact path with `exact`), drafter and their
-    KV caches."""
+def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_length, exact=False):
+    """The random target (on the exact path with `exact`), drafter and their KV caches."""
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
@@ -489,7 +487,6 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
         draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)
-    target = target.eval().requires_grad_(False)
     target = E.make_exact(target) if exact else target
     draft = draft.eval().requires_grad_(False)
     return CostModels(target, draft, target.new_cache(length), draft.new_cache(draft_length))
@@ -643,8 +640,9 @@ def cost_plan_inputs(args, cfg, draft_cfg):
     return shapes, sizes, taus, layers
 
 
-def print_cost_plan(run, cfg, timings, rows, taus):
-    """The run, the verify sweep (and its all-reduces under TP), then a row per shape."""
+def print_cost_plan(run, cfg, timings, rows, taus, t0):
+    """The run, the verify sweep (and its all-reduces under TP), then a row per shape; last,
+    one JSON line: the run, the verify sweep and every shape's row, rounded."""
     print0(f"{run['config']}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, "
            f"vocab {cfg.vocab_size}; drafter {run['drafter']} (draft vocab "
            f"{run['draft_vocab_size']}); random weights in {run['dtype']} on {run['device']}, "
@@ -669,18 +667,14 @@ def print_cost_plan(run, cfg, timings, rows, taus):
         print0(f"{r['shape']:31s} {r['nodes']:3d} {r['draft']:6.2f} {r['verify']:6.2f} "
                f"{r['accept']:6.2f} {r['round_cost']:6.2f} {r['break_even_tau']:10.2f}" +
                "".join(f" {r['speedup'][tau]:6.2f}" for tau in taus))
-
-
-def cost_plan_json(run, timings, rows, seconds):
-    """cost-plan's last line: the run, the verify sweep and every shape's row, rounded."""
     verify = [dict(nodes=N, ms=round(s * 1e3, 4), decode_steps=round(s / timings.decode, 4),
-                   allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if timings.allreduce
-                   else None) for N, s in sorted(timings.verify.items())]
+                   allreduce_ms=round(timings.allreduce[N] * 1e3, 4) if tp else None)
+              for N, s in sorted(timings.verify.items())]
     parts = ("verify", "draft", "accept", "round_cost", "break_even_tau")
     shapes = [dict(r, **{k: round(r[k], 4) for k in parts},
                    speedup={tau: round(x, 4) for tau, x in r["speedup"].items()}) for r in rows]
-    return json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=verify,
-                           shapes=shapes, seconds=round(seconds, 1)))
+    print0(json.dumps(dict(run, decode_ms=round(timings.decode * 1e3, 4), verify=verify,
+                           shapes=shapes, seconds=round(time.time() - t0, 1))))
 
 
 def cmd_cost_plan(args):
@@ -703,13 +697,11 @@ def cmd_cost_plan(args):
                              cfg.n_layers)
     rows = cost_rows(timings, shapes, taus)
     run = dict(config=config_dir(args.config), drafter=args.draft_config or "standard",
-               family=cfg.family, layers=cfg.n_layers,
-               layers_timed=layers, estimate=layers < cfg.n_layers, dtype=str(dtype)[6:],
-               device=device.type, world=world, context=args.context, warmup=args.warmup,
-               repeats=args.repeats, draft_vocab_size=draft_cfg.draft_vocab_size,
-               exact=args.exact)
-    print_cost_plan(run, cfg, timings, rows, taus)
-    print0(cost_plan_json(run, timings, rows, time.time() - t0))
+               family=cfg.family, layers=cfg.n_layers, layers_timed=layers,
+               estimate=layers < cfg.n_layers, dtype=str(dtype)[6:], device=device.type,
+               world=world, context=args.context, warmup=args.warmup, repeats=args.repeats,
+               draft_vocab_size=draft_cfg.draft_vocab_size, exact=args.exact)
+    print_cost_plan(run, cfg, timings, rows, taus, t0)
 
 
 # ----------------------------------------------------------------------------------------
