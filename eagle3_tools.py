@@ -360,8 +360,7 @@ def comm_plan(cfg, world, elt, shapes, taus, links, saving=FUSION_SAVING_US, dra
     for label, shape in [("plain decoding", None)] + shapes:
         calls, bcast = round_collectives(cfg, elt, shape, 1.0, False)
         row = dict(shape=label, nodes=1 if shape is None else shape.total_tokens,
-                   allreduce_per_verify=calls[0][0], bytes_per_allreduce=calls[0][1],
-                   per_token={})
+                   allreduce_per_verify=calls[0][0], bytes_per_allreduce=calls[0][1], per_token={})
         for tau in [1.0] if shape is None else taus:
             calls, bcast = round_collectives(cfg, elt, shape, tau, draft_sharded)
             per_token = dict(allreduce_calls=sum(n for n, _ in calls) / tau,
@@ -404,9 +403,8 @@ def cmd_comm_plan(args):
         links[name] = LINKS.get(link) or Link(*parse_numbers(link, float, "--link", 2))
         if links[name].alpha_us < 0 or links[name].gbps <= 0:
             fail(f"--link {link!r} needs a latency >= 0 us and a bandwidth > 0 GB/s")
-    taus = plan_taus(args.tau)
     rows = comm_plan(cfg, args.tp, dtype.itemsize, plan_shapes(args.tree, cfg.vocab_size),
-                     taus, links, args.fusion_saving_us, args.draft_sharded)
+                     plan_taus(args.tau), links, args.fusion_saving_us, args.draft_sharded)
     drafter = ("TP-sharded (2 all-reduces per draft forward)" if args.draft_sharded else
                "replicated (no collectives)")
     print0(f"{path}: {cfg.family}, {cfg.n_layers} layers, hidden {cfg.hidden_size}, at TP "
