@@ -565,8 +565,7 @@ def measure_ends(target, sizes, timer):
     T = 1 and each verify size: they do not grow with depth, so a slice scales without them."""
     m, device = target.model, target.lm_head.weight.device
     ids = {T: torch.zeros(1, T, dtype=torch.long, device=device) for T in sorted({1, *sizes})}
-    return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1]
-            for T, x in ids.items()}
+    return {T: timer(lambda: target.lm_head(m.norm(m.embed_tokens(x))))[1] for T, x in ids.items()}
 
 
 def full_depth(timings, ends, built, layers):
@@ -804,8 +803,7 @@ def captured_inputs(head, pad_id):
     def inputs(examples, aux_layers):
         if head.captured_aux is not None and tuple(aux_layers) != tuple(head.captured_aux):
             fail(f"the features were captured at hidden_states {list(head.captured_aux)} but "
-                 f"the drafter reads {list(aux_layers)}: capture again, or check "
-                 f"--aux-convention")
+                 f"the drafter reads {list(aux_layers)}: capture again, or check --aux-convention")
         w, D = head.lm_head.weight, head.cfg.hidden_size
         device, dtype = w.device, w.dtype
         ids, mask = (t.to(device) for t in collate(examples, pad_id))
@@ -1023,8 +1021,7 @@ def bench_table(ours, peers, world, prompts):
     same = {k: sum(a == b for a, b in zip(t.outputs, peers["hf_generate"].outputs))
             for k, t in peers.items() if k != "hf_generate"}   # exact in this dtype?
     for k, count in same.items():
-        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} "
-               f"prompts")
+        print0(f"{PEERS[k]}: output equals transformers generate on {count} of {prompts} prompts")
     return rows, same
 
 
@@ -1057,9 +1054,8 @@ def cmd_bench(args):
     import resource
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # Linux counts KiB
     print0(f"tau {ours.tau:.2f} (greedy); output identical to greedy on every prompt: "
-           f"{ours.lossless}; peak RSS {rss_mb:.0f} MB; all-reduces per token at "
-           f"W={world}: greedy {ours.greedy_allreduce[0]:.1f}, speculative "
-           f"{ours.spec_allreduce[0]:.1f}")
+           f"{ours.lossless}; peak RSS {rss_mb:.0f} MB; all-reduces per token at W={world}: "
+           f"greedy {ours.greedy_allreduce[0]:.1f}, speculative {ours.spec_allreduce[0]:.1f}")
     print0(json.dumps(dict(
         prompts=len(prompts), max_new_tokens=n, tree=list(shape), tau=round(ours.tau, 3),
         lossless=ours.lossless,
