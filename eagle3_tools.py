@@ -744,20 +744,6 @@ def capture_features(target, examples, out, aux_layers):
     return len(todo)
 
 
-def captured_files(path):
-    """{sample index: file} of a features dir in SpecForge's layout (.ckpt or .ckpt.gz)."""
-    found = {}
-    for group in sorted(os.listdir(path)):
-        if group.startswith("rows_") and os.path.isdir(os.path.join(path, group)):
-            for name in os.listdir(os.path.join(path, group)):
-                stem = name[:-3] if name.endswith(".gz") else name
-                if stem.startswith("data_") and stem.endswith(".ckpt") and stem[5:-5].isdigit():
-                    found[int(stem[5:-5])] = os.path.join(path, group, name)
-    if not found:
-        fail(f"no rows_*/data_*.ckpt(.gz) files in {path!r}: capture features first")
-    return dict(sorted(found.items()))
-
-
 def read_captured(file):
     import gzip
     try:
@@ -778,7 +764,17 @@ class Captured(NamedTuple):
 
 
 def captured_examples(path):
-    samples = ((file, read_captured(file)) for file in captured_files(path).values())
+    """The Captured samples of a features dir in SpecForge's layout (.ckpt or .ckpt.gz), in
+    the order of their index i (data_{i})."""
+    import glob
+    found = {}   # i -> file
+    for file in glob.glob(os.path.join(glob.escape(path), "rows_*", "data_*.ckpt*")):
+        stem = os.path.basename(file).removesuffix(".gz")
+        if stem.endswith(".ckpt") and stem[5:-5].isdigit():
+            found[int(stem[5:-5])] = file
+    if not found:
+        fail(f"no rows_*/data_*.ckpt(.gz) files in {path!r}: capture features first")
+    samples = ((file, read_captured(file)) for _, file in sorted(found.items()))
     return [Captured(file, s["input_ids"].view(-1).tolist(), s["loss_mask"].view(-1).tolist())
             for file, s in samples]
 
@@ -805,10 +801,9 @@ def captured_inputs(head, pad_id):
             fail(f"the features were captured at hidden_states {list(head.captured_aux)} but "
                  f"the drafter reads {list(aux_layers)}: capture again, or check --aux-convention")
         w, D = head.lm_head.weight, head.cfg.hidden_size
-        device, dtype = w.device, w.dtype
-        ids, mask = (t.to(device) for t in collate(examples, pad_id))
-        hidden = torch.zeros(*ids.shape, D, device=device, dtype=dtype)          # (B, T, D)
-        aux = torch.zeros(*ids.shape, 3 * D, device=device, dtype=dtype)        # (B, T, 3D)
+        ids, mask = (t.to(w.device) for t in collate(examples, pad_id))
+        hidden = w.new_zeros(*ids.shape, D)       # (B, T, D), in the lm_head's device and dtype
+        aux = w.new_zeros(*ids.shape, 3 * D)      # (B, T, 3D)
         for b, ex in enumerate(examples):
             sample = read_captured(ex.file)
             T = len(ex.tokens)
