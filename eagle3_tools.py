@@ -109,11 +109,10 @@ def vocab_fit(draft_dir, target_tokenizer, draft_tokenizer, data=None):
 
 def reply_coverage(ids, tokenizer, data, max_len):
     """Share of the data's reply tokens (through `tokenizer`) that the target ids `ids` cover."""
-    kept, total, inside = set(ids), 0, 0
-    for ex in training_examples(tokenizer, data, max_len):
-        reply = [t for t, m in zip(ex.tokens, ex.reply_mask) if m]
-        total, inside = total + len(reply), inside + sum(t in kept for t in reply)
-    return inside / max(1, total)
+    kept = set(ids)
+    reply = [t for ex in training_examples(tokenizer, data, max_len)
+             for t, m in zip(ex.tokens, ex.reply_mask) if m]
+    return sum(t in kept for t in reply) / max(1, len(reply))
 
 
 def compare_vocab_maps(ids_a, tok_a, ids_b, tok_b):
@@ -224,27 +223,25 @@ def cmd_remap_draft(args):
            f"{size - carried} freshly initialised")
 
 
-def draft_check_accuracy(args, candidates):
-    """Held-out per-TTT-step accuracy of the drafter fed each distinct reading's features
-    (the target runs: only it has every layer), ranked and printed."""
+def draft_check_accuracy(args, readings):
+    """Held-out per-TTT-step accuracy of the drafter fed each reading's features (the target
+    runs: only it has every layer), ranked and printed; readings: {indices: conventions}."""
     target = load_target(args.target, dtype=parse_dtype(args.dtype))
     tokenizer = load_tokenizer(args.target, args)
     examples = training_examples(tokenizer, args.data, math.inf)[:args.max_examples]
     if not examples:
         fail(f"{args.data} has no conversation with an assistant turn to measure on")
     draft = load_draft(args.draft, target)
-    distinct = list(dict.fromkeys(candidates.values()))
-    for indices in distinct:
+    for indices in readings:
         check_aux_layers(indices, target.cfg.n_layers)
     inputs = live_inputs(target, tokenizer.pad_token_id or 0)
     accuracy = {indices: evaluate_draft(inputs, draft, examples, aux_layers=indices).step_accuracy
-                for indices in distinct}
+                for indices in readings}
     ranked = sorted(accuracy, key=lambda indices: -accuracy[indices][0])
     for indices in ranked:
-        names = ", ".join(c for c, v in candidates.items() if v == indices)
-        print0(f"  {str(list(indices)):16s} ({names}): held-out draft accuracy per TTT step "
-               f"{' '.join(f'{a:.3f}' for a in accuracy[indices])}")
-    best = [c for c, v in candidates.items() if v == ranked[0]]
+        print0(f"  {str(list(indices)):16s} ({', '.join(readings[indices])}): held-out draft "
+               f"accuracy per TTT step {' '.join(f'{a:.3f}' for a in accuracy[indices])}")
+    best = readings[ranked[0]]
     margin = accuracy[ranked[0]][0] - (accuracy[ranked[1]][0] if len(ranked) > 1 else 0.0)
     print0(f"fits: {', '.join(best)} (step-0 accuracy {accuracy[ranked[0]][0]:.3f}"
            + (f", {margin:.3f} above the next reading)" if len(ranked) > 1 else ")"))
@@ -270,17 +267,17 @@ def cmd_draft_check(args):
     for convention, indices in candidates.items():
         same = "" if indices == candidates[declared] else "  <- not the layers it was saved for"
         print0(f"  {convention:14s} {list(indices)}{same}")
-    distinct = list(dict.fromkeys(candidates.values()))
-    if len(distinct) > 1:
-        print(f"WARNING: the conventions disagree for this drafter ({len(distinct)} readings): "
+    readings = {v: [c for c, u in candidates.items() if u == v] for v in candidates.values()}
+    if len(readings) > 1:
+        print(f"WARNING: the conventions disagree for this drafter ({len(readings)} readings): "
               f"served under another convention than it was trained with, it drafts from the "
               f"wrong features and silently loses acceptance. Pass --data to measure which "
               f"reading fits; re-save it for its engine with draft-check --for ENGINE --out DIR, "
               f"or read it with --aux-convention.", file=sys.stderr)
-    report = dict(ids=ids, declared=declared, agree=len(distinct) == 1,
+    report = dict(ids=ids, declared=declared, agree=len(readings) == 1,
                   candidates={k: list(v) for k, v in candidates.items()})
     if args.data:
-        report.update(draft_check_accuracy(args, candidates))
+        report.update(draft_check_accuracy(args, readings))
     if args.out:   # the same weights, their aux ids written for one engine
         head = load_target_head(args.target)
         save_draft(load_draft(args.draft, head, aux_convention=args.aux_convention), args.out,
