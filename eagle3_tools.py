@@ -450,11 +450,9 @@ def randomise(module, generator, skip=lambda name: False):
     COST_INIT_STD), vectors 1; float buffers (the MoE routing bias) 0, not to_empty's junk."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if skip(name):
-                continue
-            if p.dim() > 1:
+            if p.dim() > 1 and not skip(name):
                 p.normal_(0, COST_INIT_STD, generator=generator)
-            else:
+            elif not skip(name):
                 p.fill_(1.0)
         for b in module.buffers():
             if b.is_floating_point():
@@ -990,8 +988,7 @@ def bench_prompts(args, target_dir):
         # a small draft LM for transformers' assisted generation, trained on the tiny
         # target's corpus and tokenizer: the fair classic speculative baseline
         from transformers import AutoConfig, AutoTokenizer
-        config = AutoConfig.from_pretrained(target_dir)
-        config.num_hidden_layers = ASSISTANT_LM_LAYERS
+        config = AutoConfig.from_pretrained(target_dir, num_hidden_layers=ASSISTANT_LM_LAYERS)
         E.build_lm(assistant_dir, config, AutoTokenizer.from_pretrained(target_dir),
                    E.pretraining_texts(0), ASSISTANT_LM_STEPS, 0)
     texts = args.prompt or demo_prompts(DEMO.decode_prompts, DEMO.decode_offset)
