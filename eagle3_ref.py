@@ -2691,8 +2691,6 @@ def conversation(line, where):
 
 def read_conversations(path):
     """JSONL of ShareGPT `conversations` or OpenAI `messages` -> lists of {role, content}."""
-    if not os.path.isfile(path):
-        fail(f"--data {path!r} does not exist or is not a file: give a JSONL file of chats")
     try:
         with open(path, encoding="utf-8") as f:
             return [conversation(line, f"{path}:{line_no}")
