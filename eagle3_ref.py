@@ -3097,34 +3097,29 @@ def next_token_accuracy(target, token_lists):
     return hits / total
 
 
-def pretrain_target(target, rows, steps, batch, lr, warmup, seed):
-    """Plain next-token training of a tiny LM (one process): AdamW, clip 1.0."""
-    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=ADAM_BETAS, weight_decay=0.0)
-    g = torch.Generator().manual_seed(seed)
-    bar = Progress("pretrain target", steps)
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        x = rows[torch.randint(len(rows), (batch,), generator=g)]
-        logits, _ = target(x, aux_layers=())
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        bar.show(step + 1, loss=loss.item())
-    bar.done()
-
-
 def build_lm(path, hf_config, tokenizer, texts, steps, seed):
-    """Pretrain a tiny LM (random init, next-token loss on the corpus cut into rows) and save
-    it as a real HF model dir (config, weights, tokenizer): transformers and load_target read it."""
+    """Pretrain a tiny LM (random init; one process: AdamW, clip 1.0, next-token loss on the
+    corpus cut into rows) and save it as a real HF model dir (config, weights, tokenizer):
+    transformers and load_target read it."""
     from safetensors.torch import save_file
     lm = init_weights(Target(target_config(hf_config)), seed)
     stream = torch.tensor([t for text in texts for t in tokenizer(text).input_ids])
     n = len(stream) // PRETRAIN.row_len * PRETRAIN.row_len
     rows = stream[:n].view(-1, PRETRAIN.row_len)                              # (rows, row_len)
-    pretrain_target(lm, rows, steps, PRETRAIN.batch, PRETRAIN.lr, PRETRAIN.warmup, seed)
+    opt = torch.optim.AdamW(lm.parameters(), lr=PRETRAIN.lr, betas=ADAM_BETAS, weight_decay=0.0)
+    g, bar = torch.Generator().manual_seed(seed), Progress("pretrain target", steps)
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, PRETRAIN.lr, PRETRAIN.warmup)
+        x = rows[torch.randint(len(rows), (PRETRAIN.batch,), generator=g)]
+        logits, _ = lm(x, aux_layers=())
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.show(step + 1, loss=loss.item())
+    bar.done()
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in lm.state_dict().items()}
     tokenizer.save_pretrained(path)
