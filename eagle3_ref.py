@@ -2847,8 +2847,7 @@ class ChainStats(NamedTuple):
 
 def accepted_runs(result):
     """(B, T): how many drafts of a greedy chain started at t are accepted, from a TTTResult:
-    steps 0..d-1 all scored and correct (on the target's own greedy replies TTT step d at t is
-    fed exactly the accepted draft)."""
+    steps 0..d-1 all scored and correct (chain_stats says why)."""
     ok = torch.stack([s & c for s, c in zip(result.scored, result.correct)]).long()  # (steps, B, T)
     return ok.cumprod(0).sum(0)                 # cumprod: steps 0..d all scored and correct
 
@@ -2875,8 +2874,7 @@ def chain_stats(results):
     averaged over every start. Served rounds start after the previous round's bonus (more
     often in hard spans when misses cluster), so `replayed_tau` walks the replies so."""
     steps = len(results[0].correct)
-    hits, counts = torch.zeros(steps), torch.zeros(steps)
-    tried, reached = torch.zeros(steps), torch.zeros(steps)
+    hits, counts, tried, reached = torch.zeros(4, steps)
     rounds = [[] for _ in range(steps)]
     for r in results:
         run = accepted_runs(r)
