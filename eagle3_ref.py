@@ -2220,8 +2220,7 @@ def load_state(module, ckpt, rank, world, skip=lambda name: False, tied=False):
     """Strict key-for-key load of a Checkpoint into `module`, each rank reading only its
     slice (shard_dim). `skip` names keys the caller fills itself. Tolerated extras: old HF
     rotary buffers, and a tied model's lm_head.weight (ignored, as transformers does)."""
-    params = dict(module.named_parameters(remove_duplicate=False))
-    params.update(dict(module.named_buffers()))
+    params = dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
     expected = {k for k in params if not skip(k) and not (tied and k == "lm_head.weight")}
     ignorable = {k for k in ckpt.keys() if skip(k) or k.endswith("rotary_emb.inv_freq") or
                  (tied and k == "lm_head.weight")}
@@ -2919,9 +2918,8 @@ def train_draft(inputs, draft, examples, held_out, cfg, out_dir, resume=False):
     if cfg.batch % world:
         fail(f"batch={cfg.batch} must be divisible by the world size {world}")
     opt = new_optimizer(draft, cfg)
-    state_file = os.path.join(out_dir, TRAIN_STATE_FILE)
-    start, seconds, curve = (load_train_state(state_file, draft, opt) if resume
-                             else TrainState())
+    start, seconds, curve = (load_train_state(os.path.join(out_dir, TRAIN_STATE_FILE), draft, opt)
+                             if resume else TrainState())
     bar, t0, curve = Progress("train draft", cfg.steps, start), time.time() - seconds, list(curve)
     for step in range(start, cfg.steps):
         batch = [examples[i] for i in batch_indices(len(examples), cfg.batch, step, cfg.seed)]
