@@ -3255,17 +3255,12 @@ def preset_record(preset):
     return dict(name=preset.name, **{k: getattr(preset, k) for k in PRESET_NUMBERS})
 
 
-def golden_preset(cfg):
-    """The preset a golden config records, official for traces that name none."""
-    record = cfg.get("preset", dict(name="official"))
-    return as_preset(record["name"])._replace(
-        **{k: record[k] for k in PRESET_NUMBERS if k in record})
-
-
 def golden_run(cfg):
     """Run speculative decoding as described by a golden header -> (results, the trace's
     tensors: each sequence's as rowBB.<field>, plain names for one)."""
-    preset = golden_preset(cfg)
+    record = cfg.get("preset", dict(name="official"))   # traces that name none: official
+    preset = as_preset(record["name"])._replace(
+        **{k: record[k] for k in PRESET_NUMBERS if k in record})
     target = load_target(cfg["target"], dtype=parse_dtype(cfg["dtype"]))
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
