@@ -3712,58 +3712,6 @@ def flag_groups():
     return models, tree, sampling
 
 
-def add_generate(sub, shared):
-    g = sub.add_parser("generate", parents=shared,
-                       help="speculative decoding: a target and an EAGLE-3 drafter")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
-    g.set_defaults(run=cmd_generate)
-
-
-def add_golden(sub, shared):
-    gd = sub.add_parser("golden", parents=shared,
-                        help="write (--out) or re-check (--check) a golden trace")
-    gd.add_argument("--out")
-    gd.add_argument("--check")
-    gd.add_argument("--prompt", action="append",
-                    help=f"chat prompt text (repeat for a batch; default {GOLDEN_PROMPT!r})")
-    gd.add_argument("--prompt-ids", help="token ids instead of --prompt: 1,2,3 (one "
-                                         "sequence) or 1,2,3;4,5 (a batch)")
-    gd.add_argument("--max-new-tokens", type=int, default=64)
-    gd.add_argument("--eos-token-id", type=int)
-    gd.set_defaults(run=cmd_golden)
-
-
-def add_train(sub):
-    t = sub.add_parser("train", parents=[remote_code_flag()],
-                       help="train an EAGLE-3 drafter for a target on chat data")
-    t.add_argument("--target", required=True, help="Hugging Face model dir")
-    t.add_argument("--data", help="JSONL: ShareGPT conversations or messages")
-    t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--steps", type=int, help="optimizer steps instead of --epochs: the learning "
-                   "rate anneals over them, so a short budget still ends annealed")
-    t.add_argument("--eval-every", type=int, help="steps between held-out evaluations "
-                   "(default steps/10)")
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--draft-vocab-size", type=int, default=32000)
-    t.add_argument("--max-len", type=int, default=2048, help="longer conversations are dropped")
-    t.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
-    t.add_argument("--init-draft", help="start from this drafter (keeps its vocab map)")
-    t.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
-    t.add_argument("--for", **SAVE_FOR_FLAG)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", help="the target's weights (default: fp32 on a CPU)")
-    t.add_argument("--autocast", choices=("none", "bf16"), default="none",
-                   help="bf16: the forward's matmuls in bf16, the drafter's weights in fp32")
-    t.set_defaults(run=cmd_train)
-    return t
-
-
 POSITIVE_FLAGS = ("max_new_tokens", "batch", "epochs", "steps", "eval_every", "lr", "ttt_steps",
                   "max_len", "draft_vocab_size", "tree_top_k", "depth", "total_tokens")
 PATH_FLAGS = dict(  # flag -> what must be there: "dir", "file" or "any" (a dir or a file)
@@ -3824,11 +3772,50 @@ def build_parser(*extensions, description="EAGLE-3 reference: with no command, r
     p = Parser(description=description)
     sub = p.add_subparsers(dest="command")
     shared = list(flag_groups())   # models, tree, sampling
-    add_generate(sub, shared)
-    add_golden(sub, shared)
-    train = add_train(sub)
+    g = sub.add_parser("generate", parents=shared,
+                       help="speculative decoding: a target and an EAGLE-3 drafter")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--show-tree", action="store_true", help="draw each round's tree")
+    g.set_defaults(run=cmd_generate)
+    gd = sub.add_parser("golden", parents=shared,
+                        help="write (--out) or re-check (--check) a golden trace")
+    gd.add_argument("--out")
+    gd.add_argument("--check")
+    gd.add_argument("--prompt", action="append",
+                    help=f"chat prompt text (repeat for a batch; default {GOLDEN_PROMPT!r})")
+    gd.add_argument("--prompt-ids", help="token ids instead of --prompt: 1,2,3 (one "
+                                         "sequence) or 1,2,3;4,5 (a batch)")
+    gd.add_argument("--max-new-tokens", type=int, default=64)
+    gd.add_argument("--eos-token-id", type=int)
+    gd.set_defaults(run=cmd_golden)
+    t = sub.add_parser("train", parents=[remote_code_flag()],
+                       help="train an EAGLE-3 drafter for a target on chat data")
+    t.add_argument("--target", required=True, help="Hugging Face model dir")
+    t.add_argument("--data", help="JSONL: ShareGPT conversations or messages")
+    t.add_argument("--out", required=True, help="drafter dir (checkpoints, train_state.pt)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--steps", type=int, help="optimizer steps instead of --epochs: the learning "
+                   "rate anneals over them, so a short budget still ends annealed")
+    t.add_argument("--eval-every", type=int, help="steps between held-out evaluations "
+                   "(default steps/10)")
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--draft-vocab-size", type=int, default=32000)
+    t.add_argument("--max-len", type=int, default=2048, help="longer conversations are dropped")
+    t.add_argument("--ttt-steps", type=int, default=TTT_STEPS)
+    t.add_argument("--init-draft", help="start from this drafter (keeps its vocab map)")
+    t.add_argument("--aux-convention", **AUX_CONVENTION_FLAG)
+    t.add_argument("--for", **SAVE_FOR_FLAG)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", help="the target's weights (default: fp32 on a CPU)")
+    t.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                   help="bf16: the forward's matmuls in bf16, the drafter's weights in fp32")
+    t.set_defaults(run=cmd_train)
     for extend in extensions:
-        extend(sub, train)
+        extend(sub, t)
     if default is None:   # the main job is this parser's own
         p.add_argument("--exact", **EXACT_FLAG)
     p.set_defaults(run=default or (lambda args: main_demo(args.exact)))
