@@ -2963,8 +2963,7 @@ def live_inputs(target, pad_id):
     @torch.no_grad()
     def inputs(examples, aux_layers):
         ids, mask = (t.to(target.lm_head.weight.device) for t in collate(examples, pad_id))
-        logits, aux = target(ids, aux_layers=aux_layers)
-        return TTTInputs(ids, mask, logits, aux)
+        return TTTInputs(ids, mask, *target(ids, aux_layers=aux_layers))   # logits, aux
     return inputs
 
 
@@ -3265,9 +3264,8 @@ def golden_run(cfg):
     if cfg.get("exact", False):   # traces written before the exact path ran without it
         make_exact(target)
     draft = load_draft(cfg["draft"], target, aux_convention=cfg.get("aux_convention"))
-    device = target.lm_head.weight.device
     rows = cfg["prompts"] if "prompts" in cfg else [cfg["input_ids"]]   # a batch, or one
-    prompts = [torch.tensor([ids], device=device) for ids in rows]
+    prompts = [torch.tensor([ids], device=target.lm_head.weight.device) for ids in rows]
     results = speculative_generate_batch(
         target, draft, prompts, cfg["max_new_tokens"], temperature=cfg["temperature"],
         top_p=cfg["top_p"], top_k=cfg["top_k"], tree=TreeShape(*cfg["tree"]), seed=cfg["seed"],
@@ -3724,8 +3722,7 @@ def check_args(args, path_flags=PATH_FLAGS, file_outputs=FILE_OUTPUTS, positive=
     rates it takes are > 0, and --out can be written: checked before anything loads, so a
     typo is one line naming the flag."""
     for name, kind in path_flags.items():
-        path = getattr(args, name, None)
-        flag = "--" + name.replace("_", "-")
+        path, flag = getattr(args, name, None), "--" + name.replace("_", "-")
         if path is None:
             continue
         if not os.path.exists(path):
