@@ -3436,8 +3436,7 @@ def main_demo(exact=False):
     print0(json.dumps(dict(
         tau=round(stats.tau, 3), lossless=stats.lossless,
         speedup_vs_greedy=round(stats.spec_tokens_per_s / stats.greedy_tokens_per_s, 3),
-        train_acc_step0=round(draft_acc[0], 3),
-        draft_acc_per_step=[round(a, 3) for a in draft_acc],
+        train_acc_step0=round(draft_acc[0], 3), draft_acc_per_step=[round(a, 3) for a in draft_acc],
         target_top1_acc=round(target_acc, 3), seconds=round(time.time() - t0, 1))))
 
 
@@ -3624,8 +3623,7 @@ def check_examples(examples, where, max_len):
 
 
 def train_command(args, target, inputs, examples):
-    """train, once data and target are read: hold out 1/50, map the vocab (or keep
-    --init-draft's), run TTT, print the last curve point."""
+    """train once data and target are read (cmd_train; eagle3_tools' train --features)."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,
