@@ -3623,7 +3623,8 @@ def check_examples(examples, where, max_len):
 
 
 def train_command(args, target, inputs, examples):
-    """train once data and target are read (cmd_train; eagle3_tools' train --features)."""
+    """train, once data and target are read: hold out 1/50, map the vocab (or keep
+    --init-draft's), run TTT, print the last curve point."""
     train, held_out = held_out_split(examples)
     if args.init_draft:
         draft = load_draft(args.init_draft, target, dtype=torch.float32,

@@ -450,9 +450,11 @@ def randomise(module, generator, skip=lambda name: False):
     COST_INIT_STD), vectors 1; float buffers (the MoE routing bias) 0, not to_empty's junk."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if p.dim() > 1 and not skip(name):
+            if skip(name):
+                continue
+            if p.dim() > 1:
                 p.normal_(0, COST_INIT_STD, generator=generator)
-            elif not skip(name):
+            else:
                 p.fill_(1.0)
         for b in module.buffers():
             if b.is_floating_point():
@@ -1715,7 +1717,7 @@ def probe_target(args):
         fail(f"--layers {layers} exceeds the model's num_hidden_layers={cfg.n_layers}")
     generator = torch.Generator(device).manual_seed(args.seed)
     target = random_target(replace(cfg, n_layers=layers), 1, dtype, device, generator)
-    return (target.eval().requires_grad_(False),
+    return (target,
             f"{config_dir(args.config)} (random weights, {layers} of {cfg.n_layers} layers)")
 
 
