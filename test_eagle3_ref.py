@@ -374,9 +374,12 @@ def comm_of_runs(target, draft, prompt, spec_prompt):
     _, verified = sent(target, lambda: verify(target, cache, prompt.shape[1], tree))
     spec = E.speculative_generate(target, draft, spec_prompt, 16, tree=E.TreeShape(*COMM_TREE))
     _, greedy = sent(target, lambda: E.greedy_generate(target, spec_prompt, 16))
+    stats = E.measure_decoding(target, draft, [spec_prompt], 16, tree=E.TreeShape(*COMM_TREE),
+                               repeats=1)           # bench's all-reduces per token
     return dict(verify=plain_comm(verified), prefill=plain_comm(spec.prefill_comm),
                 rounds=[dict(plain_comm(r.comm), nodes=len(r.tree.tokens)) for r in spec.rounds],
-                greedy=plain_comm(greedy), tokens=len(spec.tokens))
+                greedy=plain_comm(greedy), tokens=len(spec.tokens),
+                per_token=(stats.spec_allreduce, stats.greedy_allreduce))
 
 
 def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
@@ -392,6 +395,10 @@ def assert_comm_counts(comm, cfg, spec_prompt_length, elt=4):
     # greedy: the prefill of T tokens, then 15 forwards of one token; 16 decisions
     assert comm["greedy"] == dict(all_reduce=(2 * L * 16, 2 * L * (T + 15) * D * elt),
                                   broadcast=(16, 16 * 8))
+    # measure_decoding's (calls, bytes) per token: those all-reduces over the 16 tokens
+    spec = [sum(p["all_reduce"][i] for p in [comm["prefill"], *comm["rounds"]]) for i in (0, 1)]
+    assert comm["tokens"] == 16 and comm["per_token"] == (
+        (spec[0] / 16, spec[1] / 16), tuple(x / 16 for x in comm["greedy"]["all_reduce"]))
 
 
 def tp_speculative(target, draft, prompt, shapes, n=TP_NEW_TOKENS):
@@ -782,10 +789,9 @@ def test_drafter_with_its_own_head_dim_loads_and_runs_as_written_out(zoo, tmp_pa
     with pytest.raises(E.Eagle3Error, match=r"drafter config gives head_dim=1: RoPE rotates "):
         E.read_draft_config(draft_config(target.cfg, num_attention_heads=HIDDEN), target.cfg)
     # a variant's flags (EAGLE-3.1's norms, an engine's extras) change what it computes
-    for key, flag in (("fc_norm", dict(fc_norm=True)), ("norm_output", dict(norm_output=True)),
-                      ("norm_before_fc", dict(norm_before_fc=True)),
-                      ("logit_scale", dict(logit_scale=0.5)), ("use_aux_hidden_state", dict(
-                          eagle_config=dict(use_aux_hidden_state=False)))):
+    for key, flag in ([(k, {k: True}) for k in E.VARIANT_DRAFT_FLAGS] +
+                      [("logit_scale", dict(logit_scale=0.5)), ("use_aux_hidden_state", dict(
+                          eagle_config=dict(use_aux_hidden_state=False)))]):
         with pytest.raises(E.Eagle3Error, match=f"sets {{'{key}'"):
             E.read_draft_config(draft_config(target.cfg, **flag), target.cfg)
 
