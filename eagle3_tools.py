@@ -1277,7 +1277,8 @@ def read_prompt_file(path, per_category=None):
     return rows
 
 
-def chat_ids(tokenizer, text):
+def prompt_ids(tokenizer, text):
+    """A prompt's chat-templated ids, as a list (the reference's chat_ids takes messages)."""
     return encode_prompt(tokenizer, text, True, "cpu")[0].tolist()
 
 
@@ -1299,7 +1300,7 @@ def regenerate(target, tokenizer, prompts, out, max_new_tokens, batch, max_len=N
     (a rerun resumes) -> (decoded now, prompts left out: no room for a reply in max_len)."""
     partial = out + ".partial"
     eos = tokenizer.eos_token_id
-    ids = {p: chat_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
+    ids = {p: prompt_ids(tokenizer, p) for p in dict.fromkeys(prompts)}
     kept = [p for p in prompts if max_len is None or len(ids[p]) + max_new_tokens <= max_len]
     if prompts and not kept:
         fail(f"--max-len {max_len} leaves no prompt room for a {max_new_tokens}-token reply "
@@ -1954,7 +1955,7 @@ def engine_prompt_ids(args):
         fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
     tokenizer = load_tokenizer(args.target, args)
     rows = read_prompt_file(args.prompts)[:args.limit]
-    return [chat_ids(tokenizer, r["prompt"]) for r in rows], eos_ids(tokenizer, args.target)
+    return [prompt_ids(tokenizer, r["prompt"]) for r in rows], eos_ids(tokenizer, args.target)
 
 
 def run_engine(args, prompts, eos):

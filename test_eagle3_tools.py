@@ -1151,7 +1151,7 @@ def test_regenerate_writes_the_targets_replies_and_resumes_after_a_kill_or_at_an
     tok = AutoTokenizer.from_pretrained(converted)
     # padded_greedy, regenerate's decoder: transformers' greedy reply for each of 6 prompts
     target = E.load_target(converted, dtype=torch.float32)
-    replies = E.padded_greedy(target, [T.chat_ids(tok, p) for p in REGEN_PROMPTS], 12, 2)
+    replies = E.padded_greedy(target, [T.prompt_ids(tok, p) for p in REGEN_PROMPTS], 12, 2)
     for p, r in zip(REGEN_PROMPTS, replies):
         text = tok.decode([t for t in r if t != 2], skip_special_tokens=True)
         assert text == tiny_hf_greedy(model, tok, p, 12), p
@@ -1184,7 +1184,7 @@ def test_regenerate_writes_the_targets_replies_and_resumes_after_a_kill_or_at_an
     assert not (tmp_path / "resumed.jsonl.partial").exists()
     assert E.training_examples(tok, str(full), 4096)   # train reads what regenerate wrote
     # --max-len leaves out the prompts with no room for a capped reply, and only those
-    lengths = [len(T.chat_ids(tok, p)) for p in REGEN_PROMPTS]
+    lengths = [len(T.prompt_ids(tok, p)) for p in REGEN_PROMPTS]
     cut = tmp_path / "cut.jsonl"
     proc = cli_here(*argv, cut, "--max-len", max(lengths) + 9)
     assert proc.returncode == 0 and "1 prompts left out, too long for --max-len" in proc.stdout
