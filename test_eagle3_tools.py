@@ -1273,7 +1273,8 @@ def test_real_demo_runs_every_stage_once_then_skips_them(native, tiny_gguf, tmp_
     assert captured["dtype"] == ("bfloat16" if native else "float32")
     assert f"--autocast {'bf16' if native else 'none'} " in out   # train's argv
     assert first["evaluate"]["exact"] is native                  # the evaluate stage's bench
-    assert ("--dtype bfloat16 --exact" if native else "--dtype float32") in out
+    evaluate = next(line for line in out.splitlines() if line.startswith("[evaluate] "))
+    assert evaluate.endswith("--dtype bfloat16 --exact" if native else "--dtype float32")
     assert captured["data"].endswith("train_conversations.jsonl")   # their own replies
     assert captured["samples"] == len(E.training_examples(
         E.load_tokenizer(first["outputs"]["model"], None), captured["data"], small.max_len, 16))
