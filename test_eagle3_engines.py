@@ -452,6 +452,18 @@ def test_engine_check_sampled_vllm_plain_passes_and_its_eagle3_is_pinned(engine_
 
 
 
+ENGINES_CLI = S.CLITables(X.build_parser, X.ENGINE_PATH_FLAGS, (), X.main)
+
+
+@pytest.mark.parametrize("command,dest", S.cli_path_flags(ENGINES_CLI) + [
+    ("sample-check", "samples")], ids=str)
+def test_every_engine_path_flag_refuses_missing_wrong_kind_and_unreadable_paths(
+        command, dest, tmp_path, monkeypatch):
+    files = dict(X.ENGINE_PATH_FLAGS, samples="file")   # sample-check's --samples is a file
+    tables = ENGINES_CLI._replace(path_flags=files) if command == "sample-check" else ENGINES_CLI
+    S.check_path_flag(tables, command, dest, tmp_path, monkeypatch)
+
+
 ENGINE_BAD = {  # name -> (argv tail, what the one line must say)
     "prompt ids not JSON": (lambda r: ["--prompt-ids", r / "bad.json"], "is not JSON"),
     "prompt id outside the vocab": (lambda r: ["--prompt-ids", r / "big.json"],

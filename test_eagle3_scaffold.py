@@ -566,7 +566,7 @@ def cli_required_argv(tables, command, tmp_path):
         if action.required:
             given = (value[cli_path_kind(tables, command, action.dest)]
                      if action.dest in tables.path_flags or action.dest == "out" else
-                     dict(prompt="hi", tp="2")[action.dest])
+                     dict(prompt="hi", tp="2", temperature="1")[action.dest])
             argv += [action.option_strings[-1], str(given)]
     return argv
 
