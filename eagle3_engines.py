@@ -129,37 +129,43 @@ def pit_values(p, x, v):
     return (p * before).sum(1) + v * px[:, 0]
 
 
-@torch.inference_mode()
-def score_samples(target, rows, sampling, seed=0, batch=8):
-    """Each row's output tokens under the target's warped distribution, one forward per row
-    (right-padded batches: causal attention never sees the padding) -> Scores. The PIT's
-    uniforms come from a generator seeded `seed`, so a score replays."""
-    g, device, parts, impossible, gains = torch.Generator().manual_seed(seed), \
-        target.lm_head.weight.device, [], [], []
+def forward_rows(target, rows, batch):
+    """Per row, the logits (n, V) float64 that predict its n output tokens: right-padded
+    batches of prompt + output, one forward each (causal attention never sees the padding)."""
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
         seqs = [r["prompt_ids"] + r["output_ids"] for r in chunk]
         ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)   # (B, T)
         for b, s in enumerate(seqs):
             ids[b, :len(s)] = torch.tensor(s)
-        logits, _ = target(ids.to(device), aux_layers=())                        # (B, T, V)
+        logits, _ = target(ids.to(target.lm_head.weight.device), aux_layers=())   # (B, T, V)
         for b, row in enumerate(chunk):
-            P, x = len(row["prompt_ids"]), torch.tensor(row["output_ids"])
-            z = logits[b, P - 1:P - 1 + len(x)].double().cpu()                 # (n, V)
-            p = E.warped_probs(z, sampling)
-            raw = z.log_softmax(-1)
-            gains.append(torch.stack([raw.gather(1, x[:, None])[:, 0] - raw.mean(-1),
-                                      (p * raw.nan_to_num(neginf=0)).sum(-1) - raw.mean(-1)]))
-            top = p.argmax(-1)
-            drafts = torch.tensor([top[i] if d is None else d for i, d in
-                                   enumerate(row.get("draft_ids", [None] * len(x)))])
-            possible = p.gather(1, x[:, None])[:, 0] > 0
-            impossible += [(start + b, i, int(x[i])) for i in (~possible).nonzero()[:, 0].tolist()]
-            u = pit_values(p, x, torch.rand(len(x), generator=g, dtype=torch.float64))
-            parts.append(torch.stack([u, p.gather(1, drafts[:, None])[:, 0],
-                                      (x == drafts).double(), p.gather(1, top[:, None])[:, 0],
-                                      (torch.arange(len(x)) == 0).double()], 1)[possible])
-    cols, gain = torch.cat(parts).numpy().T, torch.cat(gains, 1).mean(1).tolist()
+            P = len(row["prompt_ids"])
+            yield logits[b, P - 1:P - 1 + len(row["output_ids"])].double().cpu()
+
+
+@torch.inference_mode()
+def score_samples(target, rows, sampling, seed=0, batch=8):
+    """Each row's output tokens under the target's warped distribution -> Scores. The PIT's
+    uniforms come from a generator seeded `seed`, so a score replays."""
+    g, columns, impossible, gains = torch.Generator().manual_seed(seed), [], [], []
+    for r, (row, z) in enumerate(zip(rows, forward_rows(target, rows, batch))):
+        x = torch.tensor(row["output_ids"])
+        p, raw = E.warped_probs(z, sampling), z.log_softmax(-1)                 # (n, V)
+        p_of = lambda ids: p.gather(1, ids[:, None])[:, 0]                       # (n,)
+        top = p.argmax(-1)
+        draft = torch.tensor([t if d is None else d for t, d in
+                              zip(top.tolist(), row.get("draft_ids", [None] * len(x)))])
+        possible = p_of(x) > 0
+        impossible += [(r, i, int(x[i])) for i in (~possible).nonzero()[:, 0].tolist()]
+        u = pit_values(p, x, torch.rand(len(x), generator=g, dtype=torch.float64))
+        first = torch.arange(len(x)) == 0
+        columns.append(torch.stack([u, p_of(draft), (x == draft).double(), p_of(top),
+                                    first.double()], 1)[possible])              # (n, 5)
+        # nats over random ids: the sampled tokens', and what the target's own samples gain
+        gains.append(torch.stack([raw.gather(1, x[:, None])[:, 0],
+                                  (p * raw.nan_to_num(neginf=0)).sum(-1)]) - raw.mean(-1))
+    cols, gain = torch.cat(columns).numpy().T, torch.cat(gains, 1).mean(1).tolist()
     return Scores(cols[0], cols[1], cols[2] > 0, cols[3], cols[4] > 0, impossible, *gain,
                   any("draft_ids" in r for r in rows))
 
