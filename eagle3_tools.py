@@ -255,8 +255,10 @@ def engine_readings(draft_dir, target_cfg):
     the default indices, the same for all), and the convention its config declares."""
     raw = read_json(os.path.join(draft_dir, "config.json"))
     ids = aux_layer_ids(raw)
+    read = lambda c: raw.get(E.AUX_IDS_KEY) if c == "llama.cpp" else ids   # its top level only
     return ids, declared_aux_convention(raw), {
-        c: aux_inputs(ids, c) if ids else target_cfg.default_aux_layers for c in AUX_CONVENTIONS}
+        c: aux_inputs(read(c), c) if read(c) else target_cfg.default_aux_layers
+        for c in AUX_CONVENTIONS}
 
 
 def cmd_draft_check(args):
