@@ -405,9 +405,10 @@ def engine_rows(request, run, generate, counters):
     return rows
 
 
-def engine_main(serve, request_path, result_path, *models):
-    """The driver: every run of the request served by the adapter's serve(request, run,
-    *models), the result written whole or not at all."""
+def engine_main(serve, *argv):
+    """The driver, argv [MODELS...] REQUEST RESULT: every run of the request served by the
+    adapter's serve(request, run, *models), the result written whole or not at all."""
+    *models, request_path, result_path = argv
     with open(request_path) as f:
         request = json.load(f)
     runs = [serve(request, run, *models) for run in request["runs"]]
@@ -425,7 +426,7 @@ def write_driver(out, functions, *command):
     path = os.path.join(out, "engine_driver.py")
     source = "\n\n".join(inspect.getsource(f) for f in (engine_rows, engine_main, *functions))
     text = (f'"""engine-check\'s driver, written by eagle3_engines.py: ENGINE_PYTHON '
-            f'engine_driver.py REQUEST.json RESULT.json [MODELS]"""\n'
+            f'engine_driver.py [MODELS] REQUEST.json RESULT.json"""\n'
             f"import json\nimport os\nimport sys\nimport time\n\n\n{source}\n\n\n"
             f'if __name__ == "__main__":   # engines spawn processes: the entry point is '
             f'guarded\n    engine_main({functions[-1].__name__}, *sys.argv[1:])\n')
@@ -535,6 +536,80 @@ def llama_serve(request, run, target, draft):
                 stop_token_ids=eos)
 
 
+VLLM_STEP = '''"""vLLM's rejection step held against the EAGLE-3 reference's rule, target-free
+(written by eagle3_engines.py engine-check): target logits, argmax drafts, the temperature,
+uniforms and Exp(1) noise in, tokens out, as vLLM's RejectionSampler runs it after the bonus
+token (warp, then rejection_sample). CASE["expected"]: the tokens the rule gives (eagle3-ref).
+Run with vLLM's python; exit 1 where vLLM's tokens differ."""
+import json
+import sys
+
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+current_platform.register_triton_kernel_overrides()   # as vLLM's worker does at start-up
+import vllm.v1.sample.rejection_sampler as rs
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+CASE = json.loads(%r)
+B = len(CASE["drafts"])
+meta = SamplingMetadata(
+    temperature=torch.full((B,), CASE["temperature"]), all_greedy=False, all_random=True,
+    top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=True,
+    prompt_token_ids=None, frequency_penalties=torch.zeros(B), presence_penalties=torch.zeros(B),
+    repetition_penalties=torch.ones(B), output_token_ids=[[] for _ in range(B)],
+    allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+spec = SpecDecodeMetadata.make_dummy(CASE["drafts"], torch.device("cpu"))
+rs.generate_uniform_probs = lambda *a, **kw: torch.tensor(CASE["uniforms"], dtype=torch.float64)
+recover = rs._sample_recovered_tokens
+
+
+def fed_noise(out, cu, drafts, q, p, inv_q, **kw):   # the recovered token's Exp(1) noise
+    inv_q.copy_(1 / torch.tensor(CASE["exponentials"]))
+    return recover(out, cu, drafts, q, p, inv_q, **kw)
+
+
+rs._sample_recovered_tokens = fed_noise
+logits = rs.apply_sampling_constraints(torch.tensor(CASE["logits"]), spec.cu_num_draft_tokens,
+                                       meta)
+out = rs.rejection_sample(spec.draft_token_ids, spec.num_draft_tokens, spec.max_spec_len,
+                          spec.cu_num_draft_tokens, None, logits,
+                          torch.tensor(CASE["bonus"])[:, None], meta)
+tokens = rs.RejectionSampler.parse_output(out, logits.shape[-1])[0]
+for b, (got, want) in enumerate(zip(tokens, CASE["expected"])):
+    print(f"request {b}: vLLM {got}, the rule {want}: {'agree' if got == want else 'DIFFER'}")
+print(f"{sum(map(list.__eq__, tokens, CASE['expected']))} of {B} requests agree")
+sys.exit(int(tokens != CASE["expected"]))
+'''
+
+
+def vllm_step_check(args, out, requests=8, k=3, V=16):
+    """vLLM's rejection step against the vllm preset's rule (accept_onehot) on crafted
+    inputs at the run's temperature: OUT/vllm_step_check.py, run -> its verdict."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(requests, k, V, generator=g) * 3                     # (B, k, V)
+    drafts = logits.argmax(-1)                                                # (B, k)
+    uniforms = torch.rand(requests, k, dtype=torch.float64, generator=g)
+    noise = torch.empty(requests, V).exponential_(generator=g)
+    bonus = torch.randint(V, (requests,), generator=g)
+    p = E.warped_probs(logits, E.Sampling(args.temperature)).float()
+    expected = []
+    for b in range(requests):
+        a = E.accept_onehot(p[b], drafts[b], uniforms[b], noise[b], int(bonus[b]))
+        expected.append(drafts[b, :a.accepted].tolist() + [a.bonus])
+    case = dict(logits=logits.flatten(0, 1).tolist(), drafts=drafts.tolist(),
+                temperature=args.temperature, uniforms=uniforms.flatten().tolist(),
+                exponentials=noise.tolist(), bonus=bonus.tolist(), expected=expected)
+    path = os.path.join(out, "vllm_step_check.py")
+    atomic_write(path, lambda f: Path(f).write_text(VLLM_STEP % json.dumps(case)))
+    proc = subprocess.run([args.engine_python, path], capture_output=True, text=True)
+    agree = [line for line in proc.stdout.splitlines() if line.endswith("requests agree")]
+    return dict(script=path, agree=int(agree[0].split()[0]) if agree else None,
+                requests=requests, temperature=args.temperature)
+
+
 def vllm_command(args, out):
     return write_driver(out, (vllm_counters, vllm_serve), args.engine_python)
 
@@ -586,6 +661,7 @@ def llama_command(args, out):
                         *llama_gguf(args, out))
 
 
+STEP_CHECKS = {"vllm": vllm_step_check}   # --engine NAME -> its own rejection step, probed
 ENGINES = {"vllm": vllm_command, "llama.cpp": llama_command}   # --engine NAME -> (args, out)
                                                                # -> the command to run
 
@@ -866,10 +942,16 @@ def print_engine_report(r):
         where = p["first_difference"] and (
             (f"prompt {p['first_difference']['prompt']}, " if not sampled else "")
             + f"draft position {p['first_difference']['position']}")
-        counts = (" / ".join(f"{o} +- {s} (z {z})" for o, s, z in zip(p["rates"], p["se"], p["z"]))
-                  if sampled else f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}")
+        counts = (" / ".join(f"{o} +- {s} (z {z})" for o, s, z in zip(p["rates"], p["se"],
+                                                                       p["z"])) if sampled
+                  else f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}")
         print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
                f"{counts}: {'equal' if p['equal'] else f'DIFFERENT from {where}'}")
+    if "engine_step" in r:
+        step = r["engine_step"]
+        print0(f"  step: the engine's rejection step on crafted inputs at temperature "
+               f"{step['temperature']:g}: {step['agree']} of {step['requests']} requests as the "
+               f"rule gives ({step['script']})")
     print0("  (e) tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tokens_per_s"].items()))
 
 
@@ -888,6 +970,14 @@ def engine_findings(r):
                        if v["engine plain"]["passed"] else
                        "its plain sampling fails too: the engine samples from another "
                        "distribution than declared (warper order, dtype, the target's load)")
+        step = r.get("engine_step")
+        if step and step["agree"] != step["requests"]:
+            out.append(f"the engine's own rejection step, fed crafted target logits, argmax "
+                       f"drafts and random numbers at temperature {step['temperature']:g}, "
+                       f"gives other tokens than the rule in "
+                       f"{step['requests'] - (step['agree'] or 0)} of {step['requests']} "
+                       f"requests: the fault is inside it (target-free "
+                       f"reproduction: {step['script']})")
     else:
         out += [f"{what} on {n - r[key]} prompts{hint}" for key, what, hint in (
             ("lossless", "the engine's EAGLE-3 output parts from its own greedy",
@@ -967,6 +1057,8 @@ def cmd_engine_check(args):
     side = our_side(args, target, drafts, prompts, eos, tree)
     verdicts = sampled and sample_verdicts(args, target, prompts, engine, side)
     report = engine_report(args, prompts, engine, side, readings, verdicts or None, eos)
+    if sampled and args.engine in STEP_CHECKS and not args.engine_cmd:
+        report["engine_step"] = STEP_CHECKS[args.engine](args, args.out)
     if not sampled:
         exact_choices(target, prompts, eos, report["greedy_partings"] + report["lossless_partings"])
     report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)

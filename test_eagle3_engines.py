@@ -420,6 +420,7 @@ def engine_pair(tmp_path_factory):
         target, draft, p, 40, tree=chain, variant=E.resolve_variant("vllm")).rounds]
     assert sum(accepted) > 2 * len(accepted), accepted          # deep: > 2 of 3 per round
     E.save_draft(draft, str(root / "for-vllm"), engine="vllm")
+    E.save_draft(draft, str(root / "for-llama.cpp"), engine="llama.cpp")
     E.save_draft(draft, str(root / "for-specforge"))   # ids [2, 4, 5]: vLLM reads them as such
     (root / "prompts.json").write_text(json.dumps([p[0].tolist() for p in prompts]))
     per_position = [sum(a > j for a in accepted) for j in range(3)]
@@ -477,20 +478,38 @@ def test_engine_check_sampled_vllm_plain_passes_and_its_eagle3_is_pinned(engine_
     assert v["engine EAGLE-3"]["groups"]["first token"]["excess_p"] > X.ALPHA  # before speculation
     assert "the fault is in the engine's speculative path" in proc.stdout
     assert len(r["engine_rates"]) == 3 and set(r["predicted"]["as saved (vllm)"]) >= {"rates", "z"}
+    # localized: vLLM's own rejection step, fed crafted inputs, leaves the rule (its CPU build
+    # expands the per-request temperature into uninitialised memory)
+    step = r["engine_step"]
+    assert step["agree"] < step["requests"] and "target-free reproduction" in proc.stdout
+    rerun = subprocess.run([ENGINE_PYTHON, step["script"]], capture_output=True, text=True)
+    assert rerun.returncode == 1 and "DIFFER" in rerun.stdout
 
 
 def test_engine_check_llama_cpp_is_lossless_and_counts_as_we_model_it(engine_pair):
-    """llama.cpp (xllamacpp's CPU wheel) on the same pair, converted to f32 GGUF with the
-    drafter's trained layers written where it reads them; it stops at its EOS (2), so ours
+    """llama.cpp (xllamacpp's CPU wheel) on the same pair, the drafter saved for it (its ids
+    at the top level) and converted to f32 GGUF as saved; it stops at its EOS (2), so ours
     does too, and our rounds are counted by its rules (tail clamp, no drafted EOS taken)."""
-    proc, r = engine_check(engine_pair, "for-vllm", 1, engine="llama.cpp")
+    proc, r = engine_check(engine_pair, "for-llama.cpp", 1, engine="llama.cpp")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
-    assert r["stop_token_ids"] == [2] and r["predicted"]["as saved (vllm)"]["equal"]
-    assert r["engine_per_position"][0] > 0 and r["engine"].startswith("llama.cpp")
-    proc, r = engine_check(engine_pair, "for-vllm", 1, "--temperature", 1, "--samples", 4,
+    assert r["stop_token_ids"] == [2] and list(r["predicted"]) == ["as saved (llama.cpp)"]
+    assert r["predicted"]["as saved (llama.cpp)"]["equal"] and r["engine_per_position"][0] > 0
+    proc, r = engine_check(engine_pair, "for-llama.cpp", 1, "--temperature", 1, "--samples", 4,
                            engine="llama.cpp")
     assert all(v["passed"] for v in r["verdicts"].values()), proc.stdout[-3000:]
+    assert r["predicted"]["as saved (llama.cpp)"]["equal"]
+
+
+def test_engine_check_flags_a_specforge_export_llama_cpp_serves_on_its_default_layers(
+        engine_pair):
+    proc, r = engine_check(engine_pair, "for-specforge", 1, engine="llama.cpp")
+    assert proc.returncode == 1 and (r["greedy_equal"], r["lossless"]) == (3, 3)
+    assert r["readings"] == {"as saved (specforge)": [3, 5, 6],   # nested ids ignored: its
+                             "as llama.cpp reads it": [2, 4, 5]}      # default (2, L//2, L-3)
+    assert not r["predicted"]["as saved (specforge)"]["equal"]
+    assert r["predicted"]["as llama.cpp reads it"]["equal"]
+    assert "--for llama.cpp" in proc.stdout
 
 
 def test_llama_counted_clamps_the_tail_and_takes_no_drafted_stop():
