@@ -62,7 +62,7 @@ ALPHA = 1e-4           # false alarms per check (KS, excess), fixed in advance: 
                        # engine fails one check in 10,000, so CI never flakes
 Z_ALPHA = float(stats.norm.isf(ALPHA / 2))   # |z| beyond this: p < ALPHA (two-sided), 3.89
 POWER_RUNS = 200       # simulated runs behind each power figure
-POWER_DELTAS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5)
+POWER_DELTAS = tuple(round(0.001 * 1.2 ** i, 4) for i in range(35))  # 0.001 .. 0.5, x1.2
 MIN_GAIN_SHARE = 1 / 3  # sampled tokens gain this share at least of what the target's own
                         # samples gain over random ids, or another tokenizer drew them
 WARPER_ORDERS = {name: preset.warpers for name, preset in E.PRESETS.items()}

@@ -74,10 +74,12 @@ def cli(*argv):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def verdict(pair, rows, temperature=1.0, top_p=1.0, top_k=0, how="vllm"):
+def verdict(pair, rows, temperature=1.0, top_p=1.0, top_k=0, how="vllm", seed=0):
+    """rows' verdict; `seed` draws the PIT's own uniforms (runs meant to be independent of
+    each other draw their own)."""
     order = E.OFFICIAL_ORDER if how in ("official", "chain") else E.TRANSFORMERS_ORDER
     sampling = E.Sampling(temperature, top_k, top_p, order)
-    return X.sample_verdict(X.score_samples(pair.target, rows, sampling))
+    return X.sample_verdict(X.score_samples(pair.target, rows, sampling, seed))
 
 
 # ========================================================================================
@@ -108,13 +110,13 @@ def test_sample_check_is_calibrated_on_the_references_lossless_sampling(pair):
     for run in range(CALIBRATION_RUNS):
         how, temperature, top_p, top_k = CALIBRATION[run % len(CALIBRATION)]
         rows = samples(pair, how, 1, 24, temperature, top_p, top_k, seed=1000 + run)
-        v = verdict(pair, rows, temperature, top_p, top_k, how)
+        v = verdict(pair, rows, temperature, top_p, top_k, how, seed=run)
         assert v["impossible"] == 0, (how, v)
         ks.append(v["groups"]["all"]["ks_p"])
         z.append(v["groups"]["all"]["z"])
         failed += not v["passed"]
     assert failed <= 1          # expected 200 * 2e-4 = 0.04; P(>= 2) < 1e-3
-    assert stats.kstest(ks, "uniform").pvalue > 1e-3, sorted(ks)[:10]
+    assert stats.kstest(ks, "uniform").pvalue > 0.01, sorted(ks)[:10]
     assert abs(np.mean(z)) < 0.3 and 0.75 < np.std(z) < 1.25, (np.mean(z), np.std(z))
 
 
