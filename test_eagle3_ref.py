@@ -633,12 +633,14 @@ def test_official_layout_drafter_loads_with_rope_base_10000(zoo, tmp_path):
 
 def test_eagle_aux_layer_ids_are_read_and_written_in_the_drafters_convention(zoo):
     # SpecForge's output-of-layer-k ids (the default reading) are inputs of layer k + 1; vLLM's
-    # the inputs themselves; SGLang's add 1 only after a 1 (its legacy reading: always); a
-    # config without ids reads the default (2, L//2, L-3)
-    for ids, expected in (([2, 30, 58], ((3, 31, 59), (2, 30, 58), (2, 30, 58), (3, 31, 59))),
-                          ([1, 29, 57], ((2, 30, 58), (1, 29, 57), (2, 30, 58), (2, 30, 58)))):
+    # and llama.cpp's the inputs themselves; SGLang's add 1 only after a 1 (its legacy
+    # reading: always); a config without ids reads the default (2, L//2, L-3)
+    for ids, expected in (([2, 30, 58], ((3, 31, 59), (2, 30, 58), (2, 30, 58), (3, 31, 59),
+                                         (2, 30, 58))),
+                          ([1, 29, 57], ((2, 30, 58), (1, 29, 57), (2, 30, 58), (2, 30, 58),
+                                         (1, 29, 57)))):
         assert {c: E.aux_inputs(ids, c) for c in E.AUX_CONVENTIONS} == dict(zip(
-            ("specforge", "vllm", "sglang", "sglang-legacy"), expected))
+            ("specforge", "vllm", "sglang", "sglang-legacy", "llama.cpp"), expected))
     target = zoo.target("llama")
 
     def aux_layers(ids, **convention):
@@ -671,8 +673,12 @@ def test_a_drafter_saved_for_an_engine_is_fed_the_layers_it_was_trained_on(zoo, 
     assert draft.cfg.aux_layers == (3, 5, 6) and not draft.cfg.aux_default
     eagle = saved_eagle_config(draft, tmp_path, engine)
     ids = eagle["eagle_aux_hidden_state_layer_ids"]
-    # by hand: specforge and sglang-legacy add 1; vllm adds 0; sglang adds 1 only after a 1
-    assert ids == {"vllm": [3, 5, 6], "sglang": [3, 5, 6]}.get(engine, [2, 4, 5])
+    # by hand: specforge and sglang-legacy add 1; vllm and llama.cpp add 0; sglang adds 1 only
+    # after a 1; llama.cpp reads only top-level ids, so they are written there too
+    assert ids == {"vllm": [3, 5, 6], "sglang": [3, 5, 6], "llama.cpp": [3, 5, 6]}.get(
+        engine, [2, 4, 5])
+    top = E.read_json(tmp_path / "config.json").get("eagle_aux_hidden_state_layer_ids")
+    assert top == (ids if engine == "llama.cpp" else None)
     assert eagle["eagle_aux_hidden_state_layer_ids_convention"] == engine
     assert E.aux_inputs(ids, engine) == (3, 5, 6)
     assert E.load_draft(str(tmp_path), target).cfg.aux_layers == (3, 5, 6)
@@ -686,6 +692,7 @@ def test_default_aux_layers_are_saved_without_ids_and_inexpressible_ones_refused
     for engine in E.AUX_CONVENTIONS:
         eagle = saved_eagle_config(draft, tmp_path, engine)
         assert "eagle_aux_hidden_state_layer_ids" not in eagle, engine
+        assert "eagle_aux_hidden_state_layer_ids" not in E.read_json(tmp_path / "config.json")
         for convention in E.AUX_CONVENTIONS:                  # every engine reads the default
             assert E.load_draft(str(tmp_path), target, aux_convention=convention
                                 ).cfg.aux_layers == (2, LAYERS // 2, LAYERS - 3)

@@ -465,7 +465,8 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     report = last_json(proc)
     assert "WARNING: the conventions disagree" in proc.stderr
     assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
-                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6]}
+                                    "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6],
+                                    "llama.cpp": [2, 4, 5]}   # top-level ids only: the default
     assert report["best"] == ["vllm", "sglang"] and report["declared"] == "specforge"
     right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
     assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
