@@ -467,7 +467,7 @@ def test_draft_check_names_the_convention_a_drafter_was_trained_in(train_chat_ta
     assert report["candidates"] == {"specforge": [3, 5, 6], "vllm": [2, 4, 5],
                                     "sglang": [2, 4, 5], "sglang-legacy": [3, 5, 6],
                                     "llama.cpp": [2, 4, 5]}   # top-level ids only: the default
-    assert report["best"] == ["vllm", "sglang"] and report["declared"] == "specforge"
+    assert report["best"] == ["vllm", "sglang", "llama.cpp"] and report["declared"] == "specforge"
     right, wrong = report["accuracy"]["[2, 4, 5]"][0], report["accuracy"]["[3, 5, 6]"][0]
     assert right > 1.5 * wrong and right - wrong > 0.1, (right, wrong)
     # re-saved as vLLM reads it: the default layers, so no ids, and every engine agrees
