@@ -116,7 +116,7 @@ def test_sample_check_is_calibrated_on_the_references_lossless_sampling(pair):
         z.append(v["groups"]["all"]["z"])
         failed += not v["passed"]
     assert failed <= 1          # expected 200 * 2e-4 = 0.04; P(>= 2) < 1e-3
-    assert stats.kstest(ks, "uniform").pvalue > 0.01, sorted(ks)[:10]
+    assert stats.kstest(ks, "uniform").pvalue > 1e-3, sorted(ks)[:10]   # 0.031 here
     assert abs(np.mean(z)) < 0.3 and 0.75 < np.std(z) < 1.25, (np.mean(z), np.std(z))
 
 
