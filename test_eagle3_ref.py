@@ -3768,9 +3768,12 @@ def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_pro
     assert not rewrites, f"Part II rewrites Part I's tables at lines {rewrites}"
     here = os.path.dirname(os.path.abspath(E.__file__))  # no project import, none of the tools
     assert not imported_modules(E.__file__) & set(PROJECT_MODULES)
+    # the workbench is imported by the engines module alone (SPEC §1), the engines by none
     for name in os.listdir(here):
-        if name.endswith(".py") and not name.startswith("test_") and name != "eagle3_tools.py":
-            assert "eagle3_tools" not in imported_modules(os.path.join(here, name)), name
+        if name.endswith(".py") and not name.startswith("test_"):
+            imports = imported_modules(os.path.join(here, name))
+            assert "eagle3_engines" not in imports, name
+            assert "eagle3_tools" not in imports or name == "eagle3_engines.py", name
 
 
 def test_readme_api_names_exist_with_the_parameters_it_lists():
