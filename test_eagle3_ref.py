@@ -3734,8 +3734,8 @@ def file_parts():
     return [node for node in body if node.lineno < wall], part2, body
 
 
-PROJECT_MODULES = ("eagle3_ref", "eagle3_tools", "test_eagle3_ref", "test_eagle3_scaffold",
-                   "test_eagle3_tools")
+PROJECT_MODULES = ("eagle3_ref", "eagle3_tools", "eagle3_engines", "test_eagle3_ref",
+                   "test_eagle3_scaffold", "test_eagle3_tools", "test_eagle3_engines")
 
 
 def imported_modules(path):
