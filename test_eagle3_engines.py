@@ -226,7 +226,7 @@ def test_sample_check_command_passes_and_fails_with_a_finding(pair, tmp_path):
 
 @pytest.mark.parametrize("bad", ["out of vocabulary", "negative id", "empty file",
                                  "prompt longer than the target's positions",
-                                 "another tokenizer", "not JSON"])
+                                 "another tokenizer", "not JSON", "draft ids one short"])
 def test_sample_check_bad_input_is_one_error_line(pair, tmp_path, bad):
     row = samples(pair, "vllm", 1, 24)[0]
     g = torch.Generator().manual_seed(1)
@@ -236,7 +236,8 @@ def test_sample_check_bad_input_is_one_error_line(pair, tmp_path, bad):
             "prompt longer than the target's positions": [dict(row, prompt_ids=[1] * S.MAX_POS)],
             "another tokenizer": [dict(prompt_ids=row["prompt_ids"], output_ids=torch.randint(
                 0, S.VOCAB, (400,), generator=g).tolist())],
-            "not JSON": None}[bad]
+            "not JSON": None,
+            "draft ids one short": [dict(row, draft_ids=row["draft_ids"][:-1])]}[bad]
     path = tmp_path / "s.jsonl"
     write_rows(path, rows) if rows is not None else path.write_text("{nope\n")
     code, out, err = cli("sample-check", "--target", pair.root / "target", "--samples", path,
@@ -245,7 +246,8 @@ def test_sample_check_bad_input_is_one_error_line(pair, tmp_path, bad):
     assert {"out of vocabulary": f"[0, {S.VOCAB})", "negative id": "prompt_ids",
             "empty file": "holds no samples", "another tokenizer": "another target or tokenizer",
             "prompt longer than the target's positions": f"{S.MAX_POS} positions",
-            "not JSON": "not valid JSON"}[bad] in err
+            "not JSON": "not valid JSON",
+            "draft ids one short": "one entry per output token"}[bad] in err
 
 
 # ========================================================================================
