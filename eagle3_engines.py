@@ -420,8 +420,9 @@ def engine_main(serve, *argv):
     with open(request_path) as f:
         request = json.load(f)
     runs = [serve(request, run, *models) for run in request["runs"]]
-    result = dict(engine=runs[0].pop("engine"), version=runs[0].pop("version"), runs=runs,
-                  stop_token_ids=runs[0].pop("stop_token_ids", []))
+    about = [{k: run.pop(k, None) for k in ("engine", "version", "stop_token_ids")}
+             for run in runs][0]             # every run says who served it; the first is kept
+    result = dict(about, runs=runs, stop_token_ids=about["stop_token_ids"] or [])
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(result_path + ".tmp", result_path)
@@ -688,7 +689,7 @@ def engine_request(args, prompts, eos, vocab_size):
                 dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts, vocab_size=vocab_size,
                 stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
                 max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
-                batch=args.batch if args.batch > 1 and samples == 1 else 0,
+                batch=args.batch if args.batch > 1 and args.temperature == 0 else 0,
                 sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               samples=samples, seeded=args.seeded),
                 runs=[dict(name="plain"),

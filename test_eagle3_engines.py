@@ -18,6 +18,8 @@ from scipy import stats
 
 import eagle3_ref as E
 import eagle3_engines as X
+import eagle3_tools as T
+from eagle3_engines import engine_rows   # what a driver script holds beside its adapter
 import test_eagle3_scaffold as S
 from test_eagle3_scaffold import tiny_draft, tiny_model
 
@@ -209,13 +211,9 @@ def test_power_figure_holds_against_brute_force_draws():
 # ========================================================================================
 
 
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_sample_check_command_passes_and_fails_with_a_finding(pair, tmp_path):
-    good = write_rows(tmp_path / "good.jsonl", samples(pair, "vllm", 8, 24))
+    good = tmp_path / "good.jsonl"
+    T.write_jsonl(good, samples(pair, "vllm", 8, 24))
     code, out, _ = cli("sample-check", "--target", pair.root / "target", "--samples",
                               good, "--temperature", "1")
     assert code == 0 and "verdict: PASS" in out and json.loads(out.splitlines()[-1])["passed"]
@@ -239,7 +237,7 @@ def test_sample_check_bad_input_is_one_error_line(pair, tmp_path, bad):
             "not JSON": None,
             "draft ids one short": [dict(row, draft_ids=row["draft_ids"][:-1])]}[bad]
     path = tmp_path / "s.jsonl"
-    write_rows(path, rows) if rows is not None else path.write_text("{nope\n")
+    T.write_jsonl(path, rows) if rows is not None else path.write_text("{nope\n")
     code, out, err = cli("sample-check", "--target", pair.root / "target", "--samples", path,
                          "--temperature", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
@@ -360,6 +358,32 @@ def test_engine_check_sampled_passes_a_lossless_engine_and_localizes_a_lossy_one
     assert r["verdicts"]["engine plain"]["passed"]
     assert "the fault is in the engine's speculative path" in out
     assert r["verdicts"]["engine EAGLE-3"]["groups"]["first token"]["excess_p"] > X.ALPHA
+
+
+def fake_serve(request, run, *models):
+    """An adapter's serve for a driver test: echoes its models and each request's seed."""
+    counts = [0] * (1 + run.get("k", 0))
+    rows = engine_rows(request, run, lambda ids, seed: [len(models), -1 if seed is None else seed],
+                       lambda: counts)
+    return dict(name=run["name"], engine="fake", version="0", rows=rows, stop_token_ids=[7])
+
+
+def test_a_written_driver_serves_every_run_and_sample_in_order_with_its_models(tmp_path):
+    """write_driver's script, run as an engine's Python runs it: the models come before the
+    request and result paths, seeded sample j of prompt i gets i * samples + j."""
+    command = X.write_driver(str(tmp_path), (fake_serve,), sys.executable, "T.gguf", "D.gguf")
+    request = dict(prompts=[[1], [2]], runs=[dict(name="plain"), dict(name="eagle3", k=3)],
+                   sampling=dict(samples=3, seeded=True))
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    subprocess.run(command + [str(tmp_path / "request.json"), str(tmp_path / "result.json")],
+                   check=True)
+    result = json.load(open(tmp_path / "result.json"))
+    assert (result["engine"], result["stop_token_ids"]) == ("fake", [7])
+    assert [run["name"] for run in result["runs"]] == ["plain", "eagle3"]
+    rows = result["runs"][1]["rows"]
+    assert [r["prompt"] for r in rows] == [0, 0, 0, 1, 1, 1]
+    assert [r["tokens"] for r in rows] == [[2, s] for s in range(6)]    # 2 models, seeds 0..5
+    assert all(r["spec"] == dict(rounds=0, per_position=[0, 0, 0]) for r in rows)
 
 
 def test_compare_rates_flags_an_engine_that_accepts_too_little():
