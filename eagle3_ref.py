@@ -541,8 +541,9 @@ class Tree(NamedTuple):
 
 def check_tree_shape(shape, draft_vocab_size):
     for name, value in zip(shape._fields, shape):
-        if not isinstance(value, int) or value < 1:
-            fail(f"{name}={value!r} must be a positive integer")
+        least = 0 if name == "depth" else 1      # depth 0: the root's children alone
+        if not isinstance(value, int) or value < least:
+            fail(f"{name}={value!r} must be an integer >= {least}")
     top_k, depth, total_tokens = shape
     if top_k > draft_vocab_size:
         fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "

@@ -252,110 +252,81 @@ def test_sample_check_bad_input_is_one_error_line(pair, tmp_path, bad):
 # engine-check through the contract: a stub engine answers from the reference itself
 # ========================================================================================
 
-STUB = '''"""A stub engine: answers engine-check's request file from the reference (the vllm
-preset's chain), with a planted fault where the first argument names one."""
-import json, sys
-import torch
-sys.path.insert(0, {here!r})
-import eagle3_ref as E
-*fault, request_path, result_path = sys.argv[1:]
-r = json.load(open(request_path))
-if fault == ["short"]:                                 # answers the first prompt only
-    r["prompts"] = r["prompts"][:1]
-target = E.load_target(r["target"])
-draft = E.load_draft(r["draft"], target)
-s, eos = r["sampling"], r["stop_token_ids"] or None
-preset = E.PRESETS["vllm"]
-
-
-def greedy_bonus(logits, tree, g, sampling, preset):   # a round's last token: argmax, not drawn
-    acc, draws = E.vllm_verify(logits, tree, g, sampling, preset)
-    p = E.warped_probs(logits[acc.accepted], sampling)
-    if acc.accepted < len(tree.tokens) - 1:
-        p[int(tree.tokens[acc.accepted + 1])] = 0
-    return acc._replace(bonus=int(p.argmax())), draws
-
-
-if fault == ["greedy-bonus"]:
-    preset = preset._replace(verify=greedy_bonus)
-runs = []
-for run in r["runs"]:
-    rows = []
-    for i, ids in enumerate(r["prompts"]):
-        for j in range(s["samples"]):
-            x, seed = torch.tensor([ids]), 1000 + i * s["samples"] + j   # not our seeds
-            kw = dict(temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"], seed=seed)
-            if run["name"] == "plain":
-                out = E.sample_generate(target, x, r["max_new_tokens"], eos_token_id=eos,
-                                        variant=E.resolve_variant("vllm"), **kw)
-                spec = dict(rounds=0, per_position=[])
-            else:
-                k = run["k"] + (fault == ["deeper"])
-                res = E.speculative_generate(target, draft, x, r["max_new_tokens"],
-                                             tree=E.TreeShape(1, k - 1, k + 1), eos_token_id=eos,
-                                             variant=E.resolve_variant(preset), **kw)
-                out = res.tokens
-                acc = [min(a.accepted, run["k"]) for a in res.rounds]
-                spec = dict(rounds=len(acc), per_position=[sum(a > q for a in acc)
-                                                           for q in range(run["k"])])
-            rows.append(dict(prompt=i, tokens=out.tolist(), seconds=0.01, spec=spec))
-    runs.append(dict(name=run["name"], rows=rows))
-json.dump(dict(engine="stub", version="0", runs=runs), open(result_path, "w"))
-'''
+DRIVER = os.path.join(HERE, "docs", "example_driver.py")   # the contract's example driver
 
 
 @pytest.fixture(scope="module")
 def stub(pair, tmp_path_factory):
     root = tmp_path_factory.mktemp("stub")
-    (root / "stub.py").write_text(STUB.format(here=HERE))
     E.save_draft(pair.draft, str(root / "draft"), engine="vllm")
     (root / "prompts.json").write_text(json.dumps([p[0].tolist() for p in pair.prompts[:3]]))
     return root
 
 
-def stub_check(pair, stub, out, fault="", *flags):
-    code, stdout, err = cli(
+def stub_check(pair, stub, out, driver="", *flags, code=None):
+    """engine-check with the example driver as the engine (its options: `driver`)."""
+    code_, stdout, err = cli(
         "engine-check", "--target", pair.root / "target", "--draft", stub / "draft",
         "--prompt-ids", stub / "prompts.json", "--max-new-tokens", 24, "--batch", 1,
-        "--engine-cmd", f"{sys.executable} {stub / 'stub.py'} {fault}".strip(),
-        "--out", out, *flags)
+        "--engine-cmd", f"{sys.executable} {DRIVER} {driver}".strip(), "--out", out, *flags)
+    assert code is None or code_ == code, stdout[-2000:] + err[-2000:]
     report = json.load(open(out / "report.json"))
     assert json.loads(stdout.strip().splitlines()[-1]) == report
-    return code, stdout, report
+    return code_, stdout, report
 
 
 def test_engine_check_greedy_through_the_contract(pair, stub, tmp_path):
-    code, out, r = stub_check(pair, stub, tmp_path / "a")
-    assert code == 0 and r["findings"] == [], out
-    assert (r["greedy_equal"], r["lossless"], r["ours_lossless"]) == (3, 3, 3)
-    assert list(r["predicted"]) == ["as saved (specforge)"]      # default layers: no ids
-    assert r["predicted"]["as saved (specforge)"]["equal"]
+    code, out, r = stub_check(pair, stub, tmp_path / "a", code=0)
+    assert r["findings"] == [] and (r["greedy_equal"], r["lossless"]) == (3, 3), out
+    assert r["greedy_partings"] == r["eagle3_partings"] == []
+    assert list(r["predicted"]) == ["as saved"] and r["predicted"]["as saved"]["equal"]
+    assert r["readings"]["as saved"]["convention"] == "specforge"   # default layers: no ids
+    assert set(r["seconds"]) == {"engine", "reference"}
+    # --regenerate: our own decoding too, lossless, timed apart from the scoring
+    code, out, r = stub_check(pair, stub, tmp_path / "g", "", "--regenerate", code=0)
+    assert r["ours_lossless"] == 3 and "ours_greedy" in r["tokens_per_s"]
+    assert set(r["seconds"]) == {"engine", "reference", "regenerate"}
     # a stub that drafts one token deeper than asked accepts other counts: (c) names where
-    code, out, r = stub_check(pair, stub, tmp_path / "b", "deeper")
-    assert code == 1 and not r["predicted"]["as saved (specforge)"]["equal"]
+    code, out, r = stub_check(pair, stub, tmp_path / "b", "--fault deeper", code=1)
+    assert not r["predicted"]["as saved"]["equal"]
     assert "FINDING: the engine's acceptance differs" in out
     # a result that does not answer the request is refused in one line, before any report
     code, _, err = cli("engine-check", "--target", pair.root / "target", "--draft",
                        stub / "draft", "--prompt-ids", stub / "prompts.json", "--max-new-tokens",
-                       8, "--batch", 1, "--engine-cmd", f"{sys.executable} {stub / 'stub.py'} "
+                       8, "--batch", 1, "--engine-cmd", f"{sys.executable} {DRIVER} --fault "
                        f"short", "--out", tmp_path / "c")
     assert code == 2 and "must hold a row per prompt and sample, in order (3" in err, err
     assert not os.path.exists(tmp_path / "c" / "report.json")
 
 
+def test_engine_check_predicts_a_tree_engine_and_flags_its_dropped_draft(pair, stub, tmp_path):
+    """A tree engine (the example driver decoding SGLang's tree through the contract): our
+    replay along its output predicts every count; one accepted draft dropped per prompt is
+    flagged at the first prompt and depth where it shows."""
+    flags = ("--tree", "4,3,8", "--reads", "sglang")
+    code, out, r = stub_check(pair, stub, tmp_path / "a", "--preset sglang", *flags, code=0)
+    assert r["preset"] == "sglang" and r["draft"] == dict(top_k=4, depth=3, total_tokens=8)
+    assert len(r["engine_per_position"]) == 4 and r["engine_per_position"][1] > 0, out
+    assert r["predicted"]["as saved"]["per_position"] == r["engine_per_position"]
+    code, out, r = stub_check(pair, stub, tmp_path / "b", "--preset sglang --fault drop", *flags,
+                              code=1)
+    first = r["predicted"]["as saved"]["first_difference"]
+    ours, theirs = first["ours"]["per_position"], first["engine"]["per_position"]
+    assert first["prompt"] == 0 and sum(ours) - sum(theirs) == 1, first
+    assert ours[first["position"]] == theirs[first["position"]] + 1
+    assert "DIFFERENT from prompt 0, draft depth" in out
+
+
 def test_engine_check_sampled_passes_a_lossless_engine_and_localizes_a_lossy_one(pair, stub,
                                                                                 tmp_path):
     flags = ("--temperature", "0.7", "--samples", "4")
-    code, out, r = stub_check(pair, stub, tmp_path / "a", "", *flags)
-    assert code == 0, out
+    code, out, r = stub_check(pair, stub, tmp_path / "a", "", *flags, code=0)
     assert all(v["passed"] for v in r["verdicts"].values())
     # the stub runs the same rule on other seeds: its rates within ours' errors
-    saved = r["predicted"]["as saved (specforge)"]
-    assert saved["equal"] and r["engine_rates"][0] > 0
+    assert r["predicted"]["as saved"]["equal"] and r["engine_rates"][0] > 0
     assert os.path.isfile(tmp_path / "a" / "samples_engine_EAGLE3.jsonl")
-    code, out, r = stub_check(pair, stub, tmp_path / "b", "greedy-bonus", *flags)
-    assert code == 1 and not r["verdicts"]["engine EAGLE-3"]["passed"], out
-    assert r["verdicts"]["engine plain"]["passed"]
+    code, out, r = stub_check(pair, stub, tmp_path / "b", "--fault greedy-bonus", *flags, code=1)
+    assert not r["verdicts"]["engine EAGLE-3"]["passed"] and r["verdicts"]["engine plain"]["passed"]
     assert "the fault is in the engine's speculative path" in out
     assert r["verdicts"]["engine EAGLE-3"]["groups"]["first token"]["excess_p"] > X.ALPHA
 
@@ -491,14 +462,13 @@ def engine_check(pair, draft, batch, *flags, engine="vllm"):
 def test_engine_check_vllm_serves_our_drafter_exported_for_it_as_we_predict(engine_pair):
     proc, r = engine_check(engine_pair, "for-vllm", batch=3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (r["greedy_equal"], r["lossless"], r["ours_lossless"], r["findings"]) == (3, 3, 3, [])
+    assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
     # the engine's own counters, against the chain computed above in this process
     assert (r["engine_rounds"], r["engine_per_position"]) == (
         engine_pair.rounds, engine_pair.per_position)
-    assert list(r["predicted"]) == ["as saved (vllm)"] and r["predicted"]["as saved (vllm)"][
-        "equal"]
-    assert set(r["tokens_per_s"]) >= {"engine_plain", "engine_eagle3", "ours_greedy",
-                                      "ours_eagle3", "engine_eagle3_batch", "ours_eagle3_batch"}
+    assert r["readings"] == {"as saved": dict(convention="vllm", hidden_states=[3, 5, 6])}
+    assert r["predicted"]["as saved"]["equal"]
+    assert set(r["tokens_per_s"]) >= {"engine_plain", "engine_eagle3", "engine_eagle3_batch"}
 
 
 def test_engine_check_flags_a_drafter_whose_aux_ids_vllm_reads_one_layer_early(engine_pair):
@@ -506,13 +476,15 @@ def test_engine_check_flags_a_drafter_whose_aux_ids_vllm_reads_one_layer_early(e
     proc, r = engine_check(engine_pair, "for-specforge", batch=1)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (r["greedy_equal"], r["lossless"]) == (3, 3)           # lossless all the same
-    assert r["readings"] == {"as saved (specforge)": [3, 5, 6], "as vllm reads it": [2, 4, 5]}
-    saved, early = r["predicted"]["as saved (specforge)"], r["predicted"]["as vllm reads it"]
+    assert r["readings"] == {"as saved": dict(convention="specforge", hidden_states=[3, 5, 6]),
+                             "as the engine reads it": dict(convention="vllm",
+                                                            hidden_states=[2, 4, 5])}
+    saved, early = r["predicted"]["as saved"], r["predicted"]["as the engine reads it"]
     assert saved["per_position"] == engine_pair.per_position and not saved["equal"]
     assert early["equal"] and early["per_position"] == r["engine_per_position"]
     assert r["engine_per_position"][0] < engine_pair.per_position[0]
     assert "FINDING: the engine's acceptance differs" in proc.stdout
-    assert "it equals the reading as vllm reads it" in proc.stdout
+    assert "it equals the reading as the engine reads it (vllm)" in proc.stdout
 
 
 def test_engine_check_sampled_vllm_plain_passes_and_its_eagle3_is_pinned(engine_pair):
@@ -526,7 +498,7 @@ def test_engine_check_sampled_vllm_plain_passes_and_its_eagle3_is_pinned(engine_
     assert not v["engine EAGLE-3"]["passed"] and proc.returncode == 1
     assert v["engine EAGLE-3"]["groups"]["first token"]["excess_p"] > X.ALPHA  # before speculation
     assert "the fault is in the engine's speculative path" in proc.stdout
-    assert len(r["engine_rates"]) == 3 and set(r["predicted"]["as saved (vllm)"]) >= {"rates", "z"}
+    assert len(r["engine_rates"]) == 3 and set(r["predicted"]["as saved"]) >= {"rates", "z"}
     # localized: vLLM's own rejection step, fed crafted inputs, leaves the rule (its CPU build
     # expands the per-request temperature into uninitialised memory)
     step = r["engine_step"]
@@ -542,22 +514,22 @@ def test_engine_check_llama_cpp_is_lossless_and_counts_as_we_model_it(engine_pai
     proc, r = engine_check(engine_pair, "for-llama.cpp", 1, engine="llama.cpp")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (r["greedy_equal"], r["lossless"], r["findings"]) == (3, 3, [])
-    assert r["stop_token_ids"] == [2] and list(r["predicted"]) == ["as saved (llama.cpp)"]
-    assert r["predicted"]["as saved (llama.cpp)"]["equal"] and r["engine_per_position"][0] > 0
+    assert r["stop_token_ids"] == [2] and list(r["predicted"]) == ["as saved"]
+    assert r["predicted"]["as saved"]["equal"] and r["engine_per_position"][0] > 0
     proc, r = engine_check(engine_pair, "for-llama.cpp", 1, "--temperature", 1, "--samples", 4,
                            engine="llama.cpp")
     assert all(v["passed"] for v in r["verdicts"].values()), proc.stdout[-3000:]
-    assert r["predicted"]["as saved (llama.cpp)"]["equal"]
+    assert r["predicted"]["as saved"]["equal"]
 
 
 def test_engine_check_flags_a_specforge_export_llama_cpp_serves_on_its_default_layers(
         engine_pair):
     proc, r = engine_check(engine_pair, "for-specforge", 1, engine="llama.cpp")
     assert proc.returncode == 1 and (r["greedy_equal"], r["lossless"]) == (3, 3)
-    assert r["readings"] == {"as saved (specforge)": [3, 5, 6],   # nested ids ignored: its
-                             "as llama.cpp reads it": [2, 4, 5]}      # default (2, L//2, L-3)
-    assert not r["predicted"]["as saved (specforge)"]["equal"]
-    assert r["predicted"]["as llama.cpp reads it"]["equal"]
+    assert r["readings"]["as the engine reads it"] == dict(   # nested ids ignored: its
+        convention="llama.cpp", hidden_states=[2, 4, 5])         # default (2, L//2, L-3)
+    assert not r["predicted"]["as saved"]["equal"]
+    assert r["predicted"]["as the engine reads it"]["equal"]
     assert "--for llama.cpp" in proc.stdout
 
 
