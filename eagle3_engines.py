@@ -21,10 +21,12 @@ Launch lines:
 
 Nothing imports this file; it holds no part of the method.
 """
+import functools
 import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -310,14 +312,14 @@ def cmd_sample_check(args):
 # engine-check writes OUT/engine_request.json and runs the engine's command on it as
 # `CMD [MODELS...] REQUEST.json RESULT.json`; the command exits 0 with the result written
 # whole (any other status is a failed engine, reported with its log's last line). Both files
-# are JSON objects of the fields in SCHEMA, which docs/engine_check.md prints as its tables (a
-# test holds the two together) and check_fields enforces: a missing or ill-typed field is one
-# line naming it, a key the schema does not name is ignored, runs are read by name.
+# are JSON objects whose fields are the tables of docs/engine_check.md, the one definition:
+# contract_schema reads them, check_fields holds a file to them (a missing or ill-typed field
+# is one line naming it, a key they do not name is ignored); runs are read by name.
 
 
 class Field(NamedTuple):
     name: str
-    kind: str        # a KINDS name, a SCHEMA record, or "[kind]": a list of them
+    kind: str        # a KINDS name, a contract record, or "[kind]": a list of them
     required: bool
     meaning: str
 
@@ -329,86 +331,37 @@ def int_list(value):
 KINDS = {"string": lambda v: isinstance(v, str), "integer": lambda v: type(v) is int,
          "number": lambda v: type(v) in (int, float), "boolean": lambda v: type(v) is bool,
          "token ids": int_list, "integers": int_list}
-SCHEMA = {
-    "request": (
-        Field("target", "string", True, "the target's Hugging Face dir (absolute)"),
-        Field("draft", "string", True, "the drafter's dir (absolute), as saved"),
-        Field("dtype", "string", True, "float32 or bfloat16: both models' weights"),
-        Field("prompts", "[token ids]", True, "the prompts, chat template applied: serve "
-              "the ids as they are (no BOS added)"),
-        Field("vocab_size", "integer", True, "the target's vocabulary: every id is below it"),
-        Field("stop_token_ids", "token ids", True, "an output ends after the first of these "
-              "(it included); nothing else but max_new_tokens ends it (ignore the model's "
-              "own EOS)"),
-        Field("max_new_tokens", "integer", True, "new tokens an output holds at most"),
-        Field("max_model_len", "integer", True, "the longest prompt + max_new_tokens + the "
-              "draft's reach (K + 1, or total_tokens)"),
-        Field("batch", "integer", True, "greedy: after the single requests, also time all "
-              "prompts this many at a time (0: not asked)"),
-        Field("sampling", "sampling", True, "how every run decodes"),
-        Field("runs", "[run request]", True, "what to serve, in this order")),
-    "sampling": (
-        Field("temperature", "number", True, "0: greedy (argmax); else sampled"),
-        Field("top_p", "number", True, "1: off"),
-        Field("top_k", "integer", True, "0: off (warp in transformers' order: temperature, "
-              "top-k, top-p)"),
-        Field("samples", "integer", True, "outputs per prompt in each run (1 when greedy)"),
-        Field("seeded", "boolean", True, "true: sample j of prompt i with the seed "
-              "i * samples + j; false: the engine's own random stream")),
-    "run request": (
-        Field("name", "string", True, "\"plain\": the engine's own decoding; \"eagle3\": "
-              "with the drafter"),
-        Field("draft", "string", False, "eagle3: the drafter's dir"),
-        Field("k", "integer", False, "eagle3 as a chain: K drafts a round "
-              "(vLLM's num_speculative_tokens)"),
-        Field("tree", "tree", False, "eagle3 as a tree (instead of k)")),
-    "tree": (
-        Field("top_k", "integer", True, "children drafted per node and nodes kept per level "
-              "(SGLang's --speculative-eagle-topk)"),
-        Field("depth", "integer", True, "drafting passes after the first level: drafts reach "
-              "depth + 1 below the root (--speculative-num-steps minus 1)"),
-        Field("total_tokens", "integer", True, "nodes verified, the root included "
-              "(--speculative-num-draft-tokens)")),
-    "result": (
-        Field("engine", "string", True, "the engine's name"),
-        Field("version", "string", True, "its version"),
-        Field("stop_token_ids", "token ids", False, "ids it stops at whatever the request "
-              "says (its own EOS): engine-check's side stops there too"),
-        Field("runs", "[run]", True, "one per requested run, found by its name")),
-    "run": (
-        Field("name", "string", True, "the requested run's name"),
-        Field("rows", "[row]", True, "a row per prompt and sample, in order (prompt 0's "
-              "samples first)"),
-        Field("batch", "batch", False, "the batch timing, where the request asked for one")),
-    "row": (
-        Field("prompt", "integer", True, "the prompt's index in the request"),
-        Field("tokens", "token ids", True, "the output's new ids, a stop id included"),
-        Field("seconds", "number", True, "the request's wall time, seconds"),
-        Field("spec", "spec", False, "eagle3 (required there): the engine's counters gained "
-              "over this request")),
-    "spec": (
-        Field("rounds", "integer", True, "verify rounds: each drafts, verifies and accepts "
-              "once, whatever the budget left (counting rule: --counts)"),
-        Field("per_position", "integers", True, "per draft depth j = 1.. (K for a chain, "
-              "depth + 1 for a tree): the rounds whose accepted run reached depth j")),
-    "batch": (
-        Field("size", "integer", True, "requests at a time"),
-        Field("seconds", "number", True, "wall time of all prompts"),
-        Field("tokens", "integer", True, "new tokens of all prompts")),
-}
+CONTRACT_PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs",
+                             "engine_check.md")
+
+
+@functools.cache
+def contract_schema(page=CONTRACT_PAGE):
+    """{record: (Field, ...)} read from the contract's tables: a heading "### `record`", then
+    rows "| `field` | kind | yes or no | meaning |" (yes: required)."""
+    schema, record = {}, None
+    with open(page, encoding="utf-8") as f:
+        for line in map(str.strip, f):
+            head = re.fullmatch(r"### `([a-z ]+)`", line)
+            row = re.fullmatch(r"\| `(\w+)` \| ([^|]+) \| (yes|no) \| (.+) \|", line)
+            if head or line.startswith("#"):
+                record = schema.setdefault(head[1], []) if head else None
+            elif row and record is not None:
+                record.append(Field(row[1], row[2].strip(), row[3] == "yes", row[4]))
+    return {name: tuple(fields) for name, fields in schema.items()}
 
 
 def check_fields(value, kind, where):
-    """value as SCHEMA's `kind` says, or one error line naming the field -> value."""
+    """value as the contract's `kind` says, or one error line naming the field -> value."""
     if kind.startswith("["):
         if not isinstance(value, list):
             fail(f"{where} must be a list ({kind[1:-1]} each); got {str(value)[:60]}")
         for i, item in enumerate(value):
             check_fields(item, kind[1:-1], f"{where}[{i}]")
-    elif kind in SCHEMA:
+    elif kind in contract_schema():
         if not isinstance(value, dict):
             fail(f"{where} must be a JSON object ({kind}); got {str(value)[:60]}")
-        for field in SCHEMA[kind]:
+        for field in contract_schema()[kind]:
             if field.name in value:
                 check_fields(value[field.name], field.kind, f"{where}.{field.name}")
             elif field.required:
@@ -421,7 +374,7 @@ def check_fields(value, kind, where):
 def draft_shape(run):
     """A request's eagle3 run -> the TreeShape it asks for (a chain of K: top_k 1)."""
     if "tree" in run:
-        return E.TreeShape(**{f.name: run["tree"][f.name] for f in SCHEMA["tree"]})
+        return E.TreeShape(**{name: run["tree"][name] for name in E.TreeShape._fields})
     return E.TreeShape(top_k=1, depth=run["k"] - 1, total_tokens=run["k"] + 1)
 
 
@@ -466,7 +419,7 @@ def run_engine(args, command, request):
 
 
 def check_result(request, result, where):
-    """The result answers the request, or one error line: its fields as SCHEMA says, each
+    """The result answers the request, or one error line: its fields as the contract says, each
     requested run by name, a row per prompt and sample in order, ids of the target, an
     eagle3 row's counters one per draft depth -> {run name: run}."""
     runs = {run["name"]: run for run in check_fields(result, "result", where)["runs"]}
@@ -486,7 +439,7 @@ def check_result(request, result, where):
             if name != "eagle3":
                 continue
             if "spec" not in row:
-                fail(f"{at} lacks 'spec' (spec: {SCHEMA['row'][-1].meaning})")
+                fail(f"{at} lacks 'spec' (spec: the engine's counters, one per draft depth)")
             depth = draft_shape(asked).depth + 1
             if len(row["spec"]["per_position"]) != depth:
                 fail(f"{at}: spec.per_position must hold {depth} counts (one per draft depth)")
@@ -708,53 +661,8 @@ def llama_serve(request, run, target, draft):
                 stop_token_ids=eos)
 
 
-VLLM_STEP = '''"""vLLM's rejection step held against the EAGLE-3 reference's rule, target-free
-(written by eagle3_engines.py engine-check): target logits, argmax drafts, the temperature,
-uniforms and Exp(1) noise in, tokens out, as vLLM's RejectionSampler runs it after the bonus
-token (warp, then rejection_sample). CASE["expected"]: the tokens the rule gives (eagle3-ref).
-Run with vLLM's python; exit 1 where vLLM's tokens differ."""
-import json
-import sys
-
-import torch
-from vllm.platforms import current_platform
-current_platform.import_kernels()
-current_platform.register_triton_kernel_overrides()   # as vLLM's worker does at start-up
-import vllm.v1.sample.rejection_sampler as rs
-from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-CASE = json.loads(%r)
-B = len(CASE["drafts"])
-meta = SamplingMetadata(
-    temperature=torch.full((B,), CASE["temperature"]), all_greedy=False, all_random=True,
-    top_p=None, top_k=None, generators={}, max_num_logprobs=None, no_penalties=True,
-    prompt_token_ids=None, frequency_penalties=torch.zeros(B), presence_penalties=torch.zeros(B),
-    repetition_penalties=torch.ones(B), output_token_ids=[[] for _ in range(B)],
-    allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-spec = SpecDecodeMetadata.make_dummy(CASE["drafts"], torch.device("cpu"))
-rs.generate_uniform_probs = lambda *a, **kw: torch.tensor(CASE["uniforms"], dtype=torch.float64)
-recover = rs._sample_recovered_tokens
-
-
-def fed_noise(out, cu, drafts, q, p, inv_q, **kw):   # the recovered token's Exp(1) noise
-    inv_q.copy_(1 / torch.tensor(CASE["exponentials"]))
-    return recover(out, cu, drafts, q, p, inv_q, **kw)
-
-
-rs._sample_recovered_tokens = fed_noise
-logits = rs.apply_sampling_constraints(torch.tensor(CASE["logits"]), spec.cu_num_draft_tokens,
-                                       meta)
-out = rs.rejection_sample(spec.draft_token_ids, spec.num_draft_tokens, spec.max_spec_len,
-                          spec.cu_num_draft_tokens, None, logits,
-                          torch.tensor(CASE["bonus"])[:, None], meta)
-tokens = rs.RejectionSampler.parse_output(out, logits.shape[-1])[0]
-for b, (got, want) in enumerate(zip(tokens, CASE["expected"])):
-    print(f"request {b}: vLLM {got}, the rule {want}: {'agree' if got == want else 'DIFFER'}")
-print(f"{sum(map(list.__eq__, tokens, CASE['expected']))} of {B} requests agree")
-sys.exit(int(tokens != CASE["expected"]))
-'''
+VLLM_STEP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs",
+                         "vllm_step_check.py")   # its template: the case JSON goes in at CASE
 
 
 def vllm_step_check(args, out, requests=8, k=3, V=16):
@@ -775,7 +683,9 @@ def vllm_step_check(args, out, requests=8, k=3, V=16):
                 temperature=args.temperature, uniforms=uniforms.flatten().tolist(),
                 exponentials=noise.tolist(), bonus=bonus.tolist(), expected=expected)
     path = os.path.join(out, "vllm_step_check.py")
-    atomic_write(path, lambda f: Path(f).write_text(VLLM_STEP % json.dumps(case)))
+    template = Path(VLLM_STEP).read_text()
+    atomic_write(path, lambda f: Path(f).write_text(template.replace(
+        "CASE = json.loads(sys.argv[1])", f"CASE = json.loads({json.dumps(case)!r})")))
     proc = subprocess.run([args.engine_python, path], capture_output=True, text=True)
     agree = [line for line in proc.stdout.splitlines() if line.endswith("requests agree")]
     if proc.returncode not in (0, 1) or not agree:   # vLLM's internals moved: say so, no finding
@@ -997,8 +907,10 @@ class StreamTarget:
 def stream_forwards(target, streams, layers, beyond, batch=8):
     """Per stream (prompt ids, output ids) in order: (its StreamTarget, the top-2 logits
     predicting each output token and the one after, (n + 1, 2) values and ids). One padded
-    forward per `batch` streams, room for `beyond` tokens past each; batch 1 runs the prompt, then the output after it, so that
-    each output row is its decode step (bit for bit on the exact path, make_exact)."""
+    forward per `batch` streams, room for `beyond` tokens past each. Batch 1 runs the prompt,
+    then the output EXACT_MIN_ROWS rows a call, a short chain verify's shape: on the exact
+    path (make_exact) each output row then has its decode step's bits, as decoding's verify
+    rows do (one long call rounds otherwise, seen in a tiny MoE's bf16 experts)."""
     layers, device = tuple(sorted(set(layers))), target.lm_head.weight.device
     for first in range(0, len(streams), batch):
         chunk = streams[first:first + batch]
@@ -1007,8 +919,9 @@ def stream_forwards(target, streams, layers, beyond, batch=8):
         for b, s in enumerate(seqs):
             ids[b, :len(s)] = torch.tensor(s)
         cache = target.new_cache(ids.shape[1] + beyond, batch=len(seqs))
-        parts = [(0, ids)] if batch > 1 else [(0, ids[:, :len(chunk[0][0])]),
-                                               (len(chunk[0][0]), ids[:, len(chunk[0][0]):])]
+        P = len(chunk[0][0])
+        parts = [(0, ids)] if batch > 1 else [(0, ids[:, :P])] + [
+            (q, ids[:, q:q + E.EXACT_MIN_ROWS]) for q in range(P, ids.shape[1], E.EXACT_MIN_ROWS)]
         outs = [target(x.to(device), cache=cache, start=s, aux_layers=layers)
                 for s, x in parts if x.shape[1]]
         logits, aux = (torch.cat(o, 1) if o[0] is not None else None for o in zip(*outs))
@@ -1105,7 +1018,8 @@ def score_greedy(args, target, readings, prompts, runs, shape, variant, count, s
     """(a), (b) and (c) from one target forward per distinct stream -> (partings of the
     plain stream, of the EAGLE-3 stream, per prompt; our counters per reading, per row)."""
     plain, eagle = (runs[name]["rows"] for name in ("plain", "eagle3"))
-    keys = list(dict.fromkeys((r["prompt"], tuple(r["tokens"])) for r in plain + eagle))
+    keys = sorted(set((r["prompt"], tuple(r["tokens"])) for r in plain + eagle),   # little
+                  key=lambda key: len(prompts[key[0]]) + len(key[1]))          # padding
     layers = [x for d, _ in readings.values() for x in d.cfg.aux_layers]
     streams = [(prompts[i], list(tokens)) for i, tokens in keys]
     scored, bar = {}, E.Progress("reference scoring", len(keys))
@@ -1210,7 +1124,7 @@ def compare_rates(engine_rows, ours):
 def our_runs(args, target, readings, prompts, shape, variant, count, stops):
     """Our own decoding, timed, as the engine's rows: sampled, per reading --seeds samples a
     prompt (prompt i: seeds i * S ..) with the draft at each token; greedy (--regenerate),
-    our greedy and our EAGLE-3 with the drafter as saved, then a batch."""
+    our greedy and our EAGLE-3 with the drafter as saved."""
     seeds = args.seeds if args.temperature > 0 else 1
     units = [(i, torch.tensor([x]), i * seeds + j) for i, x in enumerate(prompts)
              for j in range(seeds)]
@@ -1229,16 +1143,7 @@ def our_runs(args, target, readings, prompts, shape, variant, count, stops):
         return out
     greedy = timed_rows("reference greedy", lambda i, x, seed: dict(
         prompt=i, tokens=E.greedy_generate(target, x, n, eos).tolist()), units)
-    ours = dict(eagle3=out["as saved"], greedy=greedy)
-    if args.batch > 1:
-        draft = readings["as saved"][0]
-        batches = [[u[1] for u in units[j:j + args.batch]] for j in range(0, len(units),
-                                                                          args.batch)]
-        tokens, seconds = E.best_time(lambda: sum(
-            len(r.tokens) for b in batches for r in E.speculative_generate_batch(
-                target, draft, b, n, tree=shape, eos_token_id=eos, variant=variant)), 1)
-        ours["batch"] = dict(tokens=tokens, seconds=seconds)
-    return ours
+    return dict(eagle3=out["as saved"], greedy=greedy)
 
 
 def tokens_per_s(rows):
@@ -1283,9 +1188,6 @@ def add_our_runs(report, ours):
     report.update(ours_lossless=same)
     report["tokens_per_s"].update(ours_greedy=tokens_per_s(ours["greedy"]),
                                   ours_eagle3=tokens_per_s(ours["eagle3"]))
-    if "batch" in ours:
-        report["tokens_per_s"]["ours_eagle3_batch"] = ours["batch"]["tokens"] / ours["batch"][
-            "seconds"]
 
 
 def print_engine_report(r):
@@ -1460,11 +1362,14 @@ def cmd_engine_check(args):
         scored = score_greedy(args, target, readings, prompts, runs, shape, variant, count,
                               stops)
         greedy_report(report, runs, scored)
-        exact_choices(target, prompts, [(p, tuple(runs[run]["rows"][p["prompt"]]["tokens"]))
-                                        for key, run in (("greedy_partings", "plain"),
-                                                         ("lossless_partings", "plain"),
-                                                         ("eagle3_partings", "eagle3"))
-                                        for p in report[key]])
+        found = [(p, tuple(runs[run]["rows"][p["prompt"]]["tokens"])) for key, run in (
+            ("greedy_partings", "plain"), ("lossless_partings", "plain"),
+            ("eagle3_partings", "eagle3")) for p in report[key]]
+        if args.exact:            # scored on the exact path already: its choice is ours
+            for p, _ in found:
+                p["exact"] = p["ours"]
+        else:
+            exact_choices(target, prompts, found)
         seconds = dict(reference=time.time() - t0)
         if args.regenerate:   # our own decoding: its speed and its own losslessness
             add_our_runs(report, our_runs(args, target, readings, prompts, shape, variant,
@@ -1551,8 +1456,8 @@ def build_parser():
     ec.add_argument("--seeds", type=int, help="sampled: our runs per prompt for the expected "
                     "acceptance (default --samples)")
     add_sampling(ec)
-    ec.add_argument("--batch", type=int, default=8, help="greedy: also time the engine (and "
-                    "with --regenerate ours) on this many requests at a time (1: not)")
+    ec.add_argument("--batch", type=int, default=8, help="greedy: also time the engine on this "
+                    "many requests at a time (1: not)")
     ec.add_argument("--regenerate", action="store_true", help="greedy: also decode on our "
                     "side (our tokens/s, our own EAGLE-3 against our greedy)")
     ec.add_argument("--out", default=os.path.join(RUNS_DIR, "engine-check"),

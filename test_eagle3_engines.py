@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +22,7 @@ import eagle3_engines as X
 import eagle3_tools as T
 from eagle3_engines import engine_rows   # what a driver script holds beside its adapter
 import test_eagle3_scaffold as S
-from test_eagle3_scaffold import tiny_draft, tiny_model
+from test_eagle3_scaffold import tiny_draft, tiny_model, zoo  # noqa: F401 (a fixture)
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(os.path.abspath(X.__file__))
@@ -317,6 +318,89 @@ def test_engine_check_predicts_a_tree_engine_and_flags_its_dropped_draft(pair, s
     assert "DIFFERENT from prompt 0, draft depth" in out
 
 
+CONTRACT_REQUEST = dict(prompts=[[1, 2], [3]], vocab_size=S.VOCAB, sampling=dict(samples=1),
+                        runs=[dict(name="plain"),
+                              dict(name="eagle3", tree=dict(top_k=2, depth=1, total_tokens=3))])
+
+
+def contract_result():
+    """A result answering CONTRACT_REQUEST, its runs in another order than asked (by name),
+    an engine's own key in spec (ignored)."""
+    row = lambda i, spec: dict(prompt=i, tokens=[5, 7], seconds=0.5, **spec)
+    return dict(engine="e", version="1", stop_token_ids=[2], runs=[
+        dict(name="eagle3", rows=[row(i, dict(spec=dict(rounds=2, per_position=[1, 0],
+                                                       own_counter=9))) for i in range(2)],
+             batch=dict(size=2, seconds=1.0, tokens=4)),
+        dict(name="plain", rows=[row(i, {}) for i in range(2)])])
+
+
+def required_fields(value, kind, path=()):
+    """Every (path, name) of a required field present in value, walking the contract."""
+    schema = X.contract_schema()
+    if kind.startswith("["):
+        return [f for i, item in enumerate(value) for f in required_fields(item, kind[1:-1],
+                                                                          path + (i,))]
+    return [f for field in schema.get(kind, ()) if field.name in value
+            for f in ([(path, field.name)] if field.required else [])
+            + required_fields(value[field.name], field.kind, path + (field.name,))]
+
+
+def test_the_contract_is_the_docs_tables_and_a_request_fills_its_own():
+    schema = X.contract_schema()
+    assert set(schema) == {"request", "sampling", "run request", "tree", "result", "run", "row",
+                           "spec", "batch"} and all(schema.values())
+    args = SimpleNamespace(target="T", draft="D", dtype="float32", max_new_tokens=8, k=3,
+                           temperature=0.0, samples=None, batch=8, top_p=1.0, top_k=0,
+                           seeded=False, tree="2,1,3")
+    request = X.engine_request(args, [[1, 2]], 2, S.VOCAB, E.TreeShape(2, 1, 3))
+    X.check_fields(request, "request", "the request")
+    assert set(request) == {f.name for f in schema["request"]}
+    assert request["runs"][1]["tree"] == dict(top_k=2, depth=1, total_tokens=3)
+    assert set(X.check_result(CONTRACT_REQUEST, contract_result(), "R")) == {"plain", "eagle3"}
+
+
+@pytest.mark.parametrize("path,name", required_fields(contract_result(), "result"), ids=str)
+def test_a_result_missing_a_required_field_is_refused_in_one_line_naming_it(path, name):
+    result = contract_result()
+    node = result
+    for step in path:
+        node = node[step]
+    del node[name]
+    with pytest.raises(E.Eagle3Error, match=rf"lacks '{name}' \(") as e:
+        X.check_result(CONTRACT_REQUEST, result, "R")
+    assert "\n" not in str(e.value)
+
+
+BAD_RESULTS = {  # name -> (edit of a good result, what the one line must say)
+    "tokens a string": (lambda r: r["runs"][0]["rows"][0].update(tokens="5 7"),
+                        "tokens must be token ids"),
+    "seconds a string": (lambda r: r["runs"][0]["rows"][0].update(seconds="fast"),
+                         "seconds must be number"),
+    "a count short": (lambda r: r["runs"][0]["rows"][1]["spec"].update(per_position=[1]),
+                      "must hold 2 counts"),
+    "an id outside the vocab": (lambda r: r["runs"][1]["rows"][0].update(tokens=[S.VOCAB]),
+                                f"in \\[0, {S.VOCAB}\\)"),
+    "a run missing": (lambda r: r["runs"].pop(1), "holds no run named 'plain'"),
+    "runs not a list": (lambda r: r.update(runs={"plain": []}), "runs must be a list")}
+
+
+@pytest.mark.parametrize("bad", BAD_RESULTS)
+def test_an_ill_typed_or_unanswering_result_is_refused_in_one_line(bad):
+    result, (edit, message) = contract_result(), BAD_RESULTS[bad]
+    edit(result)
+    with pytest.raises(E.Eagle3Error, match=message):
+        X.check_result(CONTRACT_REQUEST, result, "R")
+
+
+def test_a_driver_that_omits_a_required_field_gets_one_line(pair, stub, tmp_path):
+    code, _, err = cli("engine-check", "--target", pair.root / "target", "--draft",
+                       stub / "draft", "--prompt-ids", stub / "prompts.json", "--max-new-tokens",
+                       4, "--batch", 1, "--engine-cmd", f"{sys.executable} {DRIVER} --fault "
+                       f"no-version", "--out", tmp_path)
+    assert code == 2 and err.strip().endswith("lacks 'version' (string: its version)"), err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_engine_check_sampled_passes_a_lossless_engine_and_localizes_a_lossy_one(pair, stub,
                                                                                 tmp_path):
     flags = ("--temperature", "0.7", "--samples", "4")
@@ -373,6 +457,133 @@ def test_compare_rates_flags_an_engine_that_accepts_too_little():
     few, _ = X.compare_rates(rows(10, [4, 5, 4, 5]), {"as saved": rows(10, [6, 7, 6, 7])})
     assert few["as saved"]["z"][0] == -4.9 and few["as saved"]["first_difference"] == dict(
         position=1)
+
+
+# ========================================================================================
+# the replay: the reference's own rounds along a stream equal its own decoding
+# ========================================================================================
+# Every ZOO family (Llama, Mistral, Qwen2/3, RoPE scalings, tied, DeepSeek MLA + MoE), each with
+# a drafter sharpened on its greedy text so that paths run several levels deep; odd families
+# draft over a vocab map. Decoding first, then the replay along its output: every round's tree,
+# path, accepted count and bonus must be equal.
+
+REPLAY_CASES = [("official", E.TreeShape(10, 7, 60)), ("sglang", E.TreeShape(4, 3, 8)),
+                ("vllm", E.TreeShape(1, 2, 4))]
+CHAINS = [(preset, E.TreeShape(1, k - 1, k + 1)) for preset in E.PRESETS for k in range(1, 8)]
+FLIP_GAP = 1e-4    # fp32: a drafter choice flipped at a smaller top-2 gap is rounding, not a bug
+
+
+class DrafterFlip(UserWarning):
+    """fp32 rounding of one long forward against step-by-step decoding flipped a drafter
+    choice at a near-tie."""
+
+
+@pytest.fixture(scope="module")
+def replay_pair(zoo):
+    """name -> (fp32 target, its sharpened drafter, two prompts), each built once."""
+    built = {}
+
+    def pair(name):
+        if name not in built:
+            target = zoo.target(name)
+            prompts = [S.random_prompt(i, 6 + 3 * i) for i in range(2)]
+            texts = torch.stack([torch.cat([p[0, :6], E.greedy_generate(target, p[:, :6], 32)])
+                                 for p in prompts])
+            kept = torch.arange(0, S.VOCAB, 2) if S.ZOO[name][1] % 2 else None
+            draft = S.sharpen(tiny_draft(target, 1, kept=kept), target, texts, steps=40)
+            built[name] = target, draft, prompts
+        return built[name]
+    return pair
+
+
+def recorded(draft, run):
+    """run() with every drafter scoring call recorded -> (its result, the calls' logits)."""
+    calls, logits = [], draft.logits
+    draft.logits = lambda h: calls.append(logits(h).float()) or calls[-1]
+    try:
+        return run(), calls
+    finally:
+        del draft.logits
+
+
+def decode_and_replay(target, draft, prompts, shape, preset, batch, n=32):
+    """Per prompt: (decoding's rounds, the replay's rounds, both runs' drafter calls, how far
+    the replay decoded past the stream's end)."""
+    variant = E.resolve_variant(preset)
+    decoded = [recorded(draft, lambda: E.speculative_generate(target, draft, p, n, tree=shape,
+                                                               variant=variant))
+               for p in prompts]
+    streams = [(p[0].tolist(), r.tokens.tolist()) for p, (r, _) in zip(prompts, decoded)]
+    out = []
+    for (stream, _), (prompt, output), (r, calls) in zip(X.stream_forwards(
+            target, streams, draft.cfg.aux_layers, shape.depth + 2, batch), streams, decoded):
+        again, again_calls = recorded(draft, lambda: X.replay(stream, draft, prompt, output,
+                                                               shape, variant))
+        out.append((trace(r), trace(again), calls, again_calls,
+                    len(stream.tokens) - len(prompt) - len(output) - 1))
+    return out
+
+
+def trace(result):
+    return [(r.tree.tokens.tolist(), r.tree.parents.tolist(), r.path.tolist(), r.accepted,
+             r.bonus) for r in result.rounds]
+
+
+def flip_gap(calls, again_calls, K):
+    """The first drafter call whose top-K ranking differs between the runs -> (call, the
+    decoding's gap between its K-th and K+1-th score there)."""
+    for i, (a, b) in enumerate(zip(calls, again_calls)):
+        if a.shape != b.shape or not torch.equal(a.topk(K, -1).indices, b.topk(K, -1).indices):
+            top = a.topk(min(K + 1, a.shape[-1]), -1).values
+            return i, float((top[..., K - 1] - top[..., -1]).abs().min())
+    return None, None
+
+
+@pytest.mark.parametrize("name,preset,shape", [(name, *case) for name in S.ZOO
+                                               for case in REPLAY_CASES]
+                         + [("llama", *case) for case in CHAINS], ids=str)
+def test_replay_equals_decoding_round_for_round_in_fp32(replay_pair, name, preset, shape):
+    target, draft, prompts = replay_pair(name)
+    runs = decode_and_replay(target, draft, prompts, shape, preset, batch=8)
+    deepest = max(r[3] for ours, *_ in runs for r in ours)
+    assert deepest >= min(2, shape.depth + 1), f"paths too shallow to test: {deepest}"
+    for p, (ours, again, calls, again_calls, past) in enumerate(runs):
+        if ours == again:
+            continue
+        call, gap = flip_gap(calls, again_calls, shape.top_k)
+        assert gap is not None and gap < FLIP_GAP, (
+            f"prompt {p}: the replay parts from decoding at round "
+            f"{T.first_parting(ours, again)}; drafter call {call}, top-2 gap {gap}")
+        warnings.warn(DrafterFlip(f"{name} {preset} {tuple(shape)} prompt {p}: a drafter "
+                                  f"choice flipped at call {call}, top-2 gap {gap:.1e}"))
+
+
+def test_the_replay_decodes_past_the_streams_end_as_far_as_a_last_round_reaches(replay_pair):
+    target, draft, prompts = replay_pair("llama")
+    runs = decode_and_replay(target, draft, prompts, E.TreeShape(1, 6, 8), "vllm", batch=1)
+    assert all(ours == again for ours, again, *_ in runs)
+    assert max(past for *_, past in runs) > 0   # a last round accepted drafts past the budget
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "ds-v3"])
+def test_replay_is_bit_equal_to_decoding_on_the_exact_path_in_bf16(replay_pair, zoo, name):
+    """bf16 on the exact path: the prompt, then the output 4 rows a call, each row as its
+    decode step, so the replay's features carry the bits decoding's verify rows did. (Not
+    "kimi": its 16-wide experts' features round by the call's row count in a 60-node verify,
+    outside what make_exact mends; its logits, and so its greedy output, stay exact.)"""
+    _, draft32, prompts = replay_pair(name)
+    target = E.make_exact(E.load_target(str(zoo.dir(name)), dtype=torch.bfloat16))
+    draft = E.load_draft(str(save_for_bf16(draft32, zoo.root / f"{name}-draft")), target,
+                         dtype=torch.bfloat16)
+    for preset, shape in REPLAY_CASES:
+        for ours, again, *_ in decode_and_replay(target, draft, prompts, shape, preset, batch=1):
+            assert ours == again, (name, preset, tuple(shape), T.first_parting(ours, again))
+
+
+def save_for_bf16(draft, path):
+    if not os.path.isdir(path):
+        E.save_draft(draft, str(path))
+    return path
 
 
 # ========================================================================================
@@ -565,6 +776,12 @@ ENGINE_BAD = {  # name -> (argv tail, what the one line must say)
                                        "head size 16; vLLM's CPU attention serves"),
     "samples without a temperature": (lambda r: ["--prompt-ids", r / "ok.json", "--samples", 4],
                                       "needs --temperature"),
+    "a tree asked of vLLM": (lambda r: ["--prompt-ids", r / "ok.json", "--tree", "2,1,3",
+                                        "--engine-python", sys.executable],
+                             "the vllm adapter's engine drafts chains only"),
+    "--reads with an adapter": (lambda r: ["--prompt-ids", r / "ok.json", "--reads", "vllm",
+                                           "--engine-python", sys.executable],
+                                "the vllm adapter's are its own"),
 }
 
 
