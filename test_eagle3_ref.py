@@ -3776,9 +3776,10 @@ def test_part_one_refers_to_no_name_of_part_two_and_the_reference_imports_no_pro
             assert "eagle3_tools" not in imports or name == "eagle3_engines.py", name
 
 
-def test_readme_api_names_exist_with_the_parameters_it_lists():
-    # each row of the README's Public API table: a name, and maybe its parameters
-    with open(os.path.join(os.path.dirname(os.path.abspath(E.__file__)), "README.md")) as f:
+def test_reference_manual_api_names_exist_with_the_parameters_it_lists():
+    # each row of the reference manual's Public API table: a name, and maybe its parameters
+    with open(os.path.join(os.path.dirname(os.path.abspath(E.__file__)), "docs",
+                           "reference.md")) as f:
         section = f.read().split("## Public API", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([A-Za-z_][\w.]*)(\((.*?)\))?`", section, re.M)
     assert len(rows) >= 8, rows
