@@ -300,6 +300,19 @@ def test_engine_check_greedy_through_the_contract(pair, stub, tmp_path):
     assert not os.path.exists(tmp_path / "c" / "report.json")
 
 
+def test_engine_check_lists_every_parting_with_its_gap_and_the_exact_paths_choice(pair, stub,
+                                                                                  tmp_path):
+    """A plain run that emits another token than the argmax at new token 5 and decodes on
+    from it: (a) lists that token alone on each prompt (after it the engine's own prefix
+    agrees with our argmax again), with the exact path's choice; (c) is unaffected."""
+    code, out, r = stub_check(pair, stub, tmp_path, "--fault part", code=1)
+    ours = [E.greedy_generate(pair.target, p, 24).tolist() for p in pair.prompts[:3]]
+    assert [(p["prompt"], p["at"], p["ours"], p["engine"]) for p in r["greedy_partings"]] == [
+        (i, 5, o[5], (o[5] + 1) % S.VOCAB) for i, o in enumerate(ours)], out
+    assert all(p["exact"] == p["ours"] and p["gap"] > 0 for p in r["greedy_partings"])
+    assert r["greedy_equal"] == 0 and r["lossless"] == 0 and r["predicted"]["as saved"]["equal"]
+
+
 def test_engine_check_predicts_a_tree_engine_and_flags_its_dropped_draft(pair, stub, tmp_path):
     """A tree engine (the example driver decoding SGLang's tree through the contract): our
     replay along its output predicts every count; one accepted draft dropped per prompt is

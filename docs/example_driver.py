@@ -11,7 +11,8 @@ this one calls eagle3_ref. engine-check runs it as
 acceptance rule it decodes with (default vllm); --fault plants a defect for engine-check's own
 tests: "drop" reports one accepted draft fewer per prompt, "deeper" drafts one level deeper
 than asked, "short" answers the first prompt only, "greedy-bonus" (sampled) takes the argmax
-after a rejected draft, "no-version" leaves out a required field.
+after a rejected draft, "no-version" leaves out a required field, "part" (greedy) emits another
+token than the argmax at new token 5 of its plain run, then decodes on from it.
 """
 import argparse
 import json
@@ -34,6 +35,16 @@ def greedy_bonus(logits, tree, g, sampling, preset):
     return acc._replace(bonus=int(p.argmax())), draws
 
 
+def parted(target, x, n, eos):
+    """Greedy decoding with new token 5 replaced by the next id, then greedy from there."""
+    out = E.greedy_generate(target, x, n, eos).tolist()
+    if len(out) <= 6 or out[5] in (eos or []):
+        return out
+    head = out[:5] + [(out[5] + 1) % target.cfg.vocab_size]
+    return head + E.greedy_generate(target, torch.tensor([x[0].tolist() + head]), n - 6,
+                                    eos).tolist()
+
+
 def shape_of(run, fault):
     """The run's draft shape as the reference names it (a chain of K: top_k 1)."""
     if "tree" in run:
@@ -54,8 +65,11 @@ def serve(request, run, target, draft, preset, fault):
             seed = i * s["samples"] + j if s["seeded"] else 1000 + i * s["samples"] + j
             if run["name"] == "plain":
                 out = E.sample_generate(target, x, request["max_new_tokens"], eos_token_id=eos,
-                                        seed=seed, variant=E.resolve_variant(preset), **sampling)
-                rows.append(dict(prompt=i, tokens=out.tolist(), seconds=time.time() - t))
+                                        seed=seed, variant=E.resolve_variant(preset),
+                                        **sampling).tolist()
+                if fault == "part" and s["temperature"] == 0:
+                    out = parted(target, x, request["max_new_tokens"], eos)
+                rows.append(dict(prompt=i, tokens=out, seconds=time.time() - t))
                 continue
             shape = shape_of(run, fault)
             res = E.speculative_generate(target, draft, x, request["max_new_tokens"], tree=shape,
