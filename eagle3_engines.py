@@ -813,7 +813,8 @@ ADAPTERS = {
 def command_adapter(args):
     """An engine answering through its own command: the rules it declares."""
     return Adapter(None, None, None, None, "", (), None, args.reads, args.counts,
-                   args.reads if args.reads in E.PRESETS else "vllm", True,
+                   args.reads if args.reads in E.PRESETS else "official" if args.tree
+                   else "vllm", True,
                    lambda args, cfg: None)
 
 
@@ -1328,6 +1329,9 @@ def check_engine_check(args, adapter):
         fail(f"--tree {args.tree}: the {args.engine} adapter's engine drafts chains only; ask "
              f"for a chain of K drafts with --k K")
     E.check_sampling(sampling_of(args))
+    if args.tree and E.PRESETS[args.preset].argmax_chain:
+        fail(f"--tree {args.tree}: the {args.preset} preset drafts a chain whatever the tree; "
+             f"replay a tree with --preset official or sglang")
     if args.tree:
         return E.TreeShape(*E.parse_numbers(args.tree, int, "--tree", 3))
     return E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1)

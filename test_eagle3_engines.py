@@ -793,6 +793,9 @@ ENGINE_BAD = {  # name -> (argv tail, what the one line must say)
     "--reads with an adapter": (lambda r: ["--prompt-ids", r / "ok.json", "--reads", "vllm",
                                            "--engine-python", sys.executable],
                                 "the vllm adapter's are its own"),
+    "a tree replayed by the chain preset": (lambda r: ["--prompt-ids", r / "ok.json", "--tree",
+                                                       "2,1,3", "--preset", "vllm"],
+                                            "the vllm preset drafts a chain whatever the tree"),
 }
 
 
