@@ -832,7 +832,8 @@ def cmd_install_engine(args):
         if subprocess.run(step).returncode:
             fail(f"installing {args.engine} stopped at: {' '.join(step)} (its error is "
                  f"above){adapter.install_hint}")
-    python, module = os.path.join(out, adapter.python), adapter.module
+    python = os.path.join(out, adapter.python)
+    module = adapter.module
     if subprocess.run([python, "-c", f"import {module}, torch; print('{module}', "
                        f"{module}.__version__, 'torch', torch.__version__)"]).returncode:
         fail(f"the installed engine does not import ({python} -c 'import {module}'): its error "
@@ -860,8 +861,10 @@ class StreamTarget:
     stream gets zeros, which no acceptance reads (its parent's argmax is not its token)."""
 
     def __init__(self, target, tokens, hidden, cache):
-        self.real, self.cfg, self.lm_head, self.tp = target, target.cfg, target.lm_head, \
-            E.new_group(1)
+        self.real = target         # runs only past the stream's end
+        self.cfg = target.cfg      # what the round reads of a target: its config, its
+        self.lm_head = target.lm_head   # weights' dtype and device, its TP group
+        self.tp = E.new_group(1)
         self.tokens = tokens       # prompt + output + the greedy token after it (F + 1,)
         self.hidden = hidden       # {layer: (F, D)} the residual stream entering each layer
         self.cache = cache         # the real target's cache of the F tokens, for going on
@@ -872,11 +875,11 @@ class StreamTarget:
     def reach(self, p):
         """Tokens through p + 1 and features through p, decoding past the stream's end."""
         while len(self.tokens) <= p + 1:
-            q = len(self.tokens) - 1
-            logits, aux = self.real(torch.tensor([[self.tokens[q]]], device=self.cache[0].device),
-                                    cache=self.cache, start=q, aux_layers=tuple(self.hidden))
-            for i, (layer, h) in enumerate(self.hidden.items()):
-                self.hidden[layer] = torch.cat([h, aux[0, :, i * h.shape[1]:(i + 1) * h.shape[1]]])
+            q = len(self.tokens) - 1                      # a decode step of token q
+            x = torch.tensor([[self.tokens[q]]], device=self.cache[0].device)
+            logits, aux = self.real(x, cache=self.cache, start=q, aux_layers=tuple(self.hidden))
+            for layer, h in zip(self.hidden, aux[0].chunk(len(self.hidden), -1)):
+                self.hidden[layer] = torch.cat([self.hidden[layer], h])          # (q + 1, D)
             self.tokens.append(int(logits[0, -1].argmax()))
 
     def on_stream(self, tokens, positions, mask, start):
@@ -1200,7 +1203,8 @@ def add_our_runs(report, ours):
 
 
 def print_engine_report(r):
-    n, sampled, d = r["prompts"], r["temperature"] > 0, r["draft"]
+    n, sampled = r["prompts"], r["temperature"] > 0
+    d = r["draft"]
     shape = (f"tree of top_k {d['top_k']}, depth {d['depth']}, {d['total_tokens']} tokens"
              if r["tree"] else f"chain of K={d['depth'] + 1}")
     print0(f"engine-check: {r['engine']} against eagle3-ref ({r['preset']} preset), {r['dtype']}"
@@ -1339,7 +1343,8 @@ def check_engine_check(args, adapter):
 
 def cmd_engine_check(args):
     adapter = command_adapter(args) if args.engine_cmd else ADAPTERS[args.engine]
-    args.preset, args.seeds = args.preset or adapter.preset, args.seeds or args.samples or 1
+    args.preset = args.preset or adapter.preset       # the rule our replay runs
+    args.seeds = args.seeds or args.samples or 1
     shape = check_engine_check(args, adapter)
     cfg = E.read_target_config(args.target)
     adapter.refuses(args, cfg)
@@ -1359,7 +1364,8 @@ def cmd_engine_check(args):
                                                            cfg.vocab_size, shape))
     stops = E.eos_list(eos) + [t for t in result.get("stop_token_ids", [])
                                if t not in E.eos_list(eos)]   # where the engine always stops
-    t0, variant, count = time.time(), E.resolve_variant(args.preset), COUNTING[adapter.counts]
+    variant, count = E.resolve_variant(args.preset), COUNTING[adapter.counts]
+    t0 = time.time()
     report = report_head(args, result, runs, readings, shape, stops)
     if args.temperature > 0:
         ours = our_runs(args, target, readings, prompts, shape, variant, count, stops)
