@@ -40,7 +40,6 @@ Launch lines:
 import argparse
 import json
 import math
-import operator
 import os
 import sys
 import time
@@ -134,12 +133,108 @@ class DraftConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# 2. distributed helpers
+# 2. argument checks and bookkeeping                            (a learner can skip this)
 #
-# Tensor parallelism (TP) runs one process per device under torchrun (the process group is
-# joined at launch by init_distributed, with the tools). Every rank holds a slice of every big
-# weight; the only communication of the forward pass is one all_reduce after each
-# row-parallel matmul. Without torchrun every group has size W = 1 and sends nothing.
+# What the method keeps beside it, gathered here so that it does not interrupt sections
+# 3-10: the checks that turn a wrong argument into one line naming it, the tally of what
+# tensor parallelism sends, and the record of the random numbers a round drew (the replay
+# contract: another implementation handed the same uniforms must make the same choices).
+
+
+def check_aux_layers(aux_layers, n_layers):
+    if len(set(aux_layers)) != 3 or not all(0 <= i <= n_layers for i in aux_layers):
+        fail(f"aux layers {tuple(aux_layers)} for a {n_layers}-layer target must be 3 distinct "
+             f"ids in 0..{n_layers}; the default (2, L//2, L-3) needs "
+             f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
+
+
+def check_token_ids(ids, vocab_size):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        fail(f"input_ids holds token id {bad}, outside the target vocab [0, {vocab_size}): "
+             f"the prompt was encoded for another model, or is not a token-id tensor")
+
+
+def check_tree_shape(shape, draft_vocab_size):
+    for name, value in zip(shape._fields, shape):  # depth 0: the root's children alone;
+        least = dict(depth=0, total_tokens=2).get(name, 1)   # 2 tokens: the root and a draft
+        if not isinstance(value, int) or value < least:
+            fail(f"{name}={value!r} must be an integer >= {least}")
+    top_k, depth, total_tokens = shape
+    if top_k > draft_vocab_size:
+        fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "
+             f"use top_k <= {draft_vocab_size}")
+    pool = top_k + depth * top_k ** 2
+    if total_tokens - 1 > pool:
+        fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
+             f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
+
+
+def check_sampling(s):
+    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
+        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
+    if not 0 < s.top_p <= 1:
+        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
+    if not isinstance(s.top_k, int) or s.top_k < 0:
+        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
+
+
+def eos_list(eos_token_id):
+    """None, one id, or several (Llama-3 lists more than one) -> a list of ids."""
+    if eos_token_id is None:
+        return []
+    return list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+
+
+def check_eos(eos_token_id, vocab_size):
+    for t in eos_list(eos_token_id):
+        if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
+            fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
+
+
+def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reserve=0):
+    if isinstance(input_ids, torch.Tensor) and input_ids.numel() == 0:
+        fail(f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at "
+             f"least one token")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        fail(f"input_ids must be a torch.long tensor of token ids, got "
+             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
+    check_token_ids(input_ids, vocab_size)
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+    need = input_ids.shape[1] + max_new_tokens + reserve
+    if need > capacity:
+        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
+             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
+             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
+
+
+def check_dtypes(target, draft):
+    """The drafter reads the target's features: both must hold weights of one dtype (a
+    stand-in drafter without an fc weight, an oracle, is not checked)."""
+    t = target.lm_head.weight.dtype
+    d = getattr(getattr(draft, "fc", None), "weight", torch.empty(0, dtype=t)).dtype
+    if t != d:
+        fail(f"the drafter's weights are {str(d)[6:]} but the target's are {str(t)[6:]}; "
+             f"load the drafter in the target's dtype (load_draft(path, target, "
+             f"dtype={t}) or draft.to({t}))")
+
+
+def check_run(target, draft, prompts, max_new_tokens, sampling, shape, eos_token_id, variant):
+    """Every argument of speculative decoding, checked before any work."""
+    check_sampling(sampling)
+    if variant:
+        variant.check(sampling)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    check_dtypes(target, draft)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        fail("prompts must be a non-empty list of (1, T) token-id tensors")
+    check_eos(eos_token_id, target.cfg.vocab_size)
+    for ids in prompts:
+        check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
+                              target.cfg.vocab_size, reserve=shape.total_tokens)
 
 
 class Tally(NamedTuple):
@@ -157,6 +252,36 @@ class Tally(NamedTuple):
     def since(self, mark):
         """What was sent after `mark` (an earlier copy of this tally)."""
         return Tally(self.calls - mark.calls, self.bytes - mark.bytes)
+
+
+def uniform_stream(generator):
+    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator. A
+    sequence's `randomness` is one such generator: the official scheme reads it as this
+    stream, the engines' schemes draw their tensors from it."""
+    while True:
+        yield float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+class Recorder:
+    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
+    exactly the coins it used."""
+
+    def __init__(self, stream):
+        self.stream, self.used = stream, []
+
+    def draw(self):
+        u = next(self.stream)
+        self.used.append(u)
+        return u
+
+
+# ----------------------------------------------------------------------------------------
+# 3. distributed helpers
+#
+# Tensor parallelism (TP) runs one process per device under torchrun (the process group is
+# joined at launch by init_distributed, with the tools). Every rank holds a slice of every big
+# weight; the only communication of the forward pass is one all_reduce after each
+# row-parallel matmul. Without torchrun every group has size W = 1 and sends nothing.
 
 
 class Group(NamedTuple):
@@ -196,13 +321,6 @@ def broadcast0(x, group):
 #
 # A plain Llama-style decoder written for one process. TP only changes the *local* sizes
 # (H/W heads, Hkv/W kv heads, I/W MLP width) and adds the two all_reduce lines.
-
-
-def check_aux_layers(aux_layers, n_layers):
-    if len(set(aux_layers)) != 3 or not all(0 <= i <= n_layers for i in aux_layers):
-        fail(f"aux layers {tuple(aux_layers)} for a {n_layers}-layer target must be 3 distinct "
-             f"ids in 0..{n_layers}; the default (2, L//2, L-3) needs "
-             f"num_hidden_layers >= {MIN_LAYERS_FOR_AUX}")
 
 
 class RMSNorm(nn.Module):
@@ -449,6 +567,27 @@ def shard_dim(name):
 # (feature of token p, token p+1) and predicts token p+2. The layer runs in three steps,
 # project -> attend -> finish, so that inference (cached attention) and training-time test
 # (its own attention pattern) share the two ends and differ only in the middle.
+#
+# Why a reduced draft vocabulary (Vd < V, d2t / t2d below): the lm_head is the drafter's
+# biggest matrix (D x V: 4096 x 128k for Llama-3, larger than its decoder layer) and runs
+# on every node of every level. Keeping only the Vd most frequent target tokens (32k in the
+# released drafters) cuts it fourfold; the tokens it drops are rare ones the target would
+# seldom accept as drafts anyway.
+
+
+def log_probs(logits):
+    return torch.log_softmax(logits.float(), -1)
+
+
+def topk_first_index(x, k):
+    """torch.topk along the last dim with ties broken toward the lower index: reproducible
+    across devices, and a parent ranks ahead of an equal-scored descendant (parents have
+    lower pool indices). When the k+1 best values strictly decrease no tie can reorder them
+    and torch.topk is the answer; only otherwise is the (10x slower) stable sort needed."""
+    values, indices = torch.topk(x, min(k + 1, x.shape[-1]))                    # (.., k+1)
+    if not bool((values[..., :-1] > values[..., 1:]).all()):  # a tie (or NaN) near the top
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
 
 
 class Draft(nn.Module):
@@ -506,6 +645,14 @@ class Draft(nn.Module):
     def logits(self, h):
         return self.lm_head(self.norm(h))  # (.., Vd)
 
+    def continuations(self, h, scores, K):
+        """The tree's ranking step: the K likeliest next tokens of each node whose drafted
+        output is h (.., D), and their paths' scores: the node's `scores` (None at the root)
+        plus the token's log-probability, in fp32 whatever the model dtype (fewer exact ties
+        than fp16 / bf16) -> (scores, target ids), (.., K) each."""
+        step, ids = topk_first_index(log_probs(self.logits(h)), K)
+        return (step if scores is None else scores[..., None] + step), self.to_target_ids(ids)
+
     def to_target_ids(self, draft_ids):
         return draft_ids + self.d2t[draft_ids] if self.cfg.has_vocab_map else draft_ids
 
@@ -522,7 +669,7 @@ class Draft(nn.Module):
 # children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
 # the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
 # Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
-# drafter's cache, then grow_tree builds the tree on top (draft_tree: both, from scratch).
+# drafter's cache, then grow_tree builds the tree on top.
 
 
 class TreeShape(NamedTuple):
@@ -537,39 +684,6 @@ class Tree(NamedTuple):
     positions: torch.Tensor         # (N,) depth below the root (root 0)
     mask: torch.Tensor              # (N, N) bool: mask[i, j] = j is i or an ancestor of i
     retrieve_indices: torch.Tensor  # (leaves, max_depth + 1) root-to-leaf node ids, -1 padded
-
-
-def check_tree_shape(shape, draft_vocab_size):
-    for name, value in zip(shape._fields, shape):  # depth 0: the root's children alone;
-        least = dict(depth=0, total_tokens=2).get(name, 1)   # 2 tokens: the root and a draft
-        if not isinstance(value, int) or value < least:
-            fail(f"{name}={value!r} must be an integer >= {least}")
-    top_k, depth, total_tokens = shape
-    if top_k > draft_vocab_size:
-        fail(f"top_k={top_k} exceeds the drafter's vocabulary of {draft_vocab_size} tokens; "
-             f"use top_k <= {draft_vocab_size}")
-    pool = top_k + depth * top_k ** 2
-    if total_tokens - 1 > pool:
-        fail(f"total_tokens={total_tokens} cannot be built with top_k={top_k}, depth={depth}: "
-             f"at most top_k + depth*top_k^2 + 1 = {pool + 1} nodes exist")
-
-
-def check_token_ids(ids, vocab_size):
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        fail(f"input_ids holds token id {bad}, outside the target vocab [0, {vocab_size}): "
-             f"the prompt was encoded for another model, or is not a token-id tensor")
-
-
-def topk_first_index(x, k):
-    """torch.topk along the last dim with ties broken toward the lower index: reproducible
-    across devices, and a parent ranks ahead of an equal-scored descendant (parents have
-    lower pool indices). When the k+1 best values strictly decrease no tie can reorder them
-    and torch.topk is the answer; only otherwise is the (10x slower) stable sort needed."""
-    values, indices = torch.topk(x, min(k + 1, x.shape[-1]))                    # (.., k+1)
-    if not bool((values[..., :-1] > values[..., 1:]).all()):  # a tie (or NaN) near the top
-        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
 
 
 def tree_from_parents(tokens, parents):
@@ -596,19 +710,6 @@ def tree_from_parents(tokens, parents):
     return Tree(tokens, parents, positions, mask, retrieve)
 
 
-def log_probs(logits):
-    return torch.log_softmax(logits.float(), -1)
-
-
-class Scoring(NamedTuple):
-    """How the tree ranks its nodes, in fp32 whatever the model dtype (fewer exact ties than
-    fp16/bf16): `next` turns draft logits into next-token scores, `extend` combines a
-    parent's cumulative score with its children's. Officially: log-probabilities, which add
-    along a path (SGLang multiplies probabilities: the same order up to rounding)."""
-    next: object = log_probs
-    extend: object = operator.add
-
-
 def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
     """Steps 4-5 of the tree: pick the best total_tokens-1 pool entries and link them.
     Pool layout (flat index s): level 1 at s = 0..K-1; iteration `it` stores child c of its
@@ -616,7 +717,10 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
     and group_parent[g] is the pool index of the node they hang under (-1 = the root).
     Example K=2, depth=1: pool = [a, b | a0, a1, b0, b1], group_parent = [-1, 0, 1]
     (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
-    [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1."""
+    [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1.
+    Every chosen node's parent is chosen: a child scores its parent's score plus a
+    log-probability <= 0, so never above it, and on a tie the parent ranks first (its pool
+    index is lower; topk_first_index). The best entries are closed under taking parents."""
     # 4) select the best; order the tree by flat index (level, parent rank, child rank)
     chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values   # (N-1,)
     # 5) link: each chosen node's parent pool index -> its node index (root = 0)
@@ -658,13 +762,13 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 # scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
 
 
-def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offset=0):
+def grow_tree(draft, cache, n, h_last, root, shape):
     """Steps 1-3 of the official tree over a draft cache of n real positions (slots n.. are
-    scratch). `pos_offset` 1 drafts each level one RoPE position late (SGLang < #25015)."""
+    scratch); the drafter ranks the nodes (Draft.continuations)."""
     K, device = shape.top_k, h_last.device
     # 1) level 1: the K best children of the root
-    scores, ids = topk_first_index(scoring.next(draft.logits(h_last))[0], K)    # (K,)
-    tokens = draft.to_target_ids(ids)
+    first_scores, first_tokens = draft.continuations(h_last, None, K)           # (1, K)
+    scores, tokens = first_scores[0], first_tokens[0]                          # (K,)
     pool_scores, pool_tokens = [scores], [tokens]
     group_parent = [torch.tensor([-1], device=device)]  # level 1 hangs under the root
     inputs = torch.arange(K, device=device)          # pool indices of this level's nodes
@@ -674,13 +778,12 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
     for it in range(shape.depth):
         # 2) expand: one draft pass over the K nodes of level it+1, all at position n+it,
         #    each seeing the real prefix, its own ancestors and itself
-        positions = torch.full((K,), n + it + pos_offset, device=device)
+        positions = torch.full((K,), n + it, device=device)
         out = draft(h[None], tokens[None], positions, prefix_mask(n, tree_mask), cache,
                     n + it * K)[0]                                           # (K, D)
-        child_scores, child_ids = topk_first_index(scoring.next(draft.logits(out)), K)
-        cum = scoring.extend(scores[:, None], child_scores)  # (K, K) cumulative, per child
+        cum, children = draft.continuations(out, scores, K)  # (K, K): input r's children
         pool_scores.append(cum.flatten())                                    # (K*K,)
-        pool_tokens.append(draft.to_target_ids(child_ids).flatten())         # (K*K,)
+        pool_tokens.append(children.flatten())                               # (K*K,)
         group_parent.append(inputs)                  # input r's K children form a group
         if it == shape.depth - 1:
             break
@@ -694,22 +797,6 @@ def grow_tree(draft, cache, n, h_last, root, shape, scoring=Scoring(), pos_offse
                        torch.cat(group_parent), root, shape.total_tokens, K)  # (1 + depth*K,)
 
 
-@torch.inference_mode()
-def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
-    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
-    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
-    shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
-    check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    T = aux.shape[1]
-    if input_ids.shape != (1, T + 1):
-        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
-             f"be (1, {T + 1}): the {T} featured tokens plus the root")
-    check_token_ids(input_ids, draft.cfg.vocab_size)
-    cache = draft.new_cache(T + top_k * depth)
-    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
-    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
-
-
 # ----------------------------------------------------------------------------------------
 # 7. verify and accept
 #
@@ -720,8 +807,10 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
 #
 # Greedy speculation equals greedy decoding when each verify row produces the bits of its
 # own decode step. A kernel may round a row differently when other rows share the call: in
-# fp32 that rarely flips an argmax, in bf16 / fp16 it often does. Section 14 (make_exact)
-# serves a target so that every row rounds as its decode step.
+# fp32 that rarely flips an argmax, in bf16 / fp16 it often does. How bf16 / fp16 are made
+# exact is Part II's make_exact (section 15): every product runs with at least a few rows,
+# so a row rounds alike however many share the call, and each query attends alone over the
+# keys its mask shows, as its decode step does.
 
 
 @torch.inference_mode()
@@ -794,29 +883,19 @@ def top_p_mask(x, s):
     return x.masked_fill(drop.scatter(-1, order, drop), -math.inf)
 
 
-TRANSFORMERS_ORDER = (top_k_mask, top_p_mask)  # temperature, top-k, top-p: transformers,
-                                               # SGLang, vLLM
-OFFICIAL_ORDER = (top_p_mask, top_k_mask)      # top-p before top-k: the official EAGLE code
+OFFICIAL_ORDER = (top_p_mask, top_k_mask)  # top-p before top-k: the official EAGLE code
 
 
 class Sampling(NamedTuple):
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
-    warpers: tuple = TRANSFORMERS_ORDER  # applied in this order after the temperature
+    warpers: tuple = OFFICIAL_ORDER  # applied in this order after the temperature (a
+                                     # variant may name its engine's order)
 
     @property
     def greedy(self):
         return self.temperature == 0
-
-
-def check_sampling(s):
-    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
-        fail(f"temperature={s.temperature!r} must be >= 0 (0 = greedy)")
-    if not 0 < s.top_p <= 1:
-        fail(f"top_p={s.top_p!r} must be in (0, 1] (1 = off)")
-    if not isinstance(s.top_k, int) or s.top_k < 0:
-        fail(f"top_k={s.top_k!r} must be an integer >= 0 (0 = off)")
 
 
 def warped_probs(logits, s):
@@ -836,27 +915,6 @@ def sample_inverse_cdf(p, u):
     cdf = p.double().cumsum(-1)
     i = int(torch.searchsorted(cdf, u * cdf[-1:], right=True))
     return min(i, int(p.nonzero().max()))  # u * sum rounding up to the total: last live token
-
-
-def uniform_stream(generator):
-    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator. A
-    sequence's `randomness` is one such generator: the official scheme reads it as this
-    stream, the engines' schemes draw their tensors from it."""
-    while True:
-        yield float(torch.rand((), generator=generator, dtype=torch.float64))
-
-
-class Recorder:
-    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
-    exactly the coins it used."""
-
-    def __init__(self, stream):
-        self.stream, self.used = stream, []
-
-    def draw(self):
-        u = next(self.stream)
-        self.used.append(u)
-        return u
 
 
 def children_of(parents):
@@ -910,38 +968,6 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
 #
 # Output contract (deliberately stricter than the official loop): never more than
 # max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
-
-
-def eos_list(eos_token_id):
-    """None, one id, or several (Llama-3 lists more than one) -> a list of ids."""
-    if eos_token_id is None:
-        return []
-    return list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
-
-
-def check_eos(eos_token_id, vocab_size):
-    for t in eos_list(eos_token_id):
-        if t is not None and (not isinstance(t, int) or not 0 <= t < vocab_size):
-            fail(f"eos_token_id={t!r} is not a token id of the target vocab [0, {vocab_size})")
-
-
-def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reserve=0):
-    if isinstance(input_ids, torch.Tensor) and input_ids.numel() == 0:
-        fail(f"the prompt is empty (input_ids of shape {tuple(input_ids.shape)}); give at "
-             f"least one token")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
-        fail(f"input_ids must be a torch.long tensor of token ids, got "
-             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        fail(f"input_ids must have shape (1, T) (batch size 1), got {tuple(input_ids.shape)}")
-    check_token_ids(input_ids, vocab_size)
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        fail(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-    need = input_ids.shape[1] + max_new_tokens + reserve
-    if need > capacity:
-        fail(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens})"
-             f"{f' + tree ({reserve})' if reserve else ''} = {need} exceeds the cache length "
-             f"{capacity} (max_position_embeddings or sliding window); shorten one of them")
 
 
 def emit(out, tokens, max_new_tokens, eos_token_id):
@@ -1005,14 +1031,6 @@ def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.
                                    eos_token_id)
 
 
-class Drafted(NamedTuple):
-    """What a round drafted: the tree the target verifies and, for a sampled chain, the
-    drafter's distributions and the uniforms that drew the drafts."""
-    tree: Tree
-    q: torch.Tensor = None   # (k, V) the drafter's warped distribution at each draft
-    uniforms: tuple = ()     # the uniforms drafting used, in order
-
-
 class Variant(NamedTuple):
     """The one seam for the variants of Part II (a sampled chain, the engines' presets):
     what a run that uses one calls instead of the official tree and acceptance, resolved
@@ -1021,19 +1039,10 @@ class Variant(NamedTuple):
     warpers: tuple   # the order its sampling warps in (the official: OFFICIAL_ORDER)
     chain: bool      # drafts a chain of depth + 1 tokens, whatever the tree
     check: object    # (sampling) -> fails on what it cannot do
-    drafts: object   # (draft, cache, n, h_last, root, run, randomness, tp) -> Drafted
-    sampled: object  # sampling: (logits, drafted, run, randomness) -> (Acceptance, draws)
-
-
-def check_dtypes(target, draft):
-    """The drafter reads the target's features: both must hold weights of one dtype (a
-    stand-in drafter without an fc weight, an oracle, is not checked)."""
-    t = target.lm_head.weight.dtype
-    d = getattr(getattr(draft, "fc", None), "weight", torch.empty(0, dtype=t)).dtype
-    if t != d:
-        fail(f"the drafter's weights are {str(d)[6:]} but the target's are {str(t)[6:]}; "
-             f"load the drafter in the target's dtype (load_draft(path, target, "
-             f"dtype={t}) or draft.to({t}))")
+    drafts: object   # (draft, cache, n, h_last, root, run, randomness, tp) -> (Tree, notes
+                     # for its acceptance)
+    sampled: object  # (logits, tree, notes, run, randomness) -> (Acceptance, its Round
+                     # fields: a dict)
 
 
 class Run(NamedTuple):
@@ -1047,23 +1056,13 @@ class Run(NamedTuple):
 
 def start_run(target, draft, prompts, max_new_tokens, temperature, top_p, top_k, tree,
               eos_token_id, record_logits, variant):
-    """Every argument of speculative decoding checked before any work -> the Run (a chain
-    of depth+1 drafts keeps only the depth)."""
+    """The Run, every argument checked (check_run) before any work. A variant's chain of
+    depth+1 drafts keeps only the tree's depth."""
     sampling = Sampling(temperature, top_k, top_p, variant.warpers if variant else OFFICIAL_ORDER)
-    check_sampling(sampling)
     shape = TreeShape(*tree)
-    if variant:
-        variant.check(sampling)
-        if variant.chain:
-            shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
-    check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    check_dtypes(target, draft)
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        fail("prompts must be a non-empty list of (1, T) token-id tensors")
-    check_eos(eos_token_id, target.cfg.vocab_size)
-    for ids in prompts:
-        check_generation_args(ids, max_new_tokens, target.cfg.max_positions,
-                              target.cfg.vocab_size, reserve=shape.total_tokens)
+    if variant and variant.chain:
+        shape = TreeShape(top_k=1, depth=shape.depth, total_tokens=shape.depth + 2)
+    check_run(target, draft, prompts, max_new_tokens, sampling, shape, eos_token_id, variant)
     return Run(shape, sampling, record_logits, variant)
 
 
@@ -1073,7 +1072,7 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (official sampling only)
-    comm: Tally = None    # the collectives the round sent (all_reduce: the verify;
+    comm: Tally           # the collectives the round sent (all_reduce: the verify;
                           # broadcast: chain drafts and the decision)
     draws: dict = None    # SGLang / vLLM sampling: their random numbers, in their layout
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
@@ -1089,74 +1088,92 @@ class SpecResult(NamedTuple):
 
 
 class RoundState(NamedTuple):
-    """Where a sequence's next round starts. The target's cache holds n tokens, the
-    drafter's all but the last m, whose features came with the last verify (or the prefill)
-    and are encoded at the start of the round, as the official code does."""
-    n: int                   # tokens in the target's cache (the accepted prefix)
-    root: int                # the target's last token: the next tree's root
-    features: torch.Tensor   # (1, m, 3*D_t) target features of the last m cached tokens
-    next_tokens: torch.Tensor  # (1, m) the token after each of them (pair convention)
+    """Where a sequence's next round starts.
+
+    The drafter lags the target. Its position p pairs the target's feature of token p with
+    token p+1 (section 6), so a token enters the drafter only once the target has computed
+    its feature *and* chosen the token after it. The target does both for m tokens at once,
+    in the prefill (m = T, the prompt) or in a verify (m = a + 1: the root and the a drafts
+    it accepted), and the next round opens by encoding those m pairs (draft_step). Worked
+    example, a 4-token prompt t0 t1 t2 t3 and a first round that accepts 2 drafts:
+      prefill  the target caches t0..t3 (n = 4) with features f0..f3 and chooses x4, the
+               root. The drafter holds nothing and owes positions 0..3:
+               (f0, t1) (f1, t2) (f2, t3) (f3, x4)                           m = T = 4
+      round 1  the drafter encodes positions 0..3 and drafts a tree under x4 (scratch
+               slots 4..). The target verifies it, keeps drafts d5 d6, chooses the bonus
+               x7, and caches x4 d5 d6 (n = 7) with features f4 f5 f6. The drafter holds
+               0..3 and owes positions 4..6:  (f4, d5) (f5, d6) (f6, x7)     m = a + 1 = 3
+      round 2  the drafter encodes positions n - m = 4..6 and drafts under x7, and so on.
+    Its own tree drafts (scratch slots n..) are overwritten: only the target's features of
+    accepted tokens enter the drafter's cache for good."""
+    n: int                     # tokens in the target's cache (the accepted prefix)
+    root: int                  # the target's last token: the next tree's root
+    features: torch.Tensor     # (1, m, 3*D_t) target features of the last m cached tokens
+    next_tokens: torch.Tensor  # (1, m) the token after each of them: the output's new tokens
+
+
+def owed(n, tokens, features, root):
+    """The RoundState after the target cached `tokens` (1, m), the last m of its n, with
+    their `features`, and chose `root`: the m pairs the drafter owes."""
+    after = torch.cat([tokens[0, 1:], torch.tensor([root], device=tokens.device)])   # (m,)
+    return RoundState(n, root, features, after[None])
 
 
 def prefill(target, draft, cache, input_ids, run, randomness):
-    """The prompt through the target: its features for the drafter, and the target's first
-    token, which roots round 1 -> (RoundState, the uniforms used, Tally sent)."""
+    """The prompt through the target: its first token roots round 1 and its features are
+    the drafter's first m = T pairs -> (RoundState, the uniforms used, Tally sent)."""
     mark = target.tp.sent.copy()
     logits, aux = target(input_ids, cache=cache, aux_layers=draft.cfg.aux_layers)
     root, used = next_token(logits[0, -1], run.sampling, uniform_stream(randomness), target.tp)
-    root_t = torch.tensor([root], device=input_ids.device)
-    next_tokens = torch.cat([input_ids[0, 1:], root_t])                          # (T,)
-    state = RoundState(input_ids.shape[1], root, aux, next_tokens[None])
-    return state, used, target.tp.sent.since(mark)
+    return owed(input_ids.shape[1], input_ids, aux, root), used, target.tp.sent.since(mark)
 
 
 def draft_step(draft, cache, state, run, randomness, tp):
-    """Encode the newly accepted tokens into the drafter's cache (pair: feature of token i,
-    token i+1), then grow the official tree on top (or draft as the run's variant does)."""
+    """1) Encode the m pairs the drafter owes (RoundState), 2) grow the official tree on top,
+    or draft as the run's variant does -> (Tree, the variant's notes for its acceptance)."""
     m = state.features.shape[1]
     h_last = draft_prefix(draft, cache, state.n - m, state.features, state.next_tokens)
     root = torch.tensor(state.root, device=h_last.device)
     if run.variant:
         return run.variant.drafts(draft, cache, state.n, h_last, root, run, randomness, tp)
-    return Drafted(grow_tree(draft, cache, state.n, h_last, root, run.shape))
+    return grow_tree(draft, cache, state.n, h_last, root, run.shape), None
 
 
-def accept(logits, drafted, run, randomness):
-    """Which drafts the target keeps -> (Acceptance, the engine's draws or None)."""
+def decide(logits, tree, notes, run, randomness, tp):
+    """4) Which drafts the target keeps, decided by rank 0 and followed by every rank ->
+    (Acceptance, the variant's Round fields)."""
     if run.sampling.greedy:
-        return accept_greedy(logits, drafted.tree), None
-    if run.variant:
-        return run.variant.sampled(logits, drafted, run, randomness)
-    return accept_sampled(logits, drafted.tree, uniform_stream(randomness), run.sampling), None
+        acc, fields = accept_greedy(logits, tree), {}
+    elif run.variant:
+        acc, fields = run.variant.sampled(logits, tree, notes, run, randomness)
+    else:
+        acc, fields = accept_sampled(logits, tree, uniform_stream(randomness), run.sampling), {}
+    return broadcast_acceptance(acc, len(tree.tokens), logits.device, tp), fields
 
 
-def settle(target, cache, state, drafted, logits, aux, run, randomness):
-    """Accept (rank 0 decides, every rank follows), commit the accepted nodes' target K/V,
-    and hand the accepted tokens' features to the next round -> (Round, RoundState)."""
-    tree, q = drafted.tree, drafted.q
-    acc, draws = accept(logits, drafted, run, randomness)
-    acc = broadcast_acceptance(acc, len(tree.tokens), logits.device, target.tp)
-    path = acc.path.to(logits.device)
+def settle(cache, state, tree, acc, aux):
+    """5) Commit the accepted nodes' target K/V, 6) owe their features to the drafter."""
+    path = acc.path.to(aux.device)
     n = commit(cache, state.n, path)
-    new_tokens = torch.cat([tree.tokens[acc.path[1:]], torch.tensor([acc.bonus])])  # (a+1,)
-    recorded = ((logits.float().cpu(), None if q is None else q.cpu())
-                if run.record_logits else ())
-    return (Round(tree, acc.path, acc.accepted, acc.bonus, [*drafted.uniforms, *acc.uniforms],
-                  None, draws, *recorded),
-            RoundState(n, acc.bonus, aux[path][None], new_tokens[None].to(logits.device)))
+    return owed(n, tree.tokens[acc.path][None].to(aux.device), aux[path][None], acc.bonus)
+
+
+def round_record(tree, acc, fields, logits, run, comm):
+    return Round(tree=tree, path=acc.path, accepted=acc.accepted, bonus=acc.bonus,
+                 uniforms=acc.uniforms, comm=comm,
+                 logits=logits.float().cpu() if run.record_logits else None, **fields)
 
 
 def speculation_round(target, draft, target_cache, draft_cache, state, run, randomness):
-    """One EAGLE-3 round for one sequence: 1) re-encode the last accepted tokens and draft a
-    tree, 2) verify it in one target forward, 3) accept, 4) commit, 5) pass the accepted
-    tokens' features on. -> (Round, the next RoundState)."""
+    """One EAGLE-3 round for one sequence: 1) encode the pairs the drafter owes, 2) draft a
+    tree, 3) verify it in one target forward, 4) accept, 5) commit, 6) pass the accepted
+    tokens' features on -> (Round, the next RoundState)."""
     mark = target.tp.sent.copy()
-    drafted = draft_step(draft, draft_cache, state, run, randomness, target.tp)        # 1)
-    logits, aux = verify_tree(target, target_cache, state.n, drafted.tree,
-                              draft.cfg.aux_layers)                                      # 2)
-    done, state = settle(target, target_cache, state, drafted, logits, aux, run,
-                         randomness)                                                     # 3-5)
-    return done._replace(comm=target.tp.sent.since(mark)), state
+    tree, notes = draft_step(draft, draft_cache, state, run, randomness, target.tp)  # 1-2)
+    logits, aux = verify_tree(target, target_cache, state.n, tree, draft.cfg.aux_layers)  # 3)
+    acc, fields = decide(logits, tree, notes, run, randomness, target.tp)               # 4)
+    after = settle(target_cache, state, tree, acc, aux)                                 # 5-6)
+    return round_record(tree, acc, fields, logits, run, target.tp.sent.since(mark)), after
 
 
 @torch.inference_mode()
@@ -1185,8 +1202,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
         done = emit(out, state.next_tokens[0].tolist(), max_new_tokens, eos_token_id)
     return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds,
                       first_uniforms, prefill_comm)
-
-
 # ----------------------------------------------------------------------------------------
 # 9. training-time test (TTT)
 #
@@ -1446,13 +1461,20 @@ def accept_chain(logits, drafts, q, uniforms, sampling):
 
 
 def chain_draft(draft, cache, n, h_last, root, run, randomness, tp):
-    return Drafted(*draft_chain(draft, cache, n, h_last, root, run.shape.depth + 1,
-                                uniform_stream(randomness), run.sampling, tp))
+    """draft_chain as the Variant's drafts: the chain, and (q, the drafting uniforms)."""
+    tree, q, used = draft_chain(draft, cache, n, h_last, root, run.shape.depth + 1,
+                                uniform_stream(randomness), run.sampling, tp)
+    return tree, (q, used)
 
 
-def chain_accept(logits, drafted, run, randomness):
-    return accept_chain(logits, drafted.tree.tokens[1:], drafted.q, uniform_stream(randomness),
-                        run.sampling), None
+def chain_accept(logits, tree, notes, run, randomness):
+    """accept_chain as the Variant's sampled acceptance: its uniforms follow the drafting
+    ones, and with record_logits the drafts' q (k, V) is the Round's draft_probs."""
+    q, drafting = notes
+    acc = accept_chain(logits, tree.tokens[1:], q, uniform_stream(randomness), run.sampling)
+    fields = dict(draft_probs=q.cpu()) if run.record_logits else {}
+    return Acceptance(path=acc.path, accepted=acc.accepted, bonus=acc.bonus,
+                      uniforms=[*drafting, *acc.uniforms]), fields
 
 
 def check_chain(sampling):
@@ -1464,6 +1486,31 @@ def check_chain(sampling):
 # SGLang and vLLM score trees, verify samples and draw their random numbers differently
 # from the official code. Both are lossless at their defaults; the same coins give
 # different tokens. Each is a Preset, resolved by resolve_variant() below.
+
+TRANSFORMERS_ORDER = (top_k_mask, top_p_mask)  # temperature, top-k, top-p: transformers,
+                                               # SGLang, vLLM
+
+
+class EngineDrafter(NamedTuple):
+    """The drafter as an engine's tree drives it. grow_tree reads a drafter through its
+    draft pass and its ranking step (Draft.continuations) alone; here, with
+    `probabilities`, a path scores the product of its tokens' fp32 probabilities (SGLang,
+    vLLM) instead of the sum of their log-probabilities (the same order up to rounding),
+    and with `pos_offset` 1 every tree level is drafted one RoPE position late (SGLang
+    before sgl-project/sglang#25015)."""
+    draft: Draft
+    probabilities: bool
+    pos_offset: int
+
+    def __call__(self, h, tokens, positions, mask, cache, start):
+        return self.draft(h, tokens, positions + self.pos_offset, mask, cache, start)
+
+    def continuations(self, h, scores, K):
+        if not self.probabilities:
+            return self.draft.continuations(h, scores, K)
+        step, ids = topk_first_index(torch.softmax(self.draft.logits(h).float(), -1), K)
+        scores = step if scores is None else scores[..., None] * step
+        return scores, self.draft.to_target_ids(ids)
 
 
 def cdf_pick(r, coin):
@@ -1554,8 +1601,8 @@ class Preset(NamedTuple):
     stops exactly at max_new_tokens and at the first EOS, and siblings are tried in
     ascending node index."""
     name: str                 # for reports and golden headers; never branched on
-    scoring: Scoring          # tree scores: fp32 log-probabilities that add (official) or
-                              # probabilities that multiply (SGLang, vLLM)
+    probabilities: bool       # tree scores: fp32 probabilities that multiply (SGLang, vLLM),
+                              # else fp32 log-probabilities that add (official)
     argmax_chain: bool        # draft a chain of argmax drafts whatever the tree (vLLM)
     warpers: tuple            # warper order: OFFICIAL_ORDER or TRANSFORMERS_ORDER
     verify: object            # sampled verification of a tree: (logits, tree, randomness,
@@ -1568,13 +1615,12 @@ class Preset(NamedTuple):
                                # EOS included (official, vLLM)
 
 
-PROB_SCORING = Scoring(lambda logits: torch.softmax(logits.float(), -1), operator.mul)
 PRESETS = dict(
-    official=Preset("official", Scoring(), argmax_chain=False, warpers=OFFICIAL_ORDER,
+    official=Preset("official", probabilities=False, argmax_chain=False, warpers=OFFICIAL_ORDER,
                     verify=official_verify),
-    sglang=Preset("sglang", PROB_SCORING, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
+    sglang=Preset("sglang", probabilities=True, argmax_chain=False, warpers=TRANSFORMERS_ORDER,
                   verify=sglang_verify, tau_emitted=True),
-    vllm=Preset("vllm", PROB_SCORING, argmax_chain=True, warpers=TRANSFORMERS_ORDER,
+    vllm=Preset("vllm", probabilities=True, argmax_chain=True, warpers=TRANSFORMERS_ORDER,
                 verify=vllm_verify))
 SCHEMES = ("tree", "chain")
 
@@ -1605,13 +1651,30 @@ def resolve_variant(preset="official", scheme="tree"):
         return None
 
     def tree_draft(draft, cache, n, h_last, root, run, randomness, tp):
-        return Drafted(grow_tree(draft, cache, n, h_last, root, run.shape, preset.scoring,
-                                 preset.draft_pos_offset))
+        engine = EngineDrafter(draft, preset.probabilities, preset.draft_pos_offset)
+        return grow_tree(engine, cache, n, h_last, root, run.shape), None
 
-    def tree_accept(logits, drafted, run, randomness):
-        return preset.verify(logits, drafted.tree, randomness, run.sampling, preset)
+    def tree_accept(logits, tree, notes, run, randomness):
+        acc, draws = preset.verify(logits, tree, randomness, run.sampling, preset)
+        return acc, dict(draws=draws)
     return Variant(preset.warpers, preset.argmax_chain, lambda sampling: None,
                    tree_draft, tree_accept)
+
+
+@torch.inference_mode()
+def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
+    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
+    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
+    shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    T = aux.shape[1]
+    if input_ids.shape != (1, T + 1):
+        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
+             f"be (1, {T + 1}): the {T} featured tokens plus the root")
+    check_token_ids(input_ids, draft.cfg.vocab_size)
+    cache = draft.new_cache(T + top_k * depth)
+    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
+    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1676,15 +1739,18 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
         mark = target.tp.sent.copy()
         drafted = {b: draft_step(draft, draft_caches[b], states[b], run, randomness[b], target.tp)
                    for b in active}
-        trees = [drafted[b].tree if b in drafted else tree_from_parents(
+        trees = [drafted[b][0] if b in drafted else tree_from_parents(
             torch.tensor([s.root]), torch.tensor([-1])) for b, s in enumerate(states)]
         verified = verify_trees(target, cache, [s.n for s in states], trees, draft.cfg.aux_layers)
-        settled = {b: settle(target, row_cache(cache, b), states[b], drafted[b], *verified[b],
-                             run, randomness[b]) for b in active}
+        decided = {}
+        for b in active:
+            (tree, notes), (logits, aux) = drafted[b], verified[b]
+            acc, fields = decide(logits, tree, notes, run, randomness[b], target.tp)
+            states[b] = settle(row_cache(cache, b), states[b], tree, acc, aux)
+            decided[b] = tree, acc, fields, logits
         comm = target.tp.sent.since(mark)   # the whole batched round's, in each row's Round
-        for b, (r, state) in settled.items():
-            states[b] = state
-            rounds[b].append(r._replace(comm=comm))
+        for b, (tree, acc, fields, logits) in decided.items():
+            rounds[b].append(round_record(tree, acc, fields, logits, run, comm))
         active = [b for b in active
                   if not emit(out[b], states[b].next_tokens[0].tolist(), max_new_tokens,
                               eos_token_id)]

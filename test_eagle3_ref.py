@@ -1807,7 +1807,7 @@ def preset_accept(preset, generator, **overrides):
 
     def accept(logits, tree, uniforms, sampling):
         run = E.Run(E.TreeShape(), sampling, False, E.resolve_variant(chosen))
-        return E.accept(logits, E.Drafted(tree), run, generator)[0]
+        return E.decide(logits, tree, None, run, generator, E.LOCAL)[0]
     return accept
 
 

@@ -327,8 +327,8 @@ def verify(target, cache, n, tree, aux_layers=None):
 def grow(drafter, cache, n, h_last, root, shape, preset="official", **preset_fields):
     """grow_tree with a preset's scoring and draft offset (some fields replaced) -> Tree."""
     preset = E.as_preset(preset)._replace(**preset_fields)
-    return E.grow_tree(drafter, cache, n, h_last, root, shape, preset.scoring,
-                       preset.draft_pos_offset)
+    engine = E.EngineDrafter(drafter, preset.probabilities, preset.draft_pos_offset)
+    return E.grow_tree(engine, cache, n, h_last, root, shape)
 
 
 def train_draft(target, draft, examples, held_out, cfg, out_dir, pad_id, resume=False, **kw):
