@@ -5,23 +5,17 @@ Training-Time Test").
 
 Part I, the method, reads top to bottom in the order of the paper, for one sequence on a
 dense (Llama-family) target; Part II holds the variants a learner can skip and what running
-the method needs. Nothing in Part I calls anything in Part II. The workbench (benchmarks,
-cost plans, diagnostics, real-model pipelines) stands beside this file in eagle3_tools.py,
-which imports it; this file imports no other file of the project.
+the method needs, and nothing in Part I calls it. The workbench (eagle3_tools.py) imports
+this file, which imports no other file of the project.
 
-    Part I: the method                      Part II: variants and what running it needs
-      1. constants and configs                10. launch (torchrun, rank 0)
-      2. distributed helpers                  11. variants: sampled chain, SGLang, vLLM
-      3. target model (dense)                 12. variant: batched decoding
-      4. tensor parallelism                   13. variant: DeepSeek-V3 / Kimi (MLA + MoE)
-      5. draft head                           14. variant: exact in low precision
-      6. draft tree                           15. config and checkpoint IO
-      7. verify and accept                    16. drafter IO
-      8. generation                           17. training data and the training loop
-      9. training-time test                   18. tiny models (corpus, tokenizer, target)
-                                              19. golden traces
-                                              20. the main job (the tiny demo)
-                                              21. command line (generate, golden, train)
+    Part I, the method:
+       1. constants and configs                 6. draft head
+       2. argument checks and bookkeeping       7. draft tree
+       3. distributed helpers                   8. verify and accept
+       4. target model (dense)                  9. generation
+       5. tensor parallelism                   10. training-time test
+    Part II, sections 11-23 (listed at its banner): launch, baselines, variants, config and
+    drafter IO, training, tiny models, golden traces, the main job, the command line.
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -61,11 +55,7 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------
 # 1. constants and configs
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3",   # config.json model_type
-                      "deepseek_v3", "kimi_k2", "kimi_k25")     # the last two: deepseek_v3
 MIN_LAYERS_FOR_AUX = 7      # aux layers (2, L//2, L-3) are distinct only for L >= 7
-DRAFT_ROPE_BASE = 10000.0   # draft RoPE base when its config.json has no rope_theta (the
-                            # released LLaMA-3.1 drafter), whatever the target uses
 # the official dynamic tree (EaModel.from_pretrained defaults)
 TOP_K = 10                  # children per expanded node, and nodes expanded per level
 DEPTH = 7                   # draft passes after the first level: depth+1 drafted levels
@@ -73,8 +63,6 @@ TOTAL_TOKENS = 60           # tree size the target verifies, root included
 # training-time test (official traineagle3)
 TTT_STEPS = 7               # unrolled draft steps per position
 TTT_DECAY = 0.8             # step k weighs 0.8**k: the first drafted tokens matter most
-GRAD_CLIP = 0.5             # max gradient norm
-ADAM_BETAS = (0.9, 0.95)    # AdamW betas; weight decay 0
 
 
 class Eagle3Error(ValueError):
@@ -133,12 +121,12 @@ class DraftConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# 2. argument checks and bookkeeping                            (a learner can skip this)
+# 2. argument checks and bookkeeping                                  (a learner can skip this)
 #
-# What the method keeps beside it, gathered here so that it does not interrupt sections
-# 3-10: the checks that turn a wrong argument into one line naming it, the tally of what
-# tensor parallelism sends, and the record of the random numbers a round drew (the replay
-# contract: another implementation handed the same uniforms must make the same choices).
+# What the method keeps beside it, gathered so that it does not interrupt sections 3-10:
+# checks that turn a wrong argument into one line naming it, the tally of what tensor
+# parallelism sends, and the record of the uniforms a round drew (the replay contract:
+# another implementation handed the same uniforms must make the same choices).
 
 
 def check_aux_layers(aux_layers, n_layers):
@@ -212,8 +200,8 @@ def check_generation_args(input_ids, max_new_tokens, capacity, vocab_size, reser
 
 
 def check_dtypes(target, draft):
-    """The drafter reads the target's features: both must hold weights of one dtype (a
-    stand-in drafter without an fc weight, an oracle, is not checked)."""
+    """The drafter reads the target's features: one dtype for both (a stand-in without fc
+    weights, an oracle, is not checked)."""
     t = target.lm_head.weight.dtype
     d = getattr(getattr(draft, "fc", None), "weight", torch.empty(0, dtype=t)).dtype
     if t != d:
@@ -255,16 +243,14 @@ class Tally(NamedTuple):
 
 
 def uniform_stream(generator):
-    """Uniforms in [0, 1) drawn one at a time (float64) from a seeded CPU generator. A
-    sequence's `randomness` is one such generator: the official scheme reads it as this
-    stream, the engines' schemes draw their tensors from it."""
+    """Uniforms in [0, 1) drawn one at a time (float64) from a sequence's seeded CPU
+    generator, its `randomness` (the engines' schemes draw their tensors from it)."""
     while True:
         yield float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
 class Recorder:
-    """Draws uniforms from a stream and keeps each one, in order, so that a round reports
-    exactly the coins it used."""
+    """Draws uniforms from a stream, keeping each in order: a round reports the coins it used."""
 
     def __init__(self, stream):
         self.stream, self.used = stream, []
@@ -286,8 +272,7 @@ class Recorder:
 
 class Group(NamedTuple):
     """The tensor-parallel group as the collectives see it: its size W, a tally of what
-    they sent through it, and how it sums a tensor over the ranks, in place. A loaded
-    target creates its own (no global counter); the replicated drafter uses LOCAL."""
+    they sent, and how it sums a tensor over the ranks in place. Each target has its own."""
     size: int
     sent: Tally
     reduce: object = None  # None: dist.all_reduce; the exact path (Part II) may fix the order
@@ -317,7 +302,7 @@ def broadcast0(x, group):
 
 
 # ----------------------------------------------------------------------------------------
-# 3. target model
+# 4. target model
 #
 # A plain Llama-style decoder written for one process. TP only changes the *local* sizes
 # (H/W heads, Hkv/W kv heads, I/W MLP width) and adds the two all_reduce lines.
@@ -364,10 +349,9 @@ def causal_mask(T, start, device):
 
 
 def attention_bias(mask, dtype):
-    """bool mask (T, S) (or (B, T, S)), True = may attend -> additive bias (B or 1, 1, T, S):
-    0 allowed, -inf blocked, with a head axis. Built once per forward, not per layer. Four
-    axes, not three: torch's CPU SDPA takes a 3-D mask down its unfused path (a sixth of the
-    tiny demo's decode step, a fifth of its 60-node verify)."""
+    """bool mask (T, S) (or (B, T, S)), True = may attend -> additive bias (B or 1, 1, T, S),
+    built once per forward. Four axes, not three: torch's CPU SDPA takes a 3-D mask down its
+    unfused path (a sixth of the tiny demo's decode step, a fifth of its 60-node verify)."""
     bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
     return bias.view(-1, 1, *mask.shape[-2:])                            # (B or 1, 1, T, S)
 
@@ -391,8 +375,7 @@ def cache_append(kv, start, a, b):
 
 
 class KVCache(NamedTuple):
-    """Preallocated keys and values, one slab per layer, written at explicit positions.
-    The number of valid entries is not stored here: callers pass it explicitly (`start`)."""
+    """Preallocated keys and values, one slab per layer; callers pass the valid length."""
     k: torch.Tensor  # (L, B, Hkv/W, S, hs)
     v: torch.Tensor  # (L, B, Hkv/W, S, hs)
 
@@ -535,7 +518,7 @@ class Target(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# 4. tensor parallelism: which dimension of a checkpoint tensor each rank slices
+# 5. tensor parallelism: which dimension of a checkpoint tensor each rank slices
 #
 #   column-parallel (dim 0, output rows): q/k/v_proj, gate/up_proj (weights and biases);
 #                                         MLA's q_b_proj / q_proj and kv_b_proj, by head;
@@ -545,21 +528,11 @@ class Target(nn.Module):
 #                                         kv_a_proj_with_mqa, the MoE router
 #
 # The loader reads only this rank's slice of each tensor (sizes must divide by W, checked
-# once, at load); the model above runs unchanged on the local sizes (section 3).
-
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
-
-
-def shard_dim(name):
-    if any(p in name for p in COLUMN_PARALLEL):
-        return 0
-    if any(p in name for p in ("o_proj", "down_proj")):
-        return 1
-    return None
+# once, at load, by Part II's shard_dim); the model above runs unchanged on the local sizes.
 
 
 # ----------------------------------------------------------------------------------------
-# 5. draft head
+# 6. draft head
 #
 # One Llama decoder layer whose attention reads the concatenation [embedding ; hidden]
 # (2D wide). Its hidden input is either fc(target aux features) for real tokens or its own
@@ -613,11 +586,6 @@ class Draft(nn.Module):
             self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 
-    def owns(self, name):
-        """Is parameter/buffer `name` the drafter's own (initialised, saved, loaded)? All but
-        a shared embedding, which belongs to the target."""
-        return self.own_embedding or not name.startswith("embed_tokens")
-
     def project(self, h, tokens, positions):
         """Step 1: x = [input_layernorm(embed(tokens)) ; hidden_norm(h)] (B, T, 2D) ->
         q (B, H, T, hs), k, v (B, Hkv, T, hs), RoPE applied at `positions`."""
@@ -647,9 +615,8 @@ class Draft(nn.Module):
 
     def continuations(self, h, scores, K):
         """The tree's ranking step: the K likeliest next tokens of each node whose drafted
-        output is h (.., D), and their paths' scores: the node's `scores` (None at the root)
-        plus the token's log-probability, in fp32 whatever the model dtype (fewer exact ties
-        than fp16 / bf16) -> (scores, target ids), (.., K) each."""
+        output is h (.., D), with their paths' scores: the node's `scores` (None: the root)
+        plus the token's log-probability, in fp32 (fewer ties than bf16) -> (scores, ids)."""
         step, ids = topk_first_index(log_probs(self.logits(h)), K)
         return (step if scores is None else scores[..., None] + step), self.to_target_ids(ids)
 
@@ -662,14 +629,13 @@ class Draft(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------
-# 6. draft tree (the official dynamic tree of EAGLE-2/3)
+# 7. draft tree (the official dynamic tree of EAGLE-2/3)
 #
 # From the root (the token the target just chose) the drafter grows depth+1 levels. Each
 # level keeps its K best nodes by cumulative log-probability and expands each into K
 # children; *all* K*K children of every level enter a pool of K + depth*K^2 candidates, and
 # the total_tokens-1 best of the pool (plus the root) become the tree the target verifies.
-# Generation drafts incrementally: draft_prefix encodes the newly accepted tokens into the
-# drafter's cache, then grow_tree builds the tree on top.
+# Each round, draft_prefix catches the drafter up (section 9), grow_tree builds on top.
 
 
 class TreeShape(NamedTuple):
@@ -718,9 +684,8 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
     Example K=2, depth=1: pool = [a, b | a0, a1, b0, b1], group_parent = [-1, 0, 1]
     (a, b the level-1 nodes; a0 = first child of a). Choosing pool {0, 2, 3, 1} -> sorted
     [0, 1, 2, 3] = nodes 1..4 = a, b, a0, a1; parents of a0, a1: pool 0 -> node 1.
-    Every chosen node's parent is chosen: a child scores its parent's score plus a
-    log-probability <= 0, so never above it, and on a tie the parent ranks first (its pool
-    index is lower; topk_first_index). The best entries are closed under taking parents."""
+    Every chosen node's parent is chosen: a child's score is its parent's plus a log-prob
+    <= 0, never above it, and a tie ranks the parent first (lower pool index)."""
     # 4) select the best; order the tree by flat index (level, parent rank, child rank)
     chosen = topk_first_index(pool_scores, total_tokens - 1)[1].sort().values   # (N-1,)
     # 5) link: each chosen node's parent pool index -> its node index (root = 0)
@@ -734,9 +699,8 @@ def select_tree(pool_scores, pool_tokens, group_parent, root, total_tokens, K):
 
 
 def draft_prefix(draft, cache, start, aux, next_tokens):
-    """Run the drafter over real tokens: position start+p gets (target feature of token
-    start+p, token start+p+1). Writes cache slots start.. and returns the last output
-    (1, D), which predicts the children of the root."""
+    """Encode the pairs (aux[p], next_tokens[p]) at positions start.. into the drafter's
+    cache -> the last output (1, D), which predicts the children of the root."""
     m = aux.shape[1]
     positions = torch.arange(start, start + m, device=aux.device)
     h = draft(draft.fc(aux), next_tokens, positions, causal_mask(m, start, aux.device),
@@ -758,8 +722,7 @@ def draft_prefix(draft, cache, start, aux, next_tokens):
 #                 b0:                          0 1 0 1   (b, itself)
 #             Children pool 6..9 (group_parent [3, 4]).
 #   pool      K + depth*K^2 = 10 candidates; select_tree takes the best total_tokens - 1.
-# Positions are depths (all nodes of a level share one position) and the cache slots are
-# scratch: the next draft_prefix overwrites slots n.. with the accepted tokens.
+# Positions are depths: all nodes of a level share one. The cache slots are scratch.
 
 
 def grow_tree(draft, cache, n, h_last, root, shape):
@@ -798,17 +761,16 @@ def grow_tree(draft, cache, n, h_last, root, shape):
 
 
 # ----------------------------------------------------------------------------------------
-# 7. verify and accept
+# 8. verify and accept
 #
 # The target scores the whole tree in one forward pass: node i sits at position n + depth(i)
 # and attends to the accepted prefix plus its own ancestors. Acceptance walks down from the
-# root; everything random is drawn from one seeded generator in a documented order, and the
-# uniforms are returned so another implementation can replay the same coins.
+# root, drawing its uniforms from one seeded stream in a documented order (section 2).
 #
 # Greedy speculation equals greedy decoding when each verify row produces the bits of its
 # own decode step. A kernel may round a row differently when other rows share the call: in
 # fp32 that rarely flips an argmax, in bf16 / fp16 it often does. How bf16 / fp16 are made
-# exact is Part II's make_exact (section 15): every product runs with at least a few rows,
+# exact is Part II's make_exact (section 16): every product runs with at least a few rows,
 # so a row rounds alike however many share the call, and each query attends alone over the
 # keys its mask shows, as its decode step does.
 
@@ -890,8 +852,7 @@ class Sampling(NamedTuple):
     temperature: float = 0.0   # 0 = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
-    warpers: tuple = OFFICIAL_ORDER  # applied in this order after the temperature (a
-                                     # variant may name its engine's order)
+    warpers: tuple = OFFICIAL_ORDER  # applied in this order after the temperature
 
     @property
     def greedy(self):
@@ -899,9 +860,8 @@ class Sampling(NamedTuple):
 
 
 def warped_probs(logits, s):
-    """Warped distribution with transformers' warper semantics, in float64: temperature,
-    then top-k and top-p in the order s.warpers names. Both the target's p and, in the
-    chain scheme, the drafter's q go through it."""
+    """The warped distribution in float64, with transformers' warper semantics: the
+    temperature, then top-k and top-p in the order s.warpers names."""
     x = logits.double() / s.temperature
     for warp in s.warpers:
         x = warp(x, s)
@@ -964,7 +924,7 @@ def broadcast_acceptance(acceptance, max_nodes, device, tp):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. generation
+# 9. generation
 #
 # Output contract (deliberately stricter than the official loop): never more than
 # max_new_tokens, nothing after the first EOS, and the bonus token is part of the output.
@@ -990,64 +950,19 @@ def next_token(logits, sampling, uniforms, tp):
     return int(broadcast0(torch.tensor([token], device=logits.device), tp)), coins.used
 
 
-@torch.inference_mode()
-def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
-                            record_logits=False):
-    """Plain decoding with a KV cache: one target forward per token. -> the new tokens, and
-    with record_logits (new tokens, V) fp32: the logits each token was chosen from."""
-    check_sampling(sampling)
-    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
-                          target.cfg.vocab_size)
-    check_eos(eos_token_id, target.cfg.vocab_size)
-    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
-    n = input_ids.shape[1]
-    cache = target.new_cache(n + max_new_tokens)
-    logits, _ = target(input_ids, cache=cache, aux_layers=())
-    out, seen = [], []
-    while True:
-        token, _ = next_token(logits[0, -1], sampling, uniforms, target.tp)
-        if record_logits:
-            seen.append(logits[0, -1].float().cpu())
-        if emit(out, [token], max_new_tokens, eos_token_id):
-            return (torch.tensor(out), torch.stack(seen)) if record_logits else torch.tensor(out)
-        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
-                           start=n, aux_layers=())
-        n += 1
-
-
-def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record_logits=False):
-    """Argmax decoding: the baseline greedy speculation must equal. record_logits=True also
-    returns each decode step's logits (new tokens, V), to hold a verify row against."""
-    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0,
-                                   eos_token_id, record_logits)
-
-
-def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                    seed=0, eos_token_id=None, variant=None):
-    """Plain sampling: one uniform per token, inverse CDF of the warped distribution (warped
-    in the official order, or a variant's: the distribution its speculative decoding keeps)."""
-    sampling = Sampling(temperature, top_k, top_p, variant.warpers if variant else OFFICIAL_ORDER)
-    return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
-                                   eos_token_id)
-
-
 class Variant(NamedTuple):
-    """The one seam for the variants of Part II (a sampled chain, the engines' presets):
-    what a run that uses one calls instead of the official tree and acceptance, resolved
-    into plain functions and values before the run starts. A run without one is the method
-    as this part writes it; greedy acceptance is the same for all."""
+    """The one seam for Part II's variants (a sampled chain, the engines' presets): what a
+    run calls instead of the official tree and sampled acceptance, resolved before it
+    starts. Without one a run is the method as written here; greedy acceptance is shared."""
     warpers: tuple   # the order its sampling warps in (the official: OFFICIAL_ORDER)
     chain: bool      # drafts a chain of depth + 1 tokens, whatever the tree
     check: object    # (sampling) -> fails on what it cannot do
-    drafts: object   # (draft, cache, n, h_last, root, run, randomness, tp) -> (Tree, notes
-                     # for its acceptance)
-    sampled: object  # (logits, tree, notes, run, randomness) -> (Acceptance, its Round
-                     # fields: a dict)
+    drafts: object   # (draft, cache, n, h_last, root, run, randomness, tp) -> (Tree, notes)
+    sampled: object  # (logits, tree, notes, run, randomness) -> (Acceptance, Round fields)
 
 
 class Run(NamedTuple):
-    """What a speculative run decided when it started (checked once): the tree shape, the
-    sampling, what to record, and its variant (None: the official method)."""
+    """What a speculative run decided when it started (checked once)."""
     shape: TreeShape
     sampling: Sampling
     record_logits: bool
@@ -1072,8 +987,7 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (official sampling only)
-    comm: Tally           # the collectives the round sent (all_reduce: the verify;
-                          # broadcast: chain drafts and the decision)
+    comm: Tally           # the collectives it sent: the verify's and the decision's
     draws: dict = None    # SGLang / vLLM sampling: their random numbers, in their layout
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
     draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
@@ -1088,24 +1002,19 @@ class SpecResult(NamedTuple):
 
 
 class RoundState(NamedTuple):
-    """Where a sequence's next round starts.
-
-    The drafter lags the target. Its position p pairs the target's feature of token p with
-    token p+1 (section 6), so a token enters the drafter only once the target has computed
-    its feature *and* chosen the token after it. The target does both for m tokens at once,
-    in the prefill (m = T, the prompt) or in a verify (m = a + 1: the root and the a drafts
-    it accepted), and the next round opens by encoding those m pairs (draft_step). Worked
-    example, a 4-token prompt t0 t1 t2 t3 and a first round that accepts 2 drafts:
-      prefill  the target caches t0..t3 (n = 4) with features f0..f3 and chooses x4, the
-               root. The drafter holds nothing and owes positions 0..3:
-               (f0, t1) (f1, t2) (f2, t3) (f3, x4)                           m = T = 4
-      round 1  the drafter encodes positions 0..3 and drafts a tree under x4 (scratch
-               slots 4..). The target verifies it, keeps drafts d5 d6, chooses the bonus
-               x7, and caches x4 d5 d6 (n = 7) with features f4 f5 f6. The drafter holds
-               0..3 and owes positions 4..6:  (f4, d5) (f5, d6) (f6, x7)     m = a + 1 = 3
-      round 2  the drafter encodes positions n - m = 4..6 and drafts under x7, and so on.
-    Its own tree drafts (scratch slots n..) are overwritten: only the target's features of
-    accepted tokens enter the drafter's cache for good."""
+    """Where a sequence's next round starts. The drafter lags the target: its position p
+    pairs the target's feature of token p with token p+1 (section 6), so a token enters
+    the drafter once the target has computed its feature *and* chosen the token after it.
+    The prefill does both for the T prompt tokens, a verify for the a + 1 it keeps (the
+    root and a accepted drafts); the next round opens by encoding those m pairs
+    (draft_step). Worked example, a 4-token prompt t0..t3, round 1 accepting 2 drafts:
+      prefill  the target caches t0..t3 (n = 4), features f0..f3, and chooses the root
+               x4. The drafter owes positions 0..3: (f0,t1) (f1,t2) (f2,t3) (f3,x4), m = 4
+      round 1  the drafter encodes 0..3 and drafts under x4 in scratch slots 4..; the
+               target keeps drafts d5 d6, chooses the bonus x7 and caches x4 d5 d6 (n = 7),
+               features f4 f5 f6. The drafter owes 4..6: (f4,d5) (f5,d6) (f6,x7), m = a+1 = 3
+      round 2  the drafter encodes n - m .. n - 1 = 4..6 (its tree drafts there are
+               overwritten) and drafts under x7."""
     n: int                     # tokens in the target's cache (the accepted prefix)
     root: int                  # the target's last token: the next tree's root
     features: torch.Tensor     # (1, m, 3*D_t) target features of the last m cached tokens
@@ -1181,10 +1090,9 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
                          top_k=0, tree=TreeShape(), seed=0, eos_token_id=None,
                          record_logits=False, variant=None):
     """EAGLE-3 speculative decoding of one prompt (1, T): prefill, then rounds until the
-    budget or an EOS. Greedy output equals greedy_generate token for token; sampled output
-    has exactly the distribution of sample_generate. `tree`: the TreeShape; top_k: the
-    *sampling* top-k; `variant`: a Part II variant (resolve_variant("vllm"), or "chain")
-    instead of the official method."""
+    budget or an EOS. Greedy output equals plain greedy decoding token for token, sampled
+    output has its distribution (section 12). `tree`: the TreeShape; top_k: the *sampling*
+    top-k; `variant`: a Part II variant instead of the official method."""
     run = start_run(target, draft, [input_ids], max_new_tokens, temperature, top_p, top_k, tree,
                     eos_token_id, record_logits, variant)
     T, shape = input_ids.shape[1], run.shape
@@ -1202,51 +1110,20 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, temperature=0
         done = emit(out, state.next_tokens[0].tolist(), max_new_tokens, eos_token_id)
     return SpecResult(torch.tensor(out), [r.accepted + 1 for r in rounds], rounds,
                       first_uniforms, prefill_comm)
+
+
 # ----------------------------------------------------------------------------------------
-# 9. training-time test (TTT)
+# 10. training-time test (TTT)
 #
 # The drafter is trained on the target's own replies, with features and logits computed
 # online from the frozen target. TTT unrolls the drafter 7 steps: step k feeds the drafter
-# its own step k-1 outputs, exactly as at inference depth k, so it learns to draft from
-# its own (imperfect) hidden states. (The optimizer loop around this loss: section 17.)
-
-
-class Example(NamedTuple):
-    tokens: list       # prompt + reply token ids
-    reply_mask: list   # 1 where the token belongs to an assistant reply
-
-
-def build_vocab_mapping(token_counts, draft_vocab_size):
-    """Keep the draft_vocab_size most frequent target tokens (ties: smaller id first; ids
-    never seen fill up in ascending order), sorted ascending: draft id i <-> used[i].
-    Returns d2t (offsets: target id = i + d2t[i]) and t2d (bool over the target vocab)."""
-    counts = torch.as_tensor(token_counts)
-    V = len(counts)
-    if not 0 < draft_vocab_size <= V:
-        fail(f"draft_vocab_size={draft_vocab_size} must be in 1..{V} (the target vocab size)")
-    # a stable sort keeps equal counts in id order, so unseen ids (count 0) come ascending
-    used = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    return used - torch.arange(draft_vocab_size), t2d
+# its own step k-1 outputs, as at inference depth k, so it learns to draft from its own
+# (imperfect) hidden states. Data and the optimizer loop around this loss: section 19.
 
 
 def shift_left(x):
     """x[:, t] <- x[:, t+1], zeros entering at the end (the official padding)."""
     return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)             # (B, T, ..)
-
-
-def collate(examples, pad_id):
-    """Right-pad to the longest example. loss_mask[t] = 1 when the token that position t
-    predicts at TTT step 0, x[t+2], is a reply token (the alignment the official code
-    reaches with its hard-coded offsets; later steps shift it along)."""
-    T = max(len(ex.tokens) for ex in examples)
-    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)               # (B, T)
-    reply = torch.zeros(len(examples), T)
-    for i, ex in enumerate(examples):
-        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
-        reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
-    return ids, shift_left(shift_left(reply))
 
 
 def ttt_attention(q, past):
@@ -1297,8 +1174,9 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
              decay=TTT_DECAY, denominator=None):
     """The EAGLE-3 training-time-test loss on a batch. aux (B, T, 3*D_t) and target_logits
     (B, T, V) come from the frozen target on input_ids (B, T). At step k position t holds
-    token x[t+1+k] and predicts x[t+2+k]. loss_k is summed over the vocab and divided by
-    all B*T positions (masked ones included, as the official code and SpecForge do);
+    token x[t+1+k] and predicts x[t+2+k]; loss_mask[t] = 1 where x[t+2] is a reply token
+    (collate, section 19), and shifts along. loss_k is summed over the vocab and divided
+    by all B*T positions (masked ones included, as the official code and SpecForge do);
     `denominator` overrides B*T for data-parallel shards of a global batch."""
     B, T = input_ids.shape
     p, in_vocab = ttt_teacher(draft, target_logits)
@@ -1328,6 +1206,14 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
 #   batched decoding, DeepSeek-V3 / Kimi targets. Then what running it needs: checkpoint and
 #   config IO, training, tiny models, golden traces, the demo and the command line.
 #   Everything below uses Part I; nothing above calls anything below.
+#
+#     11. launch (torchrun, rank 0)              18. drafter IO
+#     12. baselines: plain decoding              19. training data and the training loop
+#     13. variants: sampled chain, SGLang, vLLM  20. tiny models (corpus, tokenizer, target)
+#     14. variant: batched decoding              21. golden traces
+#     15. variant: DeepSeek-V3 / Kimi            22. the main job (the tiny demo)
+#     16. variant: exact in low precision        23. command line (generate, golden, train)
+#     17. config and checkpoint IO
 #
 # ========================================================================================
 
@@ -1378,7 +1264,7 @@ def atomic_write(path, write):
 
 
 # ----------------------------------------------------------------------------------------
-# 10. launch: torchrun's process group, and output from rank 0 only
+# 11. launch: torchrun's process group, and output from rank 0 only
 
 
 def init_distributed():
@@ -1411,7 +1297,73 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------
-# 11. variants of verification: a sampled chain; the engines' conventions (SGLang, vLLM)
+# 12. baselines: plain decoding, and one tree drafted from scratch
+#
+# What speculative decoding is held to: plain decoding with a KV cache, one target forward
+# per token (greedy speculation equals greedy_generate token for token, sampled speculation
+# has the distribution of sample_generate); and draft_tree, one official round of drafting
+# with no draft cache, the form the official code's topK_genrate takes.
+
+@torch.inference_mode()
+def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
+                            record_logits=False):
+    """Plain decoding with a KV cache: one target forward per token. -> the new tokens, and
+    with record_logits (new tokens, V) fp32: the logits each token was chosen from."""
+    check_sampling(sampling)
+    check_generation_args(input_ids, max_new_tokens, target.cfg.max_positions,
+                          target.cfg.vocab_size)
+    check_eos(eos_token_id, target.cfg.vocab_size)
+    uniforms = uniform_stream(torch.Generator().manual_seed(seed))
+    n = input_ids.shape[1]
+    cache = target.new_cache(n + max_new_tokens)
+    logits, _ = target(input_ids, cache=cache, aux_layers=())
+    out, seen = [], []
+    while True:
+        token, _ = next_token(logits[0, -1], sampling, uniforms, target.tp)
+        if record_logits:
+            seen.append(logits[0, -1].float().cpu())
+        if emit(out, [token], max_new_tokens, eos_token_id):
+            return (torch.tensor(out), torch.stack(seen)) if record_logits else torch.tensor(out)
+        logits, _ = target(torch.tensor([[token]], device=input_ids.device), cache=cache,
+                           start=n, aux_layers=())
+        n += 1
+
+
+def greedy_generate(target, input_ids, max_new_tokens, eos_token_id=None, record_logits=False):
+    """Argmax decoding: the baseline greedy speculation must equal. record_logits=True also
+    returns each decode step's logits (new tokens, V), to hold a verify row against."""
+    return autoregressive_generate(target, input_ids, max_new_tokens, Sampling(), 0,
+                                   eos_token_id, record_logits)
+
+
+def sample_generate(target, input_ids, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+                    seed=0, eos_token_id=None, variant=None):
+    """Plain sampling: one uniform per token, inverse CDF of the warped distribution (warped
+    in the official order, or a variant's: the distribution its speculative decoding keeps)."""
+    sampling = Sampling(temperature, top_k, top_p, variant.warpers if variant else OFFICIAL_ORDER)
+    return autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed,
+                                   eos_token_id)
+
+
+@torch.inference_mode()
+def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
+    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
+    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
+    shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
+    check_tree_shape(shape, draft.cfg.draft_vocab_size)
+    T = aux.shape[1]
+    if input_ids.shape != (1, T + 1):
+        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
+             f"be (1, {T + 1}): the {T} featured tokens plus the root")
+    check_token_ids(input_ids, draft.cfg.vocab_size)
+    cache = draft.new_cache(T + top_k * depth)
+    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
+    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
+
+
+
+# ----------------------------------------------------------------------------------------
+# 13. variants of verification: a sampled chain; the engines' conventions (SGLang, vLLM)
 #                                                                (a learner can skip this)
 # The official tree drafts deterministically (top-k), so its acceptance uses q = 1. The
 # classic alternative samples a chain of drafts from the drafter's own warped q and accepts
@@ -1661,24 +1613,8 @@ def resolve_variant(preset="official", scheme="tree"):
                    tree_draft, tree_accept)
 
 
-@torch.inference_mode()
-def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL_TOKENS):
-    """One round of drafting from scratch, as the official `topK_genrate`: aux (1, T, 3*D_t)
-    are the target features of tokens 0..T-1, input_ids (1, T+1) those tokens plus the root."""
-    shape = TreeShape(top_k=top_k, depth=depth, total_tokens=total_tokens)
-    check_tree_shape(shape, draft.cfg.draft_vocab_size)
-    T = aux.shape[1]
-    if input_ids.shape != (1, T + 1):
-        fail(f"input_ids has shape {tuple(input_ids.shape)}; with aux of {T} positions it must "
-             f"be (1, {T + 1}): the {T} featured tokens plus the root")
-    check_token_ids(input_ids, draft.cfg.vocab_size)
-    cache = draft.new_cache(T + top_k * depth)
-    h_last = draft_prefix(draft, cache, 0, aux, input_ids[:, 1:])
-    return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
-
-
 # ----------------------------------------------------------------------------------------
-# 12. variant: a batch of prompts, verified in one forward      (a learner can skip this)
+# 14. variant: a batch of prompts, verified in one forward            (a learner can skip this)
 #
 # As the engines batch: each sequence drafts its own tree with its own state and random
 # numbers; one target forward verifies all B trees (per-row positions and masks), writing
@@ -1759,7 +1695,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, temperatu
 
 
 # ----------------------------------------------------------------------------------------
-# 13. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)           (a learner can skip this)
+# 15. variant: DeepSeek-V3 / Kimi targets (MLA + MoE)                 (a learner can skip this)
 #
 # model_type deepseek_v3, kimi_k2, kimi_k25: multi-head latent attention (MLA) and a
 # sigmoid-routed mixture of experts (MoE), exactly as transformers' DeepseekV3ForCausalLM.
@@ -1927,10 +1863,10 @@ class DeepSeekTarget(Target):
 
 
 # ----------------------------------------------------------------------------------------
-# 14. variant: exact in low precision                            (a learner can skip this)
+# 16. variant: exact in low precision                                 (a learner can skip this)
 #
 # Greedy speculation equals greedy decoding when every verify row rounds as its decode step
-# (section 7). In bf16 / fp16 the plain path breaks this in two places; make_exact mends both:
+# (section 8). In bf16 / fp16 the plain path breaks this in two places; make_exact mends both:
 #   1) a matmul rounds a row differently when few rows share the call (torch's bf16 CPU
 #      kernels: 334 of 4,050 rows of SmolLM2's down projection alone against in a verify; 2
 #      to 6 of 3,000 rows of a 64 -> 24 or 32 projection in 2 rows against 3 or more, Zen 4).
@@ -2062,7 +1998,22 @@ def make_exact(target):
 
 
 # ----------------------------------------------------------------------------------------
-# 15. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
+# 17. config and checkpoint IO: transformers configs, safetensors / .bin, sharded loading
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3",   # config.json model_type
+                      "deepseek_v3", "kimi_k2", "kimi_k25")     # the last two: deepseek_v3
+DRAFT_ROPE_BASE = 10000.0   # draft RoPE base when its config.json has no rope_theta (the
+                            # released LLaMA-3.1 drafter), whatever the target uses
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+
+
+def shard_dim(name):
+    """The dimension of checkpoint tensor `name` a rank slices (the table of section 5)."""
+    if any(p in name for p in COLUMN_PARALLEL):
+        return 0
+    if any(p in name for p in ("o_proj", "down_proj")):
+        return 1
+    return None
 
 
 def rope_inv_freq(hf_config):
@@ -2404,7 +2355,7 @@ def load_target(path, dtype=None, device=None):
 
 
 # ----------------------------------------------------------------------------------------
-# 16. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
+# 18. drafter IO: official and SpecForge layouts, fresh drafters with a vocab map
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 # Flags of drafter variants (EAGLE-3.1's norms; vLLM's GPT-OSS speculators; biases) that
@@ -2422,6 +2373,12 @@ VARIANT_DRAFT_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_
 AUX_CONVENTIONS = ("specforge", "vllm", "sglang", "sglang-legacy", "llama.cpp")
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 AUX_IDS_CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
+
+
+def owned(draft, name):
+    """Is parameter/buffer `name` the drafter's own (initialised, saved, loaded)? All but
+    a shared embedding, which belongs to the target."""
+    return draft.own_embedding or not name.startswith("embed_tokens")
 
 
 def aux_inputs(ids, convention="specforge"):
@@ -2539,7 +2496,7 @@ def new_draft(cfg, target, own_embedding=False, dtype=None):
     with torch.device("meta"):
         draft = Draft(cfg, shared_embedding=None if own_embedding else target.model.embed_tokens)
     for name, child in draft.named_children():   # allocate all but the shared embedding
-        if draft.owns(name):
+        if owned(draft, name):
             child.to_empty(device=device).to(dtype or target.lm_head.weight.dtype)
     for name, buf in draft.named_buffers(recurse=False):
         setattr(draft, name, torch.empty_like(buf, device=device))
@@ -2560,7 +2517,7 @@ def init_weights(module, seed, std=0.02, skip=lambda name: False):
 def fresh_draft(cfg, target, seed, vocab_map=None, dtype=None):
     """A newly initialised drafter for `target` with its vocab map (d2t, t2d) filled in."""
     draft = new_draft(cfg, target, dtype=dtype)
-    init_weights(draft, seed, skip=lambda name: not draft.owns(name))  # not a shared embedding
+    init_weights(draft, seed, skip=lambda name: not owned(draft, name))  # not a shared embedding
     if vocab_map is not None:
         with torch.no_grad():
             draft.d2t.copy_(vocab_map[0].to(draft.d2t.device))
@@ -2580,7 +2537,7 @@ def load_draft(path, target, dtype=None, aux_convention=None):
         fail(f"draft hidden_size={cfg.hidden_size} differs from the target's "
              f"{target.cfg.hidden_size}, so it needs its own embed_tokens.weight in {path!r}")
     draft = new_draft(cfg, target, own_embedding=own, dtype=dtype)
-    load_state(draft, ckpt, 0, 1, skip=lambda name: not draft.owns(name))
+    load_state(draft, ckpt, 0, 1, skip=lambda name: not owned(draft, name))
     if cfg.has_vocab_map:
         check_vocab_map(draft.d2t, draft.t2d, cfg.vocab_size, path)
     return draft.eval().requires_grad_(False)
@@ -2611,7 +2568,7 @@ def save_draft(draft, path, engine="specforge"):
                num_hidden_layers=1)   # engines build that many layers (else transformers' 32)
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items()
-             if draft.owns(k)}
+             if owned(draft, k)}
     atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(state, f))
     atomic_write(os.path.join(path, "config.json"), lambda f: write_json(f, raw))
 
@@ -2629,10 +2586,46 @@ def draft_config_for(target, draft_vocab_size):
 
 
 # ----------------------------------------------------------------------------------------
-# 17. training data and the training loop (checkpoints, resume, held-out accuracy)
+# 19. training data and the training loop (checkpoints, resume, held-out accuracy)
 #
 # The naive loop around Part I's TTT loss: AdamW with warmup and cosine decay, gradient
 # clipping, the drafter data-parallel over the ranks (one all_reduce per gradient).
+
+GRAD_CLIP = 0.5             # max gradient norm
+ADAM_BETAS = (0.9, 0.95)    # AdamW betas; weight decay 0
+
+class Example(NamedTuple):
+    tokens: list       # prompt + reply token ids
+    reply_mask: list   # 1 where the token belongs to an assistant reply
+
+
+def build_vocab_mapping(token_counts, draft_vocab_size):
+    """Keep the draft_vocab_size most frequent target tokens (ties: smaller id first; ids
+    never seen fill up in ascending order), sorted ascending: draft id i <-> used[i].
+    Returns d2t (offsets: target id = i + d2t[i]) and t2d (bool over the target vocab)."""
+    counts = torch.as_tensor(token_counts)
+    V = len(counts)
+    if not 0 < draft_vocab_size <= V:
+        fail(f"draft_vocab_size={draft_vocab_size} must be in 1..{V} (the target vocab size)")
+    # a stable sort keeps equal counts in id order, so unseen ids (count 0) come ascending
+    used = torch.sort(-counts, stable=True).indices[:draft_vocab_size].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return used - torch.arange(draft_vocab_size), t2d
+
+
+def collate(examples, pad_id):
+    """Right-pad to the longest example. loss_mask[t] = 1 when the token that position t
+    predicts at TTT step 0, x[t+2], is a reply token (the alignment the official code
+    reaches with its hard-coded offsets; later steps shift it along)."""
+    T = max(len(ex.tokens) for ex in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)               # (B, T)
+    reply = torch.zeros(len(examples), T)
+    for i, ex in enumerate(examples):
+        ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
+        reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
+    return ids, shift_left(shift_left(reply))
+
 
 
 def count_reply_tokens(examples, vocab_size):
@@ -3036,7 +3029,7 @@ def live_inputs(target, pad_id):
 
 
 # ----------------------------------------------------------------------------------------
-# 18. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
+# 20. tiny models: a synthetic chat corpus, a tokenizer and a pretrained tiny target
 #
 # Deterministic and written here, so the demo needs no download. Each conversation is a
 # user prompt and an assistant reply from one of a few task families: some replies are a
@@ -3209,7 +3202,7 @@ def build_tiny_target(path, seed=0):
 
 
 # ----------------------------------------------------------------------------------------
-# 19. golden traces: exact per-round records other implementations can be tested against
+# 21. golden traces: exact per-round records other implementations can be tested against
 #
 # One safetensors file. Its metadata key "eagle3_golden" holds a JSON header (format,
 # version, run configuration, library versions); tensors are named "round0007.<field>".
@@ -3346,7 +3339,7 @@ def golden_run(cfg):
 
 
 # ----------------------------------------------------------------------------------------
-# 20. the main job: the whole method on a laptop CPU, nothing downloaded
+# 22. the main job: the whole method on a laptop CPU, nothing downloaded
 
 
 class DecodeStats(NamedTuple):
@@ -3509,7 +3502,7 @@ def main_demo(exact=False):
 
 
 # ----------------------------------------------------------------------------------------
-# 21. command line: the main job, generate, golden, train
+# 23. command line: the main job, generate, golden, train
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",

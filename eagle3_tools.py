@@ -153,7 +153,7 @@ def remap_draft(draft_dir, target, target_tokenizer, draft_tokenizer, data, draf
     draft = fresh_draft(cfg, target, seed, (d2t, t2d), dtype=torch.float32)
     skip = {"lm_head.weight", "d2t", "t2d"}
     load_state(draft, Checkpoint(draft_dir), 0, 1,
-               skip=lambda name: name in skip or not draft.owns(name))
+               skip=lambda name: name in skip or not E.owned(draft, name))
     carried = 0
     with torch.no_grad():
         for j, s in enumerate(token_strings(target_tokenizer, vocab_map_ids(d2t))):
@@ -481,7 +481,7 @@ def build_random(cfg, draft_cfg, world, dtype, device, seed, length, draft_lengt
     generator = torch.Generator(device).manual_seed(seed)  # the same weights on every rank
     target = random_target(cfg, world, dtype, device, generator)
     draft = new_draft(draft_cfg, target)                  # meta, then to_empty on the device
-    randomise(draft, generator, skip=lambda name: not draft.owns(name))
+    randomise(draft, generator, skip=lambda name: not E.owned(draft, name))
     if draft_cfg.has_vocab_map:  # draft id i = target id i: any valid map costs the same
         draft.d2t.zero_()
         draft.t2d.copy_(torch.arange(cfg.vocab_size, device=device) < draft_cfg.draft_vocab_size)

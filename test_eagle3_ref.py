@@ -821,6 +821,8 @@ class ScriptedDrafter:
     def to_target_ids(self, draft_ids):
         return draft_ids
 
+    continuations = E.Draft.continuations  # the tree's ranking step, on this drafter's logits
+
     def new_cache(self, length):
         return None
 
@@ -2383,7 +2385,7 @@ def test_training_saves_the_last_drafter_and_its_held_out_tau(train_target, tmp_
         return round(stats.replayed_tau[-1], 4)
     saved = E.load_draft(str(tmp_path), t.target, dtype=torch.float32)
     latest = torch.load(tmp_path / E.TRAIN_STATE_FILE, weights_only=True)["draft"]
-    assert all(torch.equal(v, latest[k]) for k, v in saved.state_dict().items() if saved.owns(k))
+    assert all(torch.equal(v, latest[k]) for k, v in saved.state_dict().items() if E.owned(saved, k))
     assert torch.equal(saved.fc.weight, draft.fc.weight.detach())
     assert held_out_tau(saved) == held_out_tau(draft) == taus[-1]
 
@@ -3840,7 +3842,7 @@ def bf16_pair(zoo):
 def copy_draft(draft, target):
     """`draft`'s weights in a bf16 drafter that shares `target`'s embedding."""
     new = E.new_draft(draft.cfg, target)
-    state = {k: v for k, v in draft.state_dict().items() if draft.owns(k)}
+    state = {k: v for k, v in draft.state_dict().items() if E.owned(draft, k)}
     new.load_state_dict(state, strict=False)
     return new.eval()
 

@@ -206,7 +206,7 @@ def tiny_draft(target, seed, kept=None, std=0.1, own_embedding=False, **config):
     """Random drafter over `kept` target ids (None: the target's vocab, no map)."""
     raw = draft_config(target.cfg, None if kept is None else len(kept), **config)
     draft = E.new_draft(E.read_draft_config(raw, target.cfg), target, own_embedding=own_embedding)
-    E.init_weights(draft, seed, std, skip=lambda name: not draft.owns(name))
+    E.init_weights(draft, seed, std, skip=lambda name: not E.owned(draft, name))
     return draft if kept is None else set_vocab_map(draft, kept)
 
 
