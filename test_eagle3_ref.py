@@ -2385,7 +2385,8 @@ def test_training_saves_the_last_drafter_and_its_held_out_tau(train_target, tmp_
         return round(stats.replayed_tau[-1], 4)
     saved = E.load_draft(str(tmp_path), t.target, dtype=torch.float32)
     latest = torch.load(tmp_path / E.TRAIN_STATE_FILE, weights_only=True)["draft"]
-    assert all(torch.equal(v, latest[k]) for k, v in saved.state_dict().items() if E.owned(saved, k))
+    assert all(torch.equal(v, latest[k]) for k, v in saved.state_dict().items()
+               if E.owned(saved, k))
     assert torch.equal(saved.fc.weight, draft.fc.weight.detach())
     assert held_out_tau(saved) == held_out_tau(draft) == taus[-1]
 
