@@ -987,7 +987,7 @@ class Round(NamedTuple):
     accepted: int         # drafted tokens accepted
     bonus: int            # the target's token after the path (next round's root)
     uniforms: list        # this round's uniforms in draw order (official sampling only)
-    comm: Tally           # the collectives it sent: the verify's and the decision's
+    comm: Tally           # the collectives it sent (the verify, chain drafts, the decision)
     draws: dict = None    # SGLang / vLLM sampling: their random numbers, in their layout
     logits: torch.Tensor = None  # (N, V) target logits at the nodes (record_logits=True)
     draft_probs: torch.Tensor = None  # chain scheme: (k, V) q of each draft (record_logits)
