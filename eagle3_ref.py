@@ -14,8 +14,8 @@ this file, which imports no other file of the project.
        3. distributed helpers                   8. verify and accept
        4. target model (dense)                  9. generation
        5. tensor parallelism                   10. training-time test
-    Part II, sections 11-23 (listed at its banner): launch, baselines, variants, config and
-    drafter IO, training, tiny models, golden traces, the main job, the command line.
+    Part II, sections 11-23: launch, baselines, variants (sampled chain, SGLang, vLLM, batch,
+    DeepSeek-V3 / Kimi, exact bf16), IO, training, tiny models, golden traces, demo, CLI.
 
 Symbols used in shapes and comments:
     B batch, T time (sequence), S cache length, D hidden size, V vocab (target),
@@ -1207,14 +1207,6 @@ def ttt_loss(draft, aux, input_ids, loss_mask, target_logits, steps=TTT_STEPS,
 #   config IO, training, tiny models, golden traces, the demo and the command line.
 #   Everything below uses Part I; nothing above calls anything below.
 #
-#     11. launch (torchrun, rank 0)              18. drafter IO
-#     12. baselines: plain decoding              19. training data and the training loop
-#     13. variants: sampled chain, SGLang, vLLM  20. tiny models (corpus, tokenizer, target)
-#     14. variant: batched decoding              21. golden traces
-#     15. variant: DeepSeek-V3 / Kimi            22. the main job (the tiny demo)
-#     16. variant: exact in low precision        23. command line (generate, golden, train)
-#     17. config and checkpoint IO
-#
 # ========================================================================================
 
 RUNS_DIR = "runs"           # every generated file lives under here (git-ignored)
@@ -1301,8 +1293,9 @@ def print0(*args, **kwargs):
 #
 # What speculative decoding is held to: plain decoding with a KV cache, one target forward
 # per token (greedy speculation equals greedy_generate token for token, sampled speculation
-# has the distribution of sample_generate); and draft_tree, one official round of drafting
-# with no draft cache, the form the official code's topK_genrate takes.
+# has the distribution of sample_generate). draft_tree drafts one tree from scratch, as the
+# official code's topK_genrate.
+
 
 @torch.inference_mode()
 def autoregressive_generate(target, input_ids, max_new_tokens, sampling, seed, eos_token_id,
@@ -1444,12 +1437,10 @@ TRANSFORMERS_ORDER = (top_k_mask, top_p_mask)  # temperature, top-k, top-p: tran
 
 
 class EngineDrafter(NamedTuple):
-    """The drafter as an engine's tree drives it. grow_tree reads a drafter through its
-    draft pass and its ranking step (Draft.continuations) alone; here, with
-    `probabilities`, a path scores the product of its tokens' fp32 probabilities (SGLang,
-    vLLM) instead of the sum of their log-probabilities (the same order up to rounding),
-    and with `pos_offset` 1 every tree level is drafted one RoPE position late (SGLang
-    before sgl-project/sglang#25015)."""
+    """The drafter as an engine's tree drives it (grow_tree reads its draft pass and its
+    ranking step alone): with `probabilities` a path scores the product of its tokens' fp32
+    probabilities (SGLang, vLLM; the same order up to rounding), with `pos_offset` 1 every
+    level is drafted one RoPE position late (SGLang before sgl-project/sglang#25015)."""
     draft: Draft
     probabilities: bool
     pos_offset: int
@@ -2593,6 +2584,7 @@ def draft_config_for(target, draft_vocab_size):
 
 GRAD_CLIP = 0.5             # max gradient norm
 ADAM_BETAS = (0.9, 0.95)    # AdamW betas; weight decay 0
+
 
 class Example(NamedTuple):
     tokens: list       # prompt + reply token ids
