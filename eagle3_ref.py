@@ -1025,7 +1025,7 @@ def owed(n, tokens, features, root):
     """The RoundState after the target cached `tokens` (1, m), the last m of its n, with
     their `features`, and chose `root`: the m pairs the drafter owes."""
     after = torch.cat([tokens[0, 1:], torch.tensor([root], device=tokens.device)])   # (m,)
-    return RoundState(n, root, features, after[None])
+    return RoundState(n=n, root=root, features=features, next_tokens=after[None])
 
 
 def prefill(target, draft, cache, input_ids, run, randomness):
