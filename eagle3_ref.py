@@ -1354,7 +1354,6 @@ def draft_tree(draft, aux, input_ids, top_k=TOP_K, depth=DEPTH, total_tokens=TOT
     return grow_tree(draft, cache, T, h_last, input_ids[0, -1], shape)
 
 
-
 # ----------------------------------------------------------------------------------------
 # 13. variants of verification: a sampled chain; the engines' conventions (SGLang, vLLM)
 #                                                                (a learner can skip this)
@@ -2617,7 +2616,6 @@ def collate(examples, pad_id):
         ids[i, :len(ex.tokens)] = torch.tensor(ex.tokens)
         reply[i, :len(ex.tokens)] = torch.tensor(ex.reply_mask, dtype=torch.float)
     return ids, shift_left(shift_left(reply))
-
 
 
 def count_reply_tokens(examples, vocab_size):
