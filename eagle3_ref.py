@@ -5,8 +5,8 @@ Training-Time Test").
 
 Part I, the method, reads top to bottom in the order of the paper, for one sequence on a
 dense (Llama-family) target; Part II holds the variants a learner can skip and what running
-the method needs, and nothing in Part I calls it. The workbench (eagle3_tools.py) imports
-this file, which imports no other file of the project.
+the method needs, and nothing in Part I calls it. The workbench and the live engines stand
+beside this file in modules of their own; this file stands alone.
 
     Part I, the method:
        1. constants and configs                 6. draft head
@@ -527,8 +527,8 @@ class Target(nn.Module):
 #   replicated:                           embeddings, norms, lm_head, MLA's q_a_proj and
 #                                         kv_a_proj_with_mqa, the MoE router
 #
-# The loader reads only this rank's slice of each tensor (sizes must divide by W, checked
-# once, at load, by Part II's shard_dim); the model above runs unchanged on the local sizes.
+# The loader (shard_dim, section 17) reads only this rank's slice of each tensor (sizes must
+# divide by W, checked once, at load); the model above runs unchanged on the local sizes.
 
 
 # ----------------------------------------------------------------------------------------
@@ -770,7 +770,7 @@ def grow_tree(draft, cache, n, h_last, root, shape):
 # Greedy speculation equals greedy decoding when each verify row produces the bits of its
 # own decode step. A kernel may round a row differently when other rows share the call: in
 # fp32 that rarely flips an argmax, in bf16 / fp16 it often does. How bf16 / fp16 are made
-# exact is Part II's make_exact (section 16): every product runs with at least a few rows,
+# exact is make_exact's work (section 16): every product runs with at least a few rows,
 # so a row rounds alike however many share the call, and each query attends alone over the
 # keys its mask shows, as its decode step does.
 
